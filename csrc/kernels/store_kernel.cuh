@@ -1,0 +1,137 @@
+#pragma once
+
+// The `store` driver: one CTA per (n_block, head, batch) tile loads the fp32 dK and dV of that
+// tile from global memory straight into the C fragments of FA3's dK/dV TiledMma (as if the
+// mainloop had just computed them) and hands them to CollectiveEpilogueBwd::store.
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/arch.h>
+
+#include "flash_epilogue/bwd_config.h"
+#include "flash_epilogue/epilogue_bwd.h"
+#include "flash_epilogue/seqlen_info.h"
+
+namespace flash_epilogue {
+
+// Which tile this CTA owns. Batched: grid (n_blocks, heads, batch). Varlen: grid
+// (total_tokens / kBlockN + batch, heads, 1) over the kBlockN-aligned padded tile space
+// (SeqlenInfo::offset_padded): batch b owns padded tiles [offset_padded(b) / kBlockN, ...), so
+// the grid is sized from shapes alone (no host read of cu_seqlens) and each CTA finds its batch
+// by binary search. Padded tiles past a sequence's end have no valid rows and exit.
+template <int kBlockN>
+CUTLASS_DEVICE cute::tuple<int, int> tile_to_block_and_batch(int tile, int batch, int const* cu_seqlens) {
+  if (cu_seqlens == nullptr) { return {tile, static_cast<int>(blockIdx.z)}; }
+  auto first_tile = [&](int b) { return (cu_seqlens[b] + b * kBlockN) / kBlockN; };
+  int lo = 0, hi = batch - 1;  // the last b with first_tile(b) <= tile
+  while (lo < hi) {
+    int const mid = (lo + hi + 1) / 2;
+    if (first_tile(mid) <= tile) { lo = mid; } else { hi = mid - 1; }
+  }
+  return {tile - first_tile(lo), lo};
+}
+
+// Load one fp32 (BLK_N, BLK_D) tile of a (rows, d, head, batch) tensor into the C fragment of
+// `thr_mma`, zero outside [0, valid_rows) x [0, num_cols). Without swapAB the fragment's element
+// pairs (2i, 2i+1) are adjacent columns of one row (GMMA and SM80 C layouts), read as float2.
+template <bool kSwapAB, int kBlockN, int kHeadDim, class Fragment, class ThrMma, class GmemTensor>
+CUTLASS_DEVICE void load_accum_tile(Fragment& frag, ThrMma const& thr_mma, GmemTensor const& gtile, int valid_rows,
+                                    int num_cols) {
+  using namespace cute;
+  using TileNK = Shape<Int<kBlockN>, Int<kHeadDim>>;
+  if constexpr (!kSwapAB) {
+    Tensor tg = thr_mma.partition_C(gtile);                             // (MMA, MMA_N, MMA_D)
+    Tensor tc = thr_mma.partition_C(make_identity_tensor(TileNK{}));    // (MMA, MMA_N, MMA_D) -> (n, d)
+    static_assert(decltype(size(frag))::value % 2 == 0, "the C fragment holds column pairs");
+#pragma unroll
+    for (int i = 0; i < size(frag); i += 2) {
+      auto const [row, col] = tc(i);
+      float2 v = make_float2(0.f, 0.f);
+      if (row < valid_rows && col < num_cols) { v = *reinterpret_cast<float2 const*>(&tg(i)); }
+      frag(i) = v.x;
+      frag(i + 1) = v.y;
+    }
+  } else {
+    // The swapAB MMA holds dK^T: view the tile as (BLK_D, BLK_N). Element pairs run along rows of
+    // global memory here, so plain 4-byte loads (still whole 32-byte sectors per quad).
+    Tensor gtile_t = make_tensor(gtile.data(), make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{},
+                                                           make_stride(get<1>(gtile.stride()), get<0>(gtile.stride()))));
+    Tensor tg = thr_mma.partition_C(gtile_t);                                                    // (MMA, MMA_D, MMA_N)
+    Tensor tc = thr_mma.partition_C(make_identity_tensor(Shape<Int<kHeadDim>, Int<kBlockN>>{}));  // -> (d, n)
+#pragma unroll
+    for (int i = 0; i < size(frag); ++i) {
+      auto const [col, row] = tc(i);
+      frag(i) = (row < valid_rows && col < num_cols) ? tg(i) : 0.f;
+    }
+  }
+}
+
+template <class Config_, class Element_, bool kVarlen_>
+struct StoreKernel {
+  using Config = Config_;
+  using Element = Element_;
+  static constexpr bool kVarlen = kVarlen_;  // the predicated path (cu_seqlens and/or seqused)
+  static constexpr int kBlockN = Config::kBlockN;
+  static constexpr int kHeadDim = Config::kHeadDim;
+  static constexpr int kNumThreads = Config::kNumThreads;
+  static constexpr bool kSwapAB = Config::kSwapAB;
+  using TiledMmaConfig = BwdTiledMmaSm90<Config, Element>;
+  using TiledMma = typename TiledMmaConfig::TiledMma;
+  static_assert(cute::size(TiledMma{}) == kNumThreads, "the TiledMma must span exactly the epilogue threads");
+  using TileShape_MNK = cute::Shape<cute::_64, cute::Int<kBlockN>, cute::Int<kHeadDim>>;
+  using Epilogue = CollectiveEpilogueBwd<TileShape_MNK, Element, cutlass::arch::Sm90, kNumThreads, kVarlen, kSwapAB,
+                                         Config::kAtomLayoutKdKV>;
+  using ShapeAccum = typename Epilogue::ShapedKV;  // (rows, d, head, batch)
+  using StrideAccum = typename Epilogue::StridedKV;
+
+  struct Params {
+    typename Epilogue::Params epilogue;
+    float const* ptr_dK_accum;
+    StrideAccum stride_dK_accum;
+    float const* ptr_dV_accum;
+    StrideAccum stride_dV_accum;
+    int batch;
+  };
+
+  static constexpr int kSharedStorageSize = sizeof(typename Epilogue::TensorStorage);
+
+  CUTLASS_DEVICE void operator()(Params const& params, char* smem) const {
+    using namespace cute;
+    int const thread_idx = threadIdx.x;
+    auto const& ep = params.epilogue;
+    if (thread_idx == 0) { Epilogue::prefetch_tma_descriptors(ep); }
+
+    auto const [n_block, bidb] = tile_to_block_and_batch<kBlockN>(blockIdx.x, params.batch, ep.cu_seqlens);
+    int const bidh = blockIdx.y;
+    int const rows = get<0>(ep.shape_dK);
+    SeqlenInfo<kBlockN> const seqlen_info{bidb, rows, ep.cu_seqlens, ep.seqused};
+    int const valid_rows = seqlen_info.valid_rows(n_block, rows);
+    if (valid_rows <= 0) { return; }  // whole CTA: padded varlen tile or empty sequence
+
+    TiledMma tiled_mma;
+    auto thr_mma = tiled_mma.get_thread_slice(thread_idx);
+    Tensor tdKrdK = partition_fragment_C(tiled_mma, typename TiledMmaConfig::FragmentTileShape{});
+    Tensor tdVrdV = partition_fragment_C(tiled_mma, typename TiledMmaConfig::FragmentTileShape{});
+
+    int const batch_coord = ep.cu_seqlens ? 0 : bidb;
+    auto accum_tile = [&](float const* ptr, ShapeAccum const& shape, StrideAccum const& stride) {
+      Tensor m = make_tensor(make_gmem_ptr(ptr), shape, stride)(_, _, bidh, batch_coord);  // (rows, d)
+      return local_tile(domain_offset(make_coord(seqlen_info.offset, _0{}), m), Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                        make_coord(n_block, _0{}));  // (BLK_N, BLK_D)
+    };
+    load_accum_tile<kSwapAB, kBlockN, kHeadDim>(tdVrdV, thr_mma, accum_tile(params.ptr_dV_accum, ep.shape_dV, params.stride_dV_accum),
+                                                valid_rows, get<1>(ep.shape_dV));
+    load_accum_tile<kSwapAB, kBlockN, kHeadDim>(tdKrdK, thr_mma, accum_tile(params.ptr_dK_accum, ep.shape_dK, params.stride_dK_accum),
+                                                valid_rows, get<1>(ep.shape_dK));
+
+    auto& storage = *reinterpret_cast<typename Epilogue::TensorStorage*>(smem);
+    Epilogue{}.store(ep, tdKrdK, tdVrdV, storage, tiled_mma, thread_idx, make_tuple(n_block, bidh, bidb));
+  }
+};
+
+template <class Kernel>
+__global__ void __launch_bounds__(Kernel::kNumThreads, 1) store_device_kernel(CUTE_GRID_CONSTANT typename Kernel::Params const params) {
+  extern __shared__ __align__(1024) char smem[];
+  Kernel{}(params, smem);
+}
+
+}  // namespace flash_epilogue

@@ -1,0 +1,78 @@
+#pragma once
+
+// Host side of `store`: builds the collective's arguments from a StoreLaunchArgs, checks them
+// with can_implement (before any TMA descriptor is encoded), and launches the driver kernel.
+
+#include <cute/tensor.hpp>
+#include <cutlass/numeric_types.h>
+
+#include "launch_args.h"
+#include "store_kernel.cuh"
+
+namespace flash_epilogue {
+
+template <OutputDType kDType>
+using element_of = std::conditional_t<kDType == OutputDType::kBFloat16, cutlass::bfloat16_t, cutlass::half_t>;
+
+// Raise the kernel's dynamic shared-memory limit once per device (the attribute is per device).
+template <class KernelFn>
+cudaError_t set_smem_limit_once(KernelFn kernel, int smem_bytes) {
+  static_assert(sizeof(KernelFn) > 0);
+  constexpr int kMaxDevices = 64;
+  static int configured_bytes[kMaxDevices] = {};
+  int device = 0;
+  if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) { return err; }
+  if (device < kMaxDevices && configured_bytes[device] >= smem_bytes) { return cudaSuccess; }
+  cudaError_t err = cudaSuccess;
+  if (smem_bytes > 48 * 1024) {
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+  }
+  if (err == cudaSuccess && device < kMaxDevices) { configured_bytes[device] = smem_bytes; }
+  return err;
+}
+
+template <class Element, int kHeadDim, bool kVarlen>
+char const* launch_store_variant(StoreLaunchArgs const& args, cudaStream_t stream) {
+  using namespace cute;
+  using Config = BwdTileConfig<kHeadDim, cutlass::arch::Sm90>;
+  using Kernel = StoreKernel<Config, Element, kVarlen>;
+  using Epilogue = typename Kernel::Epilogue;
+  bool const is_varlen = args.cu_seqlens != nullptr;
+  int const batch_extent = is_varlen ? 1 : args.batch;
+
+  auto shape = [&](TensorDesc const& t) {
+    return typename Epilogue::ShapedKV{args.rows, t.head_dim, args.num_heads, batch_extent};
+  };
+  auto stride = [](TensorDesc const& t) {
+    return typename Epilogue::StridedKV{t.row_stride, _1{}, t.head_stride, t.batch_stride};
+  };
+  typename Epilogue::Arguments ep_args{static_cast<Element*>(args.dk.ptr), shape(args.dk), stride(args.dk),
+                                       static_cast<Element*>(args.dv.ptr), shape(args.dv), stride(args.dv),
+                                       args.cu_seqlens, args.seqused};
+  if (char const* why = Epilogue::can_implement(ep_args)) { return why; }
+
+  typename Kernel::Params params{Epilogue::to_underlying_arguments(ep_args),
+                                 static_cast<float const*>(args.dk_accum.ptr), stride(args.dk_accum),
+                                 static_cast<float const*>(args.dv_accum.ptr), stride(args.dv_accum), args.batch};
+
+  int const num_tiles = is_varlen ? args.rows / Config::kBlockN + args.batch
+                                  : (args.rows + Config::kBlockN - 1) / Config::kBlockN;
+  dim3 const grid(num_tiles, args.num_heads, batch_extent);
+  if (num_tiles == 0 || args.num_heads == 0 || batch_extent == 0) { return nullptr; }
+  auto kernel = store_device_kernel<Kernel>;
+  int const smem_bytes = Kernel::kSharedStorageSize;
+  if (set_smem_limit_once(kernel, smem_bytes) != cudaSuccess) { return nullptr; }  // reported by cudaGetLastError
+  kernel<<<grid, Kernel::kNumThreads, smem_bytes, stream>>>(params);
+  return nullptr;
+}
+
+template <OutputDType kDType, int kHeadDim>
+char const* launch_store(StoreLaunchArgs const& args, cudaStream_t stream) {
+  using Element = element_of<kDType>;
+  if (args.use_tma && args.cu_seqlens == nullptr && args.seqused == nullptr) {
+    return launch_store_variant<Element, kHeadDim, /*kVarlen=*/false>(args, stream);
+  }
+  return launch_store_variant<Element, kHeadDim, /*kVarlen=*/true>(args, stream);
+}
+
+}  // namespace flash_epilogue

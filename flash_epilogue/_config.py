@@ -1,0 +1,43 @@
+"""The compiled tile configurations, mirrored from csrc/include/flash_epilogue/bwd_config.h.
+
+FlashAttention-3 picks one dK/dV tile shape per head dim; the order of the GQA accumulator
+and the rows one CTA owns depend on it, so Python needs the same table (to size grids and
+accumulators, and for tests that hit tile edges). A head dim that is not compiled runs on the
+next larger compiled one, with column predicates.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+HEAD_DIM_MULTIPLE = 8
+MAX_HEAD_DIM = 256
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    head_dim: int  # the compiled head dim (tile width)
+    block_n: int  # kBlockN: KV rows per tile
+    num_threads: int  # epilogue (MMA) threads per CTA
+    swap_ab: bool  # dKV_swapAB: the MMA computes dK^T, the fragment is (head_dim, block_n)
+    atom_layout_n: int  # AtomLayoutNdKV: warpgroups along N (along D when swap_ab)
+
+
+# sm_90 configurations (SPEC.md table), the only arch compiled by default.
+SM90_CONFIGS = {
+    64: TileConfig(64, 128, 256, False, 2),
+    96: TileConfig(96, 128, 256, False, 2),
+    128: TileConfig(128, 128, 256, False, 2),
+    192: TileConfig(192, 96, 384, True, 1),
+    256: TileConfig(256, 80, 256, True, 1),
+}
+
+COMPILED_HEAD_DIMS = tuple(sorted(SM90_CONFIGS))
+
+
+def tile_config(d: int, dv: int | None = None) -> TileConfig:
+    """The config that serves head dims (d, dv): the smallest compiled one >= max(d, dv)."""
+    width = max(d, d if dv is None else dv)
+    for hd in COMPILED_HEAD_DIMS:
+        if width <= hd:
+            return SM90_CONFIGS[hd]
+    raise ValueError(f"head dim {width} exceeds the largest compiled head dim {COMPILED_HEAD_DIMS[-1]}")

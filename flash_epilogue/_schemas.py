@@ -1,0 +1,38 @@
+"""Op schemas of torch.ops.flash_epilogue.*, as csrc/bindings.cpp registers them.
+
+The C++ extension defines the ops (TORCH_LIBRARY). When it is absent (a pure-Python install,
+FLASH_EPILOGUE_SKIP_CUDA_BUILD=1) or cannot load, the same schemas are defined here with
+kernels that raise FlashEpilogueBuildError, so code that calls or traces the ops still resolves
+them. tests/test_schemas.py checks both definitions agree.
+"""
+from __future__ import annotations
+
+import torch
+
+LIBRARY = "flash_epilogue"
+
+SCHEMAS = {
+    "store": "store(Tensor dk_accum, Tensor dv_accum, Tensor(a!) dk, Tensor(b!) dv, *, "
+    "Tensor? cu_seqlens=None, Tensor? seqused=None) -> ()",
+}
+
+_fallback_library = None
+
+
+def define_fallback_ops(reason: str) -> None:
+    """Define every schema with CPU/CUDA kernels that raise a clear error naming `reason`."""
+    global _fallback_library
+    if _fallback_library is not None:
+        return
+    from .validation import FlashEpilogueBuildError
+
+    lib = torch.library.Library(LIBRARY, "DEF")
+    for name, schema in SCHEMAS.items():
+        lib.define(schema)
+
+        def unavailable(*args, _name=name, **kwargs):
+            raise FlashEpilogueBuildError(f"flash_epilogue.{_name}: the CUDA kernels are not available: {reason}")
+
+        for key in ("CPU", "CUDA"):
+            lib.impl(name, unavailable, key)
+    _fallback_library = lib

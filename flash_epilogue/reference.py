@@ -1,0 +1,194 @@
+"""Pure-PyTorch reference semantics of the epilogue ops (CPU or GPU, any strides).
+
+These functions define what the CUDA kernels must produce, element for element:
+
+* Layouts follow FlashAttention: batched ``(batch, seqlen, heads, headdim)`` or varlen
+  ``(total_tokens, heads, headdim)`` with ``cu_seqlens`` int32 ``(batch + 1,)``; an optional
+  ``seqused`` int32 ``(batch,)`` gives the valid length of each sequence.
+* For batch ``b`` the valid rows are ``[start, start + length)`` with ``start = cu_seqlens[b]``
+  (0 without cu_seqlens) and ``length = seqused[b]`` if given, else
+  ``cu_seqlens[b+1] - cu_seqlens[b]``, else the static seqlen; both clamped to the tensor's
+  extent (see :func:`sequence_bounds`). Nothing outside the valid rows is ever written.
+
+The sequence metadata is read on the host (``.tolist()``), so these functions sync; they are
+test oracles, not fast paths.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Optional, Sequence
+
+import torch
+
+__all__ = [
+    "sequence_bounds",
+    "store_reference",
+    "store_zero_reference",
+    "gqa_reduce_reference",
+    "gqa_reduce_sequential_fp32",
+]
+
+
+def _to_list(t) -> Optional[list]:
+    if t is None:
+        return None
+    if isinstance(t, torch.Tensor):
+        return [int(v) for v in t.detach().reshape(-1).tolist()]
+    return [int(v) for v in t]
+
+
+def sequence_bounds(batch: int, seqlen_or_total: int, cu_seqlens=None, seqused=None) -> list[tuple[int, int]]:
+    """(start, length) of the valid rows of each batch, clamped to the tensor's extent.
+
+    ``seqlen_or_total`` is the static seqlen (batched layout) or the total token count
+    (varlen, when ``cu_seqlens`` is given). Start and length are never negative and
+    ``start + length <= seqlen_or_total`` always holds, so bad metadata can never address
+    rows outside the tensor (the kernels clamp the same way).
+    """
+    extent = max(int(seqlen_or_total), 0)
+    cu = _to_list(cu_seqlens)
+    su = _to_list(seqused)
+    if cu is not None and len(cu) < batch + 1:
+        raise ValueError(f"cu_seqlens has {len(cu)} entries, need batch + 1 = {batch + 1}")
+    if su is not None and len(su) < batch:
+        raise ValueError(f"seqused has {len(su)} entries, need batch = {batch}")
+    bounds = []
+    for b in range(batch):
+        start = 0 if cu is None else cu[b]
+        if su is not None:
+            length = su[b]
+        elif cu is not None:
+            length = cu[b + 1] - cu[b]
+        else:
+            length = extent
+        start = min(max(start, 0), extent)
+        length = min(max(length, 0), extent - start)
+        bounds.append((start, length))
+    return bounds
+
+
+def _layout(t: torch.Tensor, cu_seqlens) -> tuple[int, int, bool]:
+    """(batch, seqlen_or_total, varlen) of a dk-like tensor."""
+    if cu_seqlens is None:
+        if t.dim() != 4:
+            raise ValueError(f"expected (batch, seqlen, heads, headdim), got shape {tuple(t.shape)}")
+        return t.shape[0], t.shape[1], False
+    if t.dim() != 3:
+        raise ValueError(f"expected (total_tokens, heads, headdim) with cu_seqlens, got shape {tuple(t.shape)}")
+    return len(_to_list(cu_seqlens)) - 1, t.shape[0], True
+
+
+def _rows(t: torch.Tensor, varlen: bool, b: int, r0: int, r1: int) -> torch.Tensor:
+    """View of rows [r0, r1) of batch b (all heads, all columns)."""
+    return t[r0:r1] if varlen else t[b, r0:r1]
+
+
+def store_reference(dk_accum: torch.Tensor, dv_accum: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, *,
+                    cu_seqlens=None, seqused=None) -> None:
+    """In place: the valid rows of dk/dv get ``accum.to(dk.dtype)``; everything else untouched."""
+    if dk_accum.shape != dk.shape or dv_accum.shape != dv.shape:
+        raise ValueError(f"accumulator shapes {tuple(dk_accum.shape)}/{tuple(dv_accum.shape)} "
+                         f"differ from dk/dv {tuple(dk.shape)}/{tuple(dv.shape)}")
+    if dk.shape[:-1] != dv.shape[:-1]:
+        raise ValueError(f"dk {tuple(dk.shape)} and dv {tuple(dv.shape)} differ before the last dim")
+    batch, extent, varlen = _layout(dk, cu_seqlens)
+    for b, (start, length) in enumerate(sequence_bounds(batch, extent, cu_seqlens, seqused)):
+        if length == 0:
+            continue
+        for src, dst in ((dk_accum, dk), (dv_accum, dv)):
+            _rows(dst, varlen, b, start, start + length).copy_(
+                _rows(src, varlen, b, start, start + length).to(dst.dtype))
+
+
+def _as_index_list(idx, n: int) -> list[int]:
+    if idx is None:
+        return list(range(n))
+    if isinstance(idx, int):
+        idx = [idx]
+    elif isinstance(idx, torch.Tensor):
+        idx = idx.reshape(-1).tolist()
+    out = []
+    for i in idx:
+        i = int(i)
+        if not -n <= i < n:
+            raise IndexError(f"index {i} out of range for size {n}")
+        out.append(i % n)
+    return out
+
+
+def store_zero_reference(dk: torch.Tensor, dv: torch.Tensor, *, cu_seqlens=None, seqused=None,
+                         batch_idx: Optional[Iterable[int]] = None, head_idx: Optional[Iterable[int]] = None,
+                         row_start: int = 0, row_end: Optional[int] = None) -> None:
+    """In place: zero rows [row_start, row_end) (relative to each sequence start, clamped to
+    the valid rows) of the selected batches and heads of dk and dv. ``None`` selects all;
+    an int or a sequence of ints selects those. Everything else untouched."""
+    if dk.shape[:-1] != dv.shape[:-1]:
+        raise ValueError(f"dk {tuple(dk.shape)} and dv {tuple(dv.shape)} differ before the last dim")
+    batch, extent, varlen = _layout(dk, cu_seqlens)
+    bounds = sequence_bounds(batch, extent, cu_seqlens, seqused)
+    heads = None if head_idx is None else _as_index_list(head_idx, dk.shape[-2])
+    for b in _as_index_list(batch_idx, batch):
+        start, length = bounds[b]
+        lo = min(max(int(row_start), 0), length)
+        hi = length if row_end is None else min(max(int(row_end), 0), length)
+        if hi <= lo:
+            continue
+        for t in (dk, dv):
+            rows = _rows(t, varlen, b, start + lo, start + hi)
+            if heads is None:
+                rows.zero_()
+            else:
+                for h in heads:
+                    rows[:, h].zero_()
+
+
+def _group_view(partial: torch.Tensor, num_heads_kv: int) -> torch.Tensor:
+    """(..., h_q, d) -> (..., h_k, group, d): q head j = kv head j // group, index j % group."""
+    h_q = partial.shape[-2]
+    if num_heads_kv <= 0 or h_q % num_heads_kv != 0:
+        raise ValueError(f"num_heads_kv={num_heads_kv} must divide the {h_q} query heads of partial")
+    return partial.unflatten(-2, (num_heads_kv, h_q // num_heads_kv))
+
+
+def gqa_reduce_reference(partial: torch.Tensor, num_heads_kv: int, *, out_dtype: Optional[torch.dtype] = None,
+                         cu_seqlens=None, seqused=None, scale: float = 1.0,
+                         out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Sum each group of query heads in fp64, multiply by ``scale``, cast to ``out_dtype``.
+
+    ``partial`` is ``(batch, seqlen, h_q, d)`` or varlen ``(total, h_q, d)``. Only the valid
+    rows are written: into ``out`` when given (everything else untouched; ``out_dtype``
+    defaults to ``out.dtype``), else into a new zero-filled ``(..., h_k, d)`` tensor.
+    """
+    if out_dtype is None:
+        if out is None:
+            raise ValueError("gqa_reduce_reference: give out_dtype or out")
+        out_dtype = out.dtype
+    grouped = _group_view(partial, num_heads_kv)
+    reduced = (grouped.to(torch.float64).sum(dim=-2) * float(scale)).to(out_dtype)
+    if out is None:
+        out = torch.zeros(reduced.shape, dtype=out_dtype, device=partial.device)
+    else:
+        if out.dtype != out_dtype:
+            raise ValueError(f"out has dtype {out.dtype}, out_dtype is {out_dtype}")
+        if out.shape != reduced.shape:
+            raise ValueError(f"out has shape {tuple(out.shape)}, expected {tuple(reduced.shape)}")
+    batch, extent, varlen = _layout(partial, cu_seqlens)
+    for b, (start, length) in enumerate(sequence_bounds(batch, extent, cu_seqlens, seqused)):
+        if length:
+            _rows(out, varlen, b, start, start + length).copy_(_rows(reduced, varlen, b, start, start + length))
+    return out
+
+
+def gqa_reduce_sequential_fp32(partial: torch.Tensor, num_heads_kv: int, scale: float = 1.0) -> torch.Tensor:
+    """The deterministic kernel's arithmetic, exactly: a zeroed fp32 accumulator receives the
+    group's partials strictly in order 0..g-1 (``acc = 0 + p0; acc = acc + p1; ...``), then is
+    multiplied by ``scale`` in fp32. Every row is computed (no masking); returns fp32
+    ``(..., h_k, d)``.
+
+    Starting from +0.0 (as the memset accumulator does) equals ``acc = p0`` except that a
+    -0.0 sum becomes +0.0, which only a bit-level comparison can see.
+    """
+    grouped = _group_view(partial, num_heads_kv).to(torch.float32)
+    acc = torch.zeros(grouped.shape[:-2] + grouped.shape[-1:], dtype=torch.float32, device=partial.device)
+    for g in range(grouped.shape[-2]):
+        acc = acc + grouped[..., g, :]
+    return acc * torch.tensor(float(scale), dtype=torch.float32, device=partial.device)

@@ -1,0 +1,383 @@
+"""Input validation of the flash_epilogue ops, over tensor metadata only.
+
+Everything here reads dtype, device, shape, strides, storage offset and (for tensors that
+own real memory) data_ptr; nothing reads tensor contents, so validation never syncs with
+the device and works on meta/fake tensors. The one exception is
+:func:`check_seqlens_contents`, which copies cu_seqlens/seqused to the host and runs only
+when the caller asks for it.
+
+Every rejected input raises :class:`FlashEpilogueInputError` with the message
+``"flash_epilogue.<op>: <arg>: expected <expected>, got <actual>"``.
+
+The device checks come last and go through three module-level functions
+(:func:`_is_cuda_device`, :func:`_device_capability`, :func:`_compiled_archs`) that tests
+monkeypatch to reach them with CPU tensors.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NoReturn, Optional, Sequence
+
+import torch
+
+from ._config import HEAD_DIM_MULTIPLE, MAX_HEAD_DIM, TileConfig, tile_config
+
+__all__ = [
+    "FlashEpilogueInputError",
+    "FlashEpilogueBuildError",
+    "StoreProblem",
+    "validate_store",
+    "check_seqlens_contents",
+    "normalized_strides",
+]
+
+ALIGN_BYTES = 16  # TMA / 16-byte vector stores: strides and start addresses
+SUPPORTED_CAPABILITIES = ((9, 0),)
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+ACCUM_DTYPES = (torch.float32,)
+SEQLEN_DTYPES = (torch.int32,)
+
+_BATCHED_DIMS = "(batch, seqlen, heads, headdim)"
+_VARLEN_DIMS = "(total_tokens, heads, headdim)"
+
+
+class FlashEpilogueInputError(ValueError):
+    """An op argument is not acceptable (dtype, shape, layout, device, contents)."""
+
+
+class FlashEpilogueBuildError(RuntimeError):
+    """The package was installed without the CUDA kernels an op needs."""
+
+
+@dataclass(frozen=True)
+class StoreProblem:
+    batch: int  # number of sequences (cu_seqlens.numel() - 1 in varlen)
+    seqlen: int  # static seqlen, or the total token count in varlen
+    num_heads: int
+    head_dim: int  # d (dk's last dim)
+    head_dim_v: int  # dv (dv's last dim)
+    dtype: torch.dtype  # dk/dv dtype
+    varlen: bool
+    has_seqused: bool
+    config: TileConfig
+    device: torch.device
+
+
+# --------------------------------------------------------------------------------------------
+# Device hooks (monkeypatched by the CPU tests)
+
+
+def _is_cuda_device(device: torch.device) -> bool:
+    return device.type == "cuda"
+
+
+def _device_capability(device: torch.device) -> tuple[int, int]:
+    return tuple(torch.cuda.get_device_capability(device))
+
+
+def _compiled_archs() -> tuple[str, ...]:
+    from ._extension import compiled_archs  # noqa: PLC0415 (lazy: loading may define fallback ops)
+
+    return compiled_archs()
+
+
+# --------------------------------------------------------------------------------------------
+# Shared helpers (reused by every op's validator)
+
+
+def _fail(op: str, arg: str, expected, got) -> NoReturn:
+    raise FlashEpilogueInputError(f"flash_epilogue.{op}: {arg}: expected {expected}, got {got}")
+
+
+def _shape(t: torch.Tensor) -> tuple[int, ...]:
+    return tuple(t.shape)
+
+
+def _dtype_names(dtypes: Sequence[torch.dtype]) -> str:
+    return " or ".join(str(d) for d in dtypes)
+
+
+def _check_tensor(op: str, name: str, t) -> None:
+    if not isinstance(t, torch.Tensor):
+        _fail(op, name, "a torch.Tensor", type(t).__name__)
+
+
+def _check_dtype(op: str, name: str, t: torch.Tensor, allowed: Sequence[torch.dtype]) -> None:
+    if t.dtype not in allowed:
+        _fail(op, f"{name}: dtype", _dtype_names(allowed), t.dtype)
+
+
+def _check_same_dtype(op: str, name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
+    if t.dtype != ref.dtype:
+        _fail(op, f"{name}: dtype", f"{ref.dtype} (the dtype of {ref_name})", t.dtype)
+
+
+def _check_rank(op: str, name: str, t: torch.Tensor, varlen: bool) -> None:
+    rank, dims = (3, _VARLEN_DIMS) if varlen else (4, _BATCHED_DIMS)
+    if t.dim() != rank:
+        why = "cu_seqlens is given" if varlen else "cu_seqlens is None"
+        _fail(op, f"{name}: rank", f"{rank} dims {dims} because {why}", f"{t.dim()} dims, shape {_shape(t)}")
+
+
+def _check_same_shape(op: str, name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
+    if t.shape != ref.shape:
+        _fail(op, f"{name}: shape", f"{_shape(ref)} (the shape of {ref_name})", _shape(t))
+
+
+def _check_same_leading_shape(op: str, name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
+    """t and ref agree on every dim but the last (dv may have its own head dim)."""
+    if t.shape[:-1] != ref.shape[:-1]:
+        _fail(op, f"{name}: shape", f"{_shape(ref)[:-1] + ('*',)} ({ref_name}'s shape but the last dim)",
+              _shape(t))
+
+
+def _check_head_dim(op: str, name: str, d: int) -> None:
+    if d <= 0 or d % HEAD_DIM_MULTIPLE != 0 or d > MAX_HEAD_DIM:
+        _fail(op, f"{name}: head dim", f"a multiple of {HEAD_DIM_MULTIPLE} in [{HEAD_DIM_MULTIPLE}, {MAX_HEAD_DIM}]", d)
+
+
+def _check_last_stride(op: str, name: str, t: torch.Tensor) -> None:
+    if t.dim() > 0 and t.stride(-1) != 1:
+        _fail(op, f"{name}: stride(-1)", "1 (last dim contiguous)", f"{t.stride(-1)} (strides {t.stride()})")
+
+
+def _stride_multiple(element_size: int) -> int:
+    return max(ALIGN_BYTES // element_size, 1)
+
+
+def _check_stride_values(op: str, name: str, shape: Sequence[int], strides: Sequence[int],
+                         element_size: int) -> None:
+    """Every stride but the last: non-negative multiple of 16 bytes; dims of size <= 1 ignored."""
+    multiple = _stride_multiple(element_size)
+    for i in range(len(shape) - 1):
+        if shape[i] <= 1:
+            continue
+        s = strides[i]
+        if s < 0 or s % multiple != 0:
+            _fail(op, f"{name}: stride({i})",
+                  f"a non-negative multiple of {multiple} elements ({ALIGN_BYTES} bytes)",
+                  f"{s} (shape {tuple(shape)}, strides {tuple(strides)})")
+
+
+def _check_strides(op: str, name: str, t: torch.Tensor) -> None:
+    if t.numel() == 0:  # no memory is touched: the kernels return early
+        return
+    _check_stride_values(op, name, _shape(t), t.stride(), t.element_size())
+
+
+def normalized_strides(t: torch.Tensor) -> tuple[int, ...]:
+    """t's strides with those of size-1 dims replaced by a valid TMA stride (the 16-byte
+    rounded extent of the inner dims); ``t.as_strided(t.shape, normalized_strides(t))``
+    addresses the same elements as t."""
+    multiple = _stride_multiple(t.element_size())
+    out = list(t.stride())
+    for i in range(t.dim() - 1):
+        if t.shape[i] == 1:
+            inner = 1 + sum((n - 1) * s for n, s in zip(t.shape[i + 1:], t.stride()[i + 1:]) if n > 1)
+            out[i] = -(-inner // multiple) * multiple
+    return tuple(out)
+
+
+def _has_real_data(t: torch.Tensor) -> bool:
+    """True when data_ptr() is a real address (not meta, not a fake tensor under compile)."""
+    if t.device.type == "meta":
+        return False
+    try:
+        from torch._subclasses.fake_tensor import is_fake  # noqa: PLC0415
+    except ImportError:  # pragma: no cover
+        return True
+    return not is_fake(t)
+
+
+def _check_alignment(op: str, name: str, t: torch.Tensor) -> None:
+    if t.numel() == 0:
+        return
+    if _has_real_data(t):
+        ptr = t.data_ptr()
+        if ptr % ALIGN_BYTES != 0:
+            _fail(op, f"{name}: data_ptr", f"a {ALIGN_BYTES}-byte aligned address",
+                  f"{ptr:#x} (address % {ALIGN_BYTES} = {ptr % ALIGN_BYTES})")
+    else:
+        offset = t.storage_offset() * t.element_size()
+        if offset % ALIGN_BYTES != 0:
+            _fail(op, f"{name}: storage_offset", f"a multiple of {ALIGN_BYTES} bytes",
+                  f"{t.storage_offset()} elements = {offset} bytes")
+
+
+def _byte_range(t: torch.Tensor) -> tuple[object, int, int]:
+    """(memory key, first byte, end byte) spanned by t; two tensors may overlap only when
+    their keys are equal. Real tensors use absolute addresses (catches aliasing across
+    storage objects); meta/fake tensors use their storage identity and offset."""
+    size = t.element_size()
+    extent = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    if _has_real_data(t):
+        key: object = ("address", t.device)
+        start = t.data_ptr()
+    else:
+        key = ("storage", t.device, t.untyped_storage()._cdata)
+        start = t.storage_offset() * size
+    return key, start, start + extent * size
+
+
+def _check_no_overlap(op: str, name: str, t: torch.Tensor, other_name: str, other: torch.Tensor) -> None:
+    if t.numel() == 0 or other.numel() == 0:
+        return
+    key_a, a0, a1 = _byte_range(t)
+    key_b, b0, b1 = _byte_range(other)
+    if key_a == key_b and a0 < b1 and b0 < a1:
+        _fail(op, f"{name}: memory", f"no overlap with {other_name}",
+              f"bytes [{a0:#x}, {a1:#x}) overlapping {other_name}'s [{b0:#x}, {b1:#x})")
+
+
+def _check_index_tensor(op: str, name: str, t, numel: int, numel_why: str) -> None:
+    _check_tensor(op, name, t)
+    _check_dtype(op, name, t, SEQLEN_DTYPES)
+    if t.dim() != 1:
+        _fail(op, f"{name}: rank", "1 dim", f"{t.dim()} dims, shape {_shape(t)}")
+    if t.numel() > 1 and t.stride(0) != 1:
+        _fail(op, f"{name}: stride(0)", "1 (contiguous)", t.stride(0))
+    if t.numel() != numel:
+        _fail(op, f"{name}: numel", f"{numel} ({numel_why})", t.numel())
+
+
+def _check_seqlens_meta(op: str, cu_seqlens, seqused, batch_dim: int) -> int:
+    """Metadata checks of cu_seqlens/seqused; returns the batch size.
+
+    ``batch_dim`` is dk.shape[0] in the batched layout; ignored in varlen (cu_seqlens given),
+    where the batch is cu_seqlens.numel() - 1 (at least 1).
+    """
+    if cu_seqlens is not None:
+        _check_tensor(op, "cu_seqlens", cu_seqlens)
+        _check_dtype(op, "cu_seqlens", cu_seqlens, SEQLEN_DTYPES)
+        if cu_seqlens.dim() != 1:
+            _fail(op, "cu_seqlens: rank", "1 dim (batch + 1,)", f"{cu_seqlens.dim()} dims, shape {_shape(cu_seqlens)}")
+        if cu_seqlens.numel() > 1 and cu_seqlens.stride(0) != 1:
+            _fail(op, "cu_seqlens: stride(0)", "1 (contiguous)", cu_seqlens.stride(0))
+        if cu_seqlens.numel() < 2:
+            _fail(op, "cu_seqlens: numel", "batch + 1 >= 2 (at least one sequence)", cu_seqlens.numel())
+        batch = cu_seqlens.numel() - 1
+        why = "batch = cu_seqlens.numel() - 1"
+    else:
+        batch = batch_dim
+        why = "batch = dk.shape[0]"
+    if seqused is not None:
+        _check_index_tensor(op, "seqused", seqused, batch, why)
+    return batch
+
+
+def _check_devices(op: str, tensors: Sequence[tuple[str, Optional[torch.Tensor]]]) -> torch.device:
+    """All given tensors on one CUDA device with a supported capability, and kernels built.
+
+    ``tensors`` is a sequence of (name, tensor or None); the first non-None is the reference.
+    Returns the common device.
+    """
+    present = [(n, t) for n, t in tensors if t is not None]
+    for name, t in present:
+        if not _is_cuda_device(t.device):
+            _fail(op, f"{name}: device", "a CUDA tensor", f"a tensor on {t.device}")
+    ref_name, ref = present[0]
+    for name, t in present[1:]:
+        if t.device != ref.device:
+            _fail(op, f"{name}: device", f"{ref.device} (the device of {ref_name})", t.device)
+    device = ref.device
+    archs = _compiled_archs()
+    if not archs:
+        raise FlashEpilogueBuildError(
+            f"flash_epilogue.{op}: the package was installed without its CUDA kernels "
+            "(FLASH_EPILOGUE_SKIP_CUDA_BUILD was set, or the extension flash_epilogue._C failed to "
+            "import); reinstall on a machine with the CUDA toolkit: "
+            "`pip install --no-build-isolation .` (with FLASH_EPILOGUE_SKIP_CUDA_BUILD unset)")
+    major, minor = _device_capability(device)
+    if (major, minor) not in SUPPORTED_CAPABILITIES or not any(a.startswith("sm_90") for a in archs):
+        _fail(op, "device", f"a GPU of compute capability sm_90 (compiled for {', '.join(archs)})",
+              f"{device} with compute capability sm_{major}{minor}")
+    return device
+
+
+# --------------------------------------------------------------------------------------------
+# Op validators
+
+
+def validate_store(dk_accum, dv_accum, dk, dv, cu_seqlens=None, seqused=None, *, op: str = "store") -> StoreProblem:
+    """Validate the arguments of ``store`` (metadata only, no sync); returns the problem."""
+    outputs = (("dk", dk), ("dv", dv))
+    inputs = (("dk_accum", dk_accum), ("dv_accum", dv_accum))
+    four = inputs + outputs
+    varlen = cu_seqlens is not None
+
+    for name, t in four:  # a
+        _check_tensor(op, name, t)
+    for name, t in inputs:  # b
+        _check_dtype(op, name, t, ACCUM_DTYPES)
+    _check_dtype(op, "dk", dk, HALF_DTYPES)
+    _check_same_dtype(op, "dv", dv, "dk", dk)
+    for name, t in four:  # c
+        _check_rank(op, name, t, varlen)
+    _check_same_shape(op, "dk_accum", dk_accum, "dk", dk)  # d
+    _check_same_shape(op, "dv_accum", dv_accum, "dv", dv)
+    _check_same_leading_shape(op, "dv", dv, "dk", dk)
+    d, dv_dim = dk.shape[-1], dv.shape[-1]  # e
+    _check_head_dim(op, "dk", d)
+    _check_head_dim(op, "dv", dv_dim)
+    for name, t in four:  # f
+        _check_last_stride(op, name, t)
+    for name, t in four:  # g
+        _check_strides(op, name, t)
+    for name, t in four:  # h
+        _check_alignment(op, name, t)
+    _check_no_overlap(op, "dv", dv, "dk", dk)  # i
+    for out_name, out in outputs:
+        for in_name, inp in inputs:
+            _check_no_overlap(op, out_name, out, in_name, inp)
+    batch = _check_seqlens_meta(op, cu_seqlens, seqused, dk.shape[0])  # j
+    for out_name, out in outputs:
+        for in_name, inp in (("cu_seqlens", cu_seqlens), ("seqused", seqused)):
+            if inp is not None:
+                _check_no_overlap(op, out_name, out, in_name, inp)
+    device = _check_devices(op, four + (("cu_seqlens", cu_seqlens), ("seqused", seqused)))  # k
+
+    return StoreProblem(
+        batch=int(batch),
+        seqlen=int(dk.shape[0] if varlen else dk.shape[1]),
+        num_heads=int(dk.shape[-2]),
+        head_dim=int(d),
+        head_dim_v=int(dv_dim),
+        dtype=dk.dtype,
+        varlen=varlen,
+        has_seqused=seqused is not None,
+        config=tile_config(int(d), int(dv_dim)),
+        device=device,
+    )
+
+
+def check_seqlens_contents(cu_seqlens, seqused, *, total: int, seqlen_static: Optional[int] = None,
+                           op: str) -> None:
+    """Content checks of cu_seqlens/seqused (host sync: call only when the user asks).
+
+    cu_seqlens: first >= 0, non-decreasing, last <= ``total`` (the tensors' token count).
+    seqused: each >= 0 and <= its segment length (varlen) or ``seqlen_static`` (batched;
+    ``total`` when seqlen_static is None). Run the metadata checks first.
+    """
+    cu = None
+    if cu_seqlens is not None:
+        cu = [int(v) for v in cu_seqlens.tolist()]
+        if cu and cu[0] < 0:
+            _fail(op, "cu_seqlens[0]", ">= 0", cu[0])
+        for i in range(1, len(cu)):
+            if cu[i] < cu[i - 1]:
+                _fail(op, f"cu_seqlens[{i}]", f">= cu_seqlens[{i - 1}] = {cu[i - 1]} (non-decreasing)", cu[i])
+        if cu and cu[-1] > total:
+            _fail(op, f"cu_seqlens[{len(cu) - 1}]", f"<= {total} (the tensors' token count)", cu[-1])
+    if seqused is not None:
+        su = [int(v) for v in seqused.tolist()]
+        for b, n in enumerate(su):
+            if n < 0:
+                _fail(op, f"seqused[{b}]", ">= 0", n)
+            if cu is not None:
+                limit = cu[b + 1] - cu[b]
+                why = f"the length of segment {b}, cu_seqlens[{b + 1}] - cu_seqlens[{b}]"
+            else:
+                limit = total if seqlen_static is None else seqlen_static
+                why = "the static seqlen"
+            if n > limit:
+                _fail(op, f"seqused[{b}]", f"<= {limit} ({why})", n)
