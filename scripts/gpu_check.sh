@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The H200 check, run through the `device` tool from the repository root:
+#   scripts/gpu_check.sh STAGES COMMIT      e.g.  scripts/gpu_check.sh build,test,bench abc1234
+# Stages: build (the extension against the device's torch, MAX_JOBS=16), test (pytest, GPU tests
+# included), bench (benchmarks/). Logs and results go to $OUT (summary: gpu_tests.json).
+# Needs the nvidia-cutlass wheel in .whl/ (carried: the device machine has no registry):
+#   pip download --no-deps nvidia-cutlass==4.2.0.0 -d .whl
+set -uo pipefail
+STAGES=${1:-build,test,bench}
+COMMIT=${2:-unknown}
+OUT=${OUT:-/tmp/flash_epilogue_out}
+mkdir -p "$OUT"
+export FLASH_EPILOGUE_COMMIT=$COMMIT PYTHONUNBUFFERED=1
+SITE=/tmp/flash_epilogue_site
+if [ -d .whl ] && ! python3 -c "import cutlass_library" 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .whl/nvidia_cutlass-*.whl || exit 1
+fi
+export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+[ -z "${CUDA_HOME:-}" ] && [ -d /usr/local/cuda ] && export CUDA_HOME=/usr/local/cuda
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1
+status=0
+has() { [[ ",$STAGES," == *",$1,"* ]]; }
+
+if has build; then
+  start=$(date +%s)
+  MAX_JOBS=${MAX_JOBS:-16} python3 setup.py build_ext --inplace > "$OUT/build.log" 2>&1 || { echo "BUILD FAILED"; tail -50 "$OUT/build.log"; exit 1; }
+  echo "build: $(( $(date +%s) - start )) s"
+fi
+
+if has test; then
+  python3 -m pytest tests -q -rs -p no:cacheprovider --junitxml="$OUT/junit.xml" > "$OUT/tests.log" 2>&1 || status=1
+  tail -15 "$OUT/tests.log"
+  python3 - "$OUT" "$COMMIT" <<'PY'
+import datetime, json, sys, xml.etree.ElementTree as ET
+import torch
+out, commit = sys.argv[1], sys.argv[2]
+suite = ET.parse(f"{out}/junit.xml").getroot()
+suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+total, failed, errors, skipped = (int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped"))
+summary = {"commit": commit, "date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
+           "torch": torch.__version__, "passed": total - failed - errors - skipped, "failed": failed + errors,
+           "skipped": skipped}
+json.dump(summary, open(f"{out}/gpu_tests.json", "w"), indent=1)
+print(summary)
+PY
+fi
+
+if has bench; then
+  python3 benchmarks/bench_store.py --out "$OUT/store_first.json" --commit "$COMMIT" 2>&1 | tee "$OUT/bench.log" || status=1
+fi
+exit $status

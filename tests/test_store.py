@@ -1,0 +1,180 @@
+"""GPU tests of `store`: bitwise equal to `accum.to(dtype)` on every valid element, and nothing
+else in the surrounding buffer changes (outputs are carved out of canary-filled buffers)."""
+import pytest
+import torch
+
+import flash_epilogue as fe
+from flash_epilogue.reference import store_reference
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = (torch.bfloat16, torch.float16)
+HEAD_DIMS = (64, 80, 96, 128, 160, 192, 256)
+CANARY_BITS = 0x7FBF  # a NaN payload no conversion produces: an unwritten element stays exactly this
+
+
+def fresh_accum(shape, device="cuda", generator=None):
+    """fp32 values over many binades (rounding of large and tiny magnitudes is exercised too)."""
+    x = torch.randn(shape, device=device, generator=generator)
+    exponent = torch.randint(-20, 20, shape, device=device, generator=generator).float()
+    return x * torch.exp2(exponent)
+
+
+def canary_buffer(shape, dtype):
+    return torch.full(shape, 0, dtype=torch.int16, device="cuda").fill_(CANARY_BITS).view(dtype)
+
+
+def bits(t):
+    return t.view(torch.int16)
+
+
+def check_store(dk_buf, dv_buf, dk, dv, dk_accum, dv_accum, **seq):
+    """Run the kernel on (dk, dv), views into canary-filled buffers, and compare each buffer
+    bitwise with the reference applied to a copy."""
+    expect_k, expect_v = dk_buf.clone(), dv_buf.clone()
+    # the views of the copies at the same offsets and strides
+    ek = expect_k.as_strided(dk.shape, dk.stride(), dk.storage_offset())
+    ev = expect_v.as_strided(dv.shape, dv.stride(), dv.storage_offset())
+    store_reference(dk_accum, dv_accum, ek, ev, **seq)
+    fe.store(dk_accum, dv_accum, dk, dv, **seq)
+    torch.cuda.synchronize()
+    assert torch.equal(bits(dk_buf), bits(expect_k)), _first_diff(dk_buf, expect_k)
+    assert torch.equal(bits(dv_buf), bits(expect_v)), _first_diff(dv_buf, expect_v)
+
+
+def _first_diff(got, want):
+    idx = (bits(got) != bits(want)).nonzero()
+    return f"{idx.shape[0]} elements differ, first at {idx[0].tolist()}: got {got[tuple(idx[0])]}, want {want[tuple(idx[0])]}"
+
+
+def block_n(d, dv=None):
+    return fe.tile_config(d, dv).block_n
+
+
+def seqlens_for(d):
+    n = block_n(d)
+    return (0, 1, n - 1, n, n + 1, 1000, 4096)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("seq_idx", range(7))
+@pytest.mark.parametrize("batch,heads", [(1, 1), (2, 3)])
+def test_store_batched(dtype, d, seq_idx, batch, heads):
+    seqlen = seqlens_for(d)[seq_idx]
+    shape = (batch, seqlen, heads, d)
+    dk_buf, dv_buf = canary_buffer(shape, dtype), canary_buffer(shape, dtype)
+    check_store(dk_buf, dv_buf, dk_buf, dv_buf, fresh_accum(shape), fresh_accum(shape))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_store_empty_batch(dtype):
+    shape = (0, 128, 4, 128)
+    dk = canary_buffer(shape, dtype)
+    fe.store(fresh_accum(shape), fresh_accum(shape), dk, canary_buffer(shape, dtype))
+    torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("d", (64, 128, 192, 256))
+def test_store_bhsd_layout(dtype, d):
+    # outputs stored (batch, heads, seqlen, d) and passed as (batch, seqlen, heads, d) views
+    b, h, s = 2, 4, 777
+    dk_buf, dv_buf = canary_buffer((b, h, s, d), dtype), canary_buffer((b, h, s, d), dtype)
+    accum_k = fresh_accum((b, h, s, d)).transpose(1, 2)
+    accum_v = fresh_accum((b, s, h, d))  # the inputs need not share the outputs' layout
+    check_store(dk_buf, dv_buf, dk_buf.transpose(1, 2), dv_buf.transpose(1, 2), accum_k, accum_v)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("d", (64, 96, 128, 192, 256))
+def test_store_strided_views(dtype, d):
+    # dk/dv carved out of wider buffers: padded rows, extra heads, padded head dim, and a
+    # batch stride with slack; everything outside the view must keep its canary
+    b, s, h = 3, 300, 2
+    dk_buf = canary_buffer((b + 1, s + 5, h + 2, d + 16), dtype)
+    dv_buf = canary_buffer((b, s, 2 * h, d + 8), dtype)
+    dk = dk_buf[1:, 2 : s + 2, 1 : h + 1, :d]
+    dv = dv_buf[:, :, ::2, :d]
+    accum_buf = fresh_accum((b, s, h, d + 4))
+    check_store(dk_buf, dv_buf, dk, dv, accum_buf[..., :d], fresh_accum((b, s, h, d)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_store_size_one_dims_with_odd_strides(dtype):
+    # batch 1 and heads 1 with strides no one could use: normalized, not rejected
+    s, d = 200, 128
+    base = canary_buffer((s * d + 64,), dtype)
+    dk = base.as_strided((1, s, 1, d), (3, d, 5, 1))
+    dv_buf = canary_buffer((1, s, 1, d), dtype)
+    dv = dv_buf.as_strided((1, s, 1, d), (7, d, 1, 1))
+    accum = fresh_accum((1, s, 1, d)).as_strided((1, s, 1, d), (1, d, 3, 1))
+    check_store(base, dv_buf, dk, dv, accum, fresh_accum((1, s, 1, d)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("d,dv", [(192, 128), (64, 128), (128, 64), (256, 128), (72, 200)])
+def test_store_dv_differs_from_d(dtype, d, dv):
+    b, s, h = 2, 333, 3
+    dk_buf, dv_buf = canary_buffer((b, s, h, d), dtype), canary_buffer((b, s, h, dv), dtype)
+    check_store(dk_buf, dv_buf, dk_buf, dv_buf, fresh_accum((b, s, h, d)), fresh_accum((b, s, h, dv)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("d", (64, 128, 192, 256))
+def test_store_varlen_and_seqused(dtype, d):
+    n = block_n(d)
+    lens = [0, 1, n - 1, n, n + 1, 3 * n + 7, 0, 500]
+    cu = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32).cuda()
+    total, h = int(cu[-1]) + 9, 2  # slack rows after the last sequence stay untouched
+    used = torch.tensor([max(0, x - (i % 3) * 5) for i, x in enumerate(lens)], dtype=torch.int32).cuda()
+    for seq in ({"cu_seqlens": cu}, {"cu_seqlens": cu, "seqused": used}):
+        dk_buf, dv_buf = canary_buffer((total, h, d), dtype), canary_buffer((total, h, d), dtype)
+        check_store(dk_buf, dv_buf, dk_buf, dv_buf, fresh_accum((total, h, d)), fresh_accum((total, h, d)), **seq)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_store_seqused_batched(dtype):
+    b, s, h, d = 4, 400, 2, 128
+    used = torch.tensor([0, 1, 129, 400], dtype=torch.int32, device="cuda")
+    dk_buf, dv_buf = canary_buffer((b, s, h, d), dtype), canary_buffer((b, s, h, d), dtype)
+    check_store(dk_buf, dv_buf, dk_buf, dv_buf, fresh_accum((b, s, h, d)), fresh_accum((b, s, h, d)), seqused=used)
+
+
+def test_store_matches_plain_to():
+    # the spec in one line: bitwise accum.to(dtype)
+    acc = fresh_accum((2, 1000, 4, 128))
+    out = torch.empty_like(acc, dtype=torch.bfloat16)
+    out_v = torch.empty_like(acc, dtype=torch.bfloat16)
+    torch.ops.flash_epilogue.store(acc, acc, out, out_v)
+    assert torch.equal(bits(out), bits(acc.to(torch.bfloat16)))
+    assert torch.equal(bits(out_v), bits(acc.to(torch.bfloat16)))
+
+
+def test_store_on_side_stream():
+    acc = fresh_accum((2, 1000, 4, 128))
+    out, out_v = torch.empty_like(acc, dtype=torch.float16), torch.empty_like(acc, dtype=torch.float16)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fe.store(acc, acc, out, out_v)
+    torch.cuda.current_stream().wait_stream(stream)
+    assert torch.equal(bits(out), bits(acc.to(torch.float16)))
+
+
+def test_torch_ops_backstop_rejects_bad_input():
+    # callers that skip the Python wrapper still get a clear error, not a bad launch
+    acc = fresh_accum((1, 16, 1, 64))
+    out = torch.empty_like(acc, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="dk_accum: expected dtype Float"):
+        torch.ops.flash_epilogue.store(acc.double(), acc, out, out.clone())
+    with pytest.raises(RuntimeError, match="head dim"):
+        a = fresh_accum((1, 16, 1, 12))
+        torch.ops.flash_epilogue.store(a, a, a.bfloat16(), a.bfloat16())
+    with pytest.raises(RuntimeError, match="stride"):
+        a = fresh_accum((1, 16, 1, 64))
+        o = canary_buffer((1, 16, 1, 68), torch.bfloat16)[..., :64]
+        torch.ops.flash_epilogue.store(a, a, o, out)
+    # the process is healthy afterwards
+    torch.ops.flash_epilogue.store(acc, acc, out, out.clone())
+    torch.cuda.synchronize()
