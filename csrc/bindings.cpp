@@ -151,6 +151,10 @@ void store_cuda(at::Tensor const& dk_accum, at::Tensor const& dv_accum, at::Tens
   TORCH_CHECK(device.is_cuda(), "flash_epilogue.store: dk: expected a CUDA tensor, got device ", device);
   TORCH_CHECK(dk.scalar_type() == at::kBFloat16 || dk.scalar_type() == at::kHalf,
               "flash_epilogue.store: dk: expected dtype torch.bfloat16 or torch.float16, got ", dk.scalar_type());
+  TORCH_CHECK(dk.dim() == rank && dv.dim() == rank, "flash_epilogue.store: dk, dv: expected rank ", rank, ", got ",
+              dk.dim(), " and ", dv.dim());
+  check_head_dim(op, "dk", dk.size(-1));
+  check_head_dim(op, "dv", dv.size(-1));
   check_tensor(op, "dk", dk, dk.scalar_type(), rank, device);
   check_tensor(op, "dv", dv, dk.scalar_type(), rank, device);
   check_tensor(op, "dk_accum", dk_accum, at::kFloat, rank, device);
@@ -161,8 +165,6 @@ void store_cuda(at::Tensor const& dk_accum, at::Tensor const& dv_accum, at::Tens
               " (dv's), got ", dv_accum.sizes());
   TORCH_CHECK(dk.sizes().slice(0, rank - 1) == dv.sizes().slice(0, rank - 1), "flash_epilogue.store: dv: expected ",
               "leading dims ", dk.sizes().slice(0, rank - 1), " (dk's), got ", dv.sizes().slice(0, rank - 1));
-  check_head_dim(op, "dk", dk.size(-1));
-  check_head_dim(op, "dv", dv.size(-1));
   int64_t const batch = varlen ? cu_seqlens->numel() - 1 : dk.size(0);
   TORCH_CHECK(!varlen || batch >= 1, "flash_epilogue.store: cu_seqlens: expected at least 2 entries, got ",
               cu_seqlens->numel());

@@ -5,6 +5,8 @@ symbol; the versions recorded at build time (_build_info.py) let us say so by na
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 _C = None
@@ -18,6 +20,9 @@ except ImportError:  # a source checkout that was never built
 
 def _load():
     global _C, UNAVAILABLE_REASON
+    if os.environ.get("FLASH_EPILOGUE_DISABLE_KERNELS", "0") not in ("", "0"):
+        UNAVAILABLE_REASON = "disabled by FLASH_EPILOGUE_DISABLE_KERNELS"
+        return
     if _build_info is None:
         UNAVAILABLE_REASON = ("flash_epilogue was not built: run `pip install --no-build-isolation .` "
                               "(or `-e .`) in the repository")

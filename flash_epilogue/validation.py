@@ -219,12 +219,48 @@ def _byte_range(t: torch.Tensor) -> tuple[object, int, int]:
     return key, start, start + extent * size
 
 
+def _elements_coincide(t: torch.Tensor, other: torch.Tensor, delta_bytes: int) -> bool:
+    """Whether some element of `t` and one of `other` (which starts `delta_bytes` after t) share
+    memory. Exact for equal element sizes (a bounded search over the strides, so packed layouts
+    such as dk = kv[:, :, 0], dv = kv[:, :, 1] are told apart); conservative (True) otherwise."""
+    size = t.element_size()
+    if other.element_size() != size or delta_bytes % size != 0:
+        return True
+    # sum over dims of x_d * stride_d == delta, x_d in [0, n-1] for t and [-(n-1), 0] for other
+    terms: dict[int, list[int]] = {}
+    for sign, tensor in ((1, t), (-1, other)):
+        for n, stride in zip(tensor.shape, tensor.stride()):
+            if n > 1 and stride != 0:
+                lo_hi = terms.setdefault(abs(stride), [0, 0])
+                reach = (n - 1) * (1 if (sign > 0) == (stride > 0) else -1)
+                lo_hi[0 if reach < 0 else 1] += reach
+    items = sorted(((s, lo, hi) for s, (lo, hi) in terms.items()), reverse=True)
+    suffix_lo, suffix_hi = [0] * (len(items) + 1), [0] * (len(items) + 1)
+    for k in range(len(items) - 1, -1, -1):
+        s, lo, hi = items[k]
+        suffix_lo[k], suffix_hi[k] = suffix_lo[k + 1] + lo * s, suffix_hi[k + 1] + hi * s
+    budget = [100_000]
+
+    def reachable(k: int, rem: int) -> bool:
+        if k == len(items):
+            return rem == 0
+        budget[0] -= 1
+        if budget[0] < 0:
+            return True  # too many candidates to rule out: assume they coincide
+        s, lo, hi = items[k]
+        first = max(lo, -((suffix_hi[k + 1] - rem) // s))  # ceil((rem - suffix_hi) / s)
+        last = min(hi, (rem - suffix_lo[k + 1]) // s)
+        return any(reachable(k + 1, rem - x * s) for x in range(first, last + 1))
+
+    return reachable(0, delta_bytes // size)
+
+
 def _check_no_overlap(op: str, name: str, t: torch.Tensor, other_name: str, other: torch.Tensor) -> None:
     if t.numel() == 0 or other.numel() == 0:
         return
     key_a, a0, a1 = _byte_range(t)
     key_b, b0, b1 = _byte_range(other)
-    if key_a == key_b and a0 < b1 and b0 < a1:
+    if key_a == key_b and a0 < b1 and b0 < a1 and _elements_coincide(t, other, b0 - a0):
         _fail(op, f"{name}: memory", f"no overlap with {other_name}",
               f"bytes [{a0:#x}, {a1:#x}) overlapping {other_name}'s [{b0:#x}, {b1:#x})")
 

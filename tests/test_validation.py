@@ -552,3 +552,16 @@ def test_contents_seqused_too_long_batched():
         check_seqlens_contents(None, cu(7, 1), total=12, seqlen_static=6, op="store")
     with _raises("seqused[1]", "<= 12 (the static seqlen)", "13"):
         check_seqlens_contents(None, cu(7, 13), total=12, op="store")
+
+
+def test_packed_outputs_that_share_no_element_are_accepted():
+    # dk/dv interleaved in one buffer (FlashAttention's packed dkv, or one tensor split along d):
+    # the byte ranges overlap but no element is shared
+    kv = torch.empty(2, 5, 2, 3, 64, dtype=F16)
+    V._check_no_overlap("store", "dv", kv[:, :, 1], "dk", kv[:, :, 0])
+    both = torch.empty(2, 5, 3, 128, dtype=F16)
+    V._check_no_overlap("store", "dv", both[..., 64:], "dk", both[..., :64])
+    rows = torch.empty(2, 10, 3, 64, dtype=F16)
+    V._check_no_overlap("store", "dv", rows[:, 5:], "dk", rows[:, :5])
+    with _raises_re(r"dv: memory: expected no overlap with dk"):
+        V._check_no_overlap("store", "dv", rows[:, 4:], "dk", rows[:, :5])
