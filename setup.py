@@ -65,9 +65,16 @@ if SKIP_CUDA:
     write_build_info(None, None)
 else:
     import torch
+    import torch.utils.cpp_extension
     from torch.utils.cpp_extension import BuildExtension, CUDAExtension
 
     write_build_info(torch.__version__, torch.version.cuda)
+    # The host standard must be the one torch's headers were written for: torch >= 2.13 requires
+    # C++20, older torch was built as C++17, and compiling its headers as C++20 there (GCC 13)
+    # instantiates libstdc++ stream templates inside our .so that crash when a TORCH_CHECK
+    # message formats an integer.
+    aten_h = Path(torch.utils.cpp_extension.include_paths()[0]) / "ATen" / "ATen.h"
+    cxx_std = "-std=c++20" if "C++20 or later" in aten_h.read_text() else "-std=c++17"
     gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in ARCHS]
     defines = ['-DFLASH_EPILOGUE_COMPILED_ARCHS="' + ",".join("sm_" + a for a in ARCHS) + '"']
     nvcc_flags = [
@@ -91,7 +98,7 @@ else:
             name="flash_epilogue._C",
             sources=sources,
             include_dirs=[str(ROOT / "csrc/include"), str(ROOT / "csrc/kernels"), *cutlass_include_dirs()],
-            extra_compile_args={"cxx": ["-O3", "-std=c++20", *defines], "nvcc": nvcc_flags},
+            extra_compile_args={"cxx": ["-O3", cxx_std, *defines], "nvcc": nvcc_flags},
         )
     )
     cmdclass = {"build_ext": BuildExtension.with_options(use_ninja=True)}
