@@ -16,6 +16,7 @@
 #include <cutlass/version.h>
 
 #include <array>
+#include <cstdio>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -31,6 +32,21 @@ namespace flash_epilogue {
 namespace {
 
 constexpr std::array<int, 5> kCompiledHeadDims = {64, 96, 128, 192, 256};
+
+// Numbers in error messages are formatted here, never by streaming them into TORCH_CHECK: on
+// some toolchains (the H200 image: GCC 13 with -Bsymbolic-functions from Python's LDSHARED) an
+// extension's own copy of ostream's integer insertion crashes. std::to_string has no locale.
+std::string num(int64_t v) { return std::to_string(v); }
+std::string num(c10::IntArrayRef sizes) {
+  std::string s = "(";
+  for (size_t i = 0; i < sizes.size(); ++i) { s += (i ? ", " : "") + std::to_string(sizes[i]); }
+  return s + (sizes.size() == 1 ? ",)" : ")");
+}
+std::string num(void const* p) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%p", p);
+  return buf;
+}
 
 std::vector<std::string> compiled_archs() {
   std::vector<std::string> archs;
@@ -63,7 +79,7 @@ std::pair<int, int> device_capability(int device) {
 void check_arch(char const* op, at::Device device) {
   auto const [major, minor] = device_capability(device.index());
   TORCH_CHECK(major == 9 && minor == 0, "flash_epilogue.", op, ": device: expected an sm_90 GPU (Hopper: H100/H200), got ",
-              device, " with compute capability sm_", major, minor, "; this build has kernels for ",
+              device.str(), " with compute capability sm_", num(major * 10 + minor), "; this build has kernels for ",
               FLASH_EPILOGUE_COMPILED_ARCHS);
 }
 
@@ -71,23 +87,24 @@ void check_tensor(char const* op, char const* name, at::Tensor const& t, at::Sca
                   at::Device device) {
   TORCH_CHECK(t.scalar_type() == dtype, "flash_epilogue.", op, ": ", name, ": expected dtype ", dtype, ", got ",
               t.scalar_type());
-  TORCH_CHECK(t.dim() == rank, "flash_epilogue.", op, ": ", name, ": expected rank ", rank, ", got ", t.dim());
-  TORCH_CHECK(t.device() == device, "flash_epilogue.", op, ": ", name, ": expected device ", device, ", got ", t.device());
+  TORCH_CHECK(t.dim() == rank, "flash_epilogue.", op, ": ", name, ": expected rank ", num(rank), ", got ", num(t.dim()));
+  TORCH_CHECK(t.device() == device, "flash_epilogue.", op, ": ", name, ": expected device ", device.str(), ", got ",
+              t.device().str());
   TORCH_CHECK(t.numel() == 0 || t.stride(-1) == 1, "flash_epilogue.", op, ": ", name,
-              ": expected last-dim stride 1, got ", t.stride(-1));
+              ": expected last-dim stride 1, got ", num(t.stride(-1)));
   int const elems_per_16b = 16 / static_cast<int>(t.element_size());
   for (int i = 0; i + 1 < t.dim() && t.numel() > 0; ++i) {
     TORCH_CHECK(t.size(i) == 1 || t.stride(i) % elems_per_16b == 0, "flash_epilogue.", op, ": ", name,
-                ": expected stride(", i, ") to be a multiple of ", elems_per_16b, " elements (16 bytes), got ",
-                t.stride(i));
+                ": expected stride(", num(i), ") to be a multiple of ", num(elems_per_16b),
+                " elements (16 bytes), got ", num(t.stride(i)));
   }
   TORCH_CHECK(t.numel() == 0 || reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, "flash_epilogue.", op, ": ", name,
-              ": expected a 16-byte aligned data pointer, got ", t.data_ptr());
+              ": expected a 16-byte aligned data pointer, got ", num(t.data_ptr()));
 }
 
 void check_head_dim(char const* op, char const* name, int64_t d) {
   TORCH_CHECK(d > 0 && d % 8 == 0 && d <= 256, "flash_epilogue.", op, ": ", name,
-              ": expected a head dim that is a positive multiple of 8 and <= 256, got ", d);
+              ": expected a head dim that is a positive multiple of 8 and <= 256, got ", num(d));
 }
 
 void check_seqlens(char const* op, std::optional<at::Tensor> const& t, char const* name, int64_t numel,
@@ -95,11 +112,11 @@ void check_seqlens(char const* op, std::optional<at::Tensor> const& t, char cons
   if (!t.has_value()) { return; }
   TORCH_CHECK(t->scalar_type() == at::kInt, "flash_epilogue.", op, ": ", name, ": expected dtype torch.int32, got ",
               t->scalar_type());
-  TORCH_CHECK(t->dim() == 1 && t->numel() == numel, "flash_epilogue.", op, ": ", name, ": expected shape (", numel,
-              ",), got ", t->sizes());
+  TORCH_CHECK(t->dim() == 1 && t->numel() == numel, "flash_epilogue.", op, ": ", name, ": expected shape (", num(numel),
+              ",), got ", num(t->sizes()));
   TORCH_CHECK(t->is_contiguous(), "flash_epilogue.", op, ": ", name, ": expected a contiguous tensor");
-  TORCH_CHECK(t->device() == device, "flash_epilogue.", op, ": ", name, ": expected device ", device, ", got ",
-              t->device());
+  TORCH_CHECK(t->device() == device, "flash_epilogue.", op, ": ", name, ": expected device ", device.str(), ", got ",
+              t->device().str());
 }
 
 // (rows, d, heads, batch) view of a batched (batch, seqlen, heads, d) or varlen (total, heads, d)
@@ -148,33 +165,34 @@ void store_cuda(at::Tensor const& dk_accum, at::Tensor const& dv_accum, at::Tens
   bool const varlen = cu_seqlens.has_value();
   int const rank = varlen ? 3 : 4;
   at::Device const device = dk.device();
-  TORCH_CHECK(device.is_cuda(), "flash_epilogue.store: dk: expected a CUDA tensor, got device ", device);
+  TORCH_CHECK(device.is_cuda(), "flash_epilogue.store: dk: expected a CUDA tensor, got device ", device.str());
   TORCH_CHECK(dk.scalar_type() == at::kBFloat16 || dk.scalar_type() == at::kHalf,
               "flash_epilogue.store: dk: expected dtype torch.bfloat16 or torch.float16, got ", dk.scalar_type());
-  TORCH_CHECK(dk.dim() == rank && dv.dim() == rank, "flash_epilogue.store: dk, dv: expected rank ", rank, ", got ",
-              dk.dim(), " and ", dv.dim());
+  TORCH_CHECK(dk.dim() == rank && dv.dim() == rank, "flash_epilogue.store: dk, dv: expected rank ", num(rank), ", got ",
+              num(dk.dim()), " and ", num(dv.dim()));
   check_head_dim(op, "dk", dk.size(-1));
   check_head_dim(op, "dv", dv.size(-1));
   check_tensor(op, "dk", dk, dk.scalar_type(), rank, device);
   check_tensor(op, "dv", dv, dk.scalar_type(), rank, device);
   check_tensor(op, "dk_accum", dk_accum, at::kFloat, rank, device);
   check_tensor(op, "dv_accum", dv_accum, at::kFloat, rank, device);
-  TORCH_CHECK(dk_accum.sizes() == dk.sizes(), "flash_epilogue.store: dk_accum: expected shape ", dk.sizes(),
-              " (dk's), got ", dk_accum.sizes());
-  TORCH_CHECK(dv_accum.sizes() == dv.sizes(), "flash_epilogue.store: dv_accum: expected shape ", dv.sizes(),
-              " (dv's), got ", dv_accum.sizes());
+  TORCH_CHECK(dk_accum.sizes() == dk.sizes(), "flash_epilogue.store: dk_accum: expected shape ", num(dk.sizes()),
+              " (dk's), got ", num(dk_accum.sizes()));
+  TORCH_CHECK(dv_accum.sizes() == dv.sizes(), "flash_epilogue.store: dv_accum: expected shape ", num(dv.sizes()),
+              " (dv's), got ", num(dv_accum.sizes()));
   TORCH_CHECK(dk.sizes().slice(0, rank - 1) == dv.sizes().slice(0, rank - 1), "flash_epilogue.store: dv: expected ",
-              "leading dims ", dk.sizes().slice(0, rank - 1), " (dk's), got ", dv.sizes().slice(0, rank - 1));
+              "leading dims ", num(dk.sizes().slice(0, rank - 1)), " (dk's), got ",
+              num(dv.sizes().slice(0, rank - 1)));
   int64_t const batch = varlen ? cu_seqlens->numel() - 1 : dk.size(0);
   TORCH_CHECK(!varlen || batch >= 1, "flash_epilogue.store: cu_seqlens: expected at least 2 entries, got ",
-              cu_seqlens->numel());
+              num(cu_seqlens->numel()));
   check_seqlens(op, cu_seqlens, "cu_seqlens", batch + 1, device);
   check_seqlens(op, seqused, "seqused", batch, device);
   TORCH_CHECK(dk.numel() < (int64_t(1) << 62), "flash_epilogue.store: dk: too large");
   int64_t const rows = varlen ? dk.size(0) : dk.size(1);
   int64_t const heads = varlen ? dk.size(1) : dk.size(2);
   TORCH_CHECK(rows < (int64_t(1) << 31) && heads < 65536 && batch < 65536,
-              "flash_epilogue.store: dk: expected rows < 2^31 and heads, batch < 65536, got ", dk.sizes());
+              "flash_epilogue.store: dk: expected rows < 2^31 and heads, batch < 65536, got ", num(dk.sizes()));
   if (dk.numel() == 0 && dv.numel() == 0) { return; }  // batch 0, seqlen 0, heads 0: nothing to launch
   check_arch(op, device);
 

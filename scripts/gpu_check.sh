@@ -34,9 +34,12 @@ if has test; then
 import datetime, json, sys, xml.etree.ElementTree as ET
 import torch
 out, commit = sys.argv[1], sys.argv[2]
-suite = ET.parse(f"{out}/junit.xml").getroot()
-suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
-total, failed, errors, skipped = (int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped"))
+try:
+    suite = ET.parse(f"{out}/junit.xml").getroot()
+    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+    total, failed, errors, skipped = (int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped"))
+except FileNotFoundError:  # pytest died (e.g. a crash) before writing its report
+    total, failed, errors, skipped = 1, 1, 0, 0
 summary = {"commit": commit, "date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
            "torch": torch.__version__, "passed": total - failed - errors - skipped, "failed": failed + errors,
            "skipped": skipped}
