@@ -31,13 +31,25 @@ SM90_CONFIGS = {
     256: TileConfig(256, 80, 256, True, 1),
 }
 
+# sm_80 configurations (FA3's Ampere fallback): 8 warps of the 16x8x16 MMA; atom_layout_n is the
+# number of warps along N (along D's partner axis when swap_ab, see bwd_config.h).
+SM80_CONFIGS = {
+    64: TileConfig(64, 128, 256, False, 4),
+    96: TileConfig(96, 128, 256, False, 4),
+    128: TileConfig(128, 128, 256, False, 2),
+    192: TileConfig(192, 80, 256, True, 2),
+    256: TileConfig(256, 64, 256, False, 2),
+}
+
 COMPILED_HEAD_DIMS = tuple(sorted(SM90_CONFIGS))
 
 
-def tile_config(d: int, dv: int | None = None) -> TileConfig:
-    """The config that serves head dims (d, dv): the smallest compiled one >= max(d, dv)."""
+def tile_config(d: int, dv: int | None = None, arch: int = 90) -> TileConfig:
+    """The config that serves head dims (d, dv) on `arch` (90, or 80 for the sm_80 path): the
+    smallest compiled head dim >= max(d, dv)."""
     width = max(d, d if dv is None else dv)
+    configs = SM80_CONFIGS if arch == 80 else SM90_CONFIGS
     for hd in COMPILED_HEAD_DIMS:
         if width <= hd:
-            return SM90_CONFIGS[hd]
+            return configs[hd]
     raise ValueError(f"head dim {width} exceeds the largest compiled head dim {COMPILED_HEAD_DIMS[-1]}")

@@ -11,9 +11,13 @@ import torch
 
 LIBRARY = "flash_epilogue"
 
+# `_arch` (0 = the device's own path) forces the sm_80 code path (ArchTag Sm80 collectives and
+# tile configs) on an sm_90 GPU: a testing knob, not part of the public API.
 SCHEMAS = {
     "store": "store(Tensor dk_accum, Tensor dv_accum, Tensor(a!) dk, Tensor(b!) dv, *, "
-    "Tensor? cu_seqlens=None, Tensor? seqused=None) -> ()",
+    "Tensor? cu_seqlens=None, Tensor? seqused=None, int _arch=0) -> ()",
+    "store_zero": "store_zero(Tensor(a!) dk, Tensor(b!) dv, *, Tensor? cu_seqlens=None, Tensor? seqused=None, "
+    "Tensor? batch_idx=None, Tensor? head_idx=None, int row_start=0, int? row_end=None, int _arch=0) -> ()",
 }
 
 _fallback_library = None

@@ -38,6 +38,7 @@ def store(
     cu_seqlens: Optional[torch.Tensor] = None,
     seqused: Optional[torch.Tensor] = None,
     check_inputs: Optional[bool] = None,
+    _arch: int = 0,
 ) -> None:
     """Convert fp32 dK/dV accumulators to dk/dv (bf16 or fp16, round to nearest even), in place.
 
@@ -52,9 +53,9 @@ def store(
         validation.check_seqlens_contents(
             cu_seqlens, seqused, total=problem.seqlen,
             seqlen_static=None if problem.varlen else problem.seqlen, op="store")
-    torch.ops.flash_epilogue.store(dk_accum, dv_accum, dk, dv, cu_seqlens=cu_seqlens, seqused=seqused)
+    torch.ops.flash_epilogue.store(dk_accum, dv_accum, dk, dv, cu_seqlens=cu_seqlens, seqused=seqused, _arch=_arch)
 
 
 @torch.library.register_fake("flash_epilogue::store")
-def _store_fake(dk_accum, dv_accum, dk, dv, *, cu_seqlens=None, seqused=None) -> None:
+def _store_fake(dk_accum, dv_accum, dk, dv, *, cu_seqlens=None, seqused=None, _arch=0) -> None:
     return None
