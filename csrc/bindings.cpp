@@ -15,6 +15,7 @@
 #include <cuda_runtime_api.h>
 #include <cutlass/version.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdio>
 #include <mutex>
@@ -61,7 +62,7 @@ std::vector<std::string> compiled_archs() {
   return archs;
 }
 
-// (major, minor) per device, read once: the kernels are sm_90a code and nothing else runs them.
+// (major, minor) per device, read once (op calls stay free of driver queries).
 std::pair<int, int> device_capability(int device) {
   static std::mutex mutex;
   static std::vector<std::pair<int, int>> cache;
@@ -76,11 +77,28 @@ std::pair<int, int> device_capability(int device) {
   return cache[device];
 }
 
-void check_arch(char const* op, at::Device device) {
+bool compiled_for(char const* arch) {
+  for (auto const& a : compiled_archs()) {
+    if (a == arch) { return true; }
+  }
+  return false;
+}
+
+// The code path an op runs: 90 on an sm_90 GPU (sm_90a kernels), 80 on an sm_8x GPU when the build
+// has sm_80 code; `requested` = 80 forces the sm_80 path on an sm_90 GPU (a testing knob: the
+// sm_80 collectives are compiled for every arch of the build).
+int resolve_arch(char const* op, at::Device device, int64_t requested) {
+  TORCH_CHECK(requested == 0 || requested == 80 || requested == 90, "flash_epilogue.", op,
+              ": _arch: expected 0 (auto), 80 or 90, got ", num(requested));
   auto const [major, minor] = device_capability(device.index());
-  TORCH_CHECK(major == 9 && minor == 0, "flash_epilogue.", op, ": device: expected an sm_90 GPU (Hopper: H100/H200), got ",
-              device.str(), " with compute capability sm_", num(major * 10 + minor), "; this build has kernels for ",
-              FLASH_EPILOGUE_COMPILED_ARCHS);
+  bool const hopper = major == 9 && minor == 0 && compiled_for("sm_90a");
+  bool const ampere = major == 8 && compiled_for("sm_80");
+  TORCH_CHECK(hopper || ampere, "flash_epilogue.", op, ": device: expected a GPU this build has kernels for (",
+              FLASH_EPILOGUE_COMPILED_ARCHS, "), got ", device.str(), " with compute capability sm_",
+              num(major * 10 + minor));
+  TORCH_CHECK(requested != 90 || hopper, "flash_epilogue.", op, ": _arch: expected 0 or 80 on ", device.str(),
+              ", got 90");
+  return hopper && requested != 80 ? 90 : 80;
 }
 
 void check_tensor(char const* op, char const* name, at::Tensor const& t, at::ScalarType dtype, int rank,
@@ -140,17 +158,40 @@ TensorDesc describe(at::Tensor const& t, bool varlen) {
   return desc;
 }
 
-template <OutputDType kDType>
-char const* dispatch_store_head_dim(int head_dim, StoreLaunchArgs const& args, cudaStream_t stream) {
-  switch (head_dim) {
-    case 64: return launch_store<kDType, 64>(args, stream);
-    case 96: return launch_store<kDType, 96>(args, stream);
-    case 128: return launch_store<kDType, 128>(args, stream);
-    case 192: return launch_store<kDType, 192>(args, stream);
-    case 256: return launch_store<kDType, 256>(args, stream);
-    default: return "no compiled head dim";
-  }
+// (dtype, head dim, arch) -> the instantiation of `launch` (launch_store or launch_store_zero).
+template <template <OutputDType, int, int> class Launcher, class Args>
+char const* dispatch(at::ScalarType dtype, int head_dim, int arch, Args const& args, cudaStream_t stream) {
+  auto by_head_dim = [&](auto dtype_tag, auto arch_tag) -> char const* {
+    constexpr OutputDType kDType = decltype(dtype_tag)::value;
+    constexpr int kArch = decltype(arch_tag)::value;
+    switch (head_dim) {
+      case 64: return Launcher<kDType, 64, kArch>::run(args, stream);
+      case 96: return Launcher<kDType, 96, kArch>::run(args, stream);
+      case 128: return Launcher<kDType, 128, kArch>::run(args, stream);
+      case 192: return Launcher<kDType, 192, kArch>::run(args, stream);
+      case 256: return Launcher<kDType, 256, kArch>::run(args, stream);
+      default: return "no compiled head dim";
+    }
+  };
+  using BF16 = std::integral_constant<OutputDType, OutputDType::kBFloat16>;
+  using FP16 = std::integral_constant<OutputDType, OutputDType::kFloat16>;
+  using Sm90 = std::integral_constant<int, 90>;
+  using Sm80 = std::integral_constant<int, 80>;
+  bool const bf16 = dtype == at::kBFloat16;
+  if (arch == 90) { return bf16 ? by_head_dim(BF16{}, Sm90{}) : by_head_dim(FP16{}, Sm90{}); }
+  return bf16 ? by_head_dim(BF16{}, Sm80{}) : by_head_dim(FP16{}, Sm80{});
 }
+
+template <OutputDType kDType, int kHeadDim, int kArch>
+struct StoreLauncher {
+  static char const* run(StoreLaunchArgs const& a, cudaStream_t s) { return launch_store<kDType, kHeadDim, kArch>(a, s); }
+};
+template <OutputDType kDType, int kHeadDim, int kArch>
+struct StoreZeroLauncher {
+  static char const* run(StoreZeroLaunchArgs const& a, cudaStream_t s) {
+    return launch_store_zero<kDType, kHeadDim, kArch>(a, s);
+  }
+};
 
 int compiled_head_dim_for(int width) {
   for (int hd : kCompiledHeadDims) {
@@ -159,62 +200,121 @@ int compiled_head_dim_for(int width) {
   return -1;
 }
 
-void store_cuda(at::Tensor const& dk_accum, at::Tensor const& dv_accum, at::Tensor const& dk, at::Tensor const& dv,
-                std::optional<at::Tensor> const& cu_seqlens, std::optional<at::Tensor> const& seqused) {
-  constexpr char const* op = "store";
+// What store and store_zero share: dk/dv (16-bit, batched or varlen), cu_seqlens and seqused.
+struct OutputProblem {
+  bool varlen;
+  int64_t rows, heads, batch;
+  int head_dim;  // the compiled head dim serving max(d, dv)
+};
+
+OutputProblem check_outputs(char const* op, at::Tensor const& dk, at::Tensor const& dv,
+                            std::optional<at::Tensor> const& cu_seqlens, std::optional<at::Tensor> const& seqused) {
   bool const varlen = cu_seqlens.has_value();
   int const rank = varlen ? 3 : 4;
   at::Device const device = dk.device();
-  TORCH_CHECK(device.is_cuda(), "flash_epilogue.store: dk: expected a CUDA tensor, got device ", device.str());
-  TORCH_CHECK(dk.scalar_type() == at::kBFloat16 || dk.scalar_type() == at::kHalf,
-              "flash_epilogue.store: dk: expected dtype torch.bfloat16 or torch.float16, got ", dk.scalar_type());
-  TORCH_CHECK(dk.dim() == rank && dv.dim() == rank, "flash_epilogue.store: dk, dv: expected rank ", num(rank), ", got ",
-              num(dk.dim()), " and ", num(dv.dim()));
+  TORCH_CHECK(device.is_cuda(), "flash_epilogue.", op, ": dk: expected a CUDA tensor, got device ", device.str());
+  TORCH_CHECK(dk.scalar_type() == at::kBFloat16 || dk.scalar_type() == at::kHalf, "flash_epilogue.", op,
+              ": dk: expected dtype torch.bfloat16 or torch.float16, got ", dk.scalar_type());
+  TORCH_CHECK(dk.dim() == rank && dv.dim() == rank, "flash_epilogue.", op, ": dk, dv: expected rank ", num(rank),
+              ", got ", num(dk.dim()), " and ", num(dv.dim()));
   check_head_dim(op, "dk", dk.size(-1));
   check_head_dim(op, "dv", dv.size(-1));
   check_tensor(op, "dk", dk, dk.scalar_type(), rank, device);
   check_tensor(op, "dv", dv, dk.scalar_type(), rank, device);
-  check_tensor(op, "dk_accum", dk_accum, at::kFloat, rank, device);
-  check_tensor(op, "dv_accum", dv_accum, at::kFloat, rank, device);
+  TORCH_CHECK(dk.sizes().slice(0, rank - 1) == dv.sizes().slice(0, rank - 1), "flash_epilogue.", op,
+              ": dv: expected leading dims ", num(dk.sizes().slice(0, rank - 1)), " (dk's), got ",
+              num(dv.sizes().slice(0, rank - 1)));
+  int64_t const batch = varlen ? cu_seqlens->numel() - 1 : dk.size(0);
+  TORCH_CHECK(!varlen || batch >= 1, "flash_epilogue.", op, ": cu_seqlens: expected at least 2 entries, got ",
+              num(cu_seqlens->numel()));
+  check_seqlens(op, cu_seqlens, "cu_seqlens", batch + 1, device);
+  check_seqlens(op, seqused, "seqused", batch, device);
+  int64_t const rows = varlen ? dk.size(0) : dk.size(1);
+  int64_t const heads = varlen ? dk.size(1) : dk.size(2);
+  TORCH_CHECK(rows < (int64_t(1) << 31) && heads < 65536 && batch < 65536, "flash_epilogue.", op,
+              ": dk: expected rows < 2^31 and heads, batch < 65536, got ", num(dk.sizes()));
+  return {varlen, rows, heads, batch, compiled_head_dim_for(static_cast<int>(std::max(dk.size(-1), dv.size(-1))))};
+}
+
+void finish_launch(char const* op, char const* why) {
+  TORCH_CHECK(why == nullptr, "flash_epilogue.", op, ": arguments rejected by the kernel: ", why);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void store_cuda(at::Tensor const& dk_accum, at::Tensor const& dv_accum, at::Tensor const& dk, at::Tensor const& dv,
+                std::optional<at::Tensor> const& cu_seqlens, std::optional<at::Tensor> const& seqused, int64_t arch) {
+  constexpr char const* op = "store";
+  OutputProblem const p = check_outputs(op, dk, dv, cu_seqlens, seqused);
+  check_tensor(op, "dk_accum", dk_accum, at::kFloat, p.varlen ? 3 : 4, dk.device());
+  check_tensor(op, "dv_accum", dv_accum, at::kFloat, p.varlen ? 3 : 4, dk.device());
   TORCH_CHECK(dk_accum.sizes() == dk.sizes(), "flash_epilogue.store: dk_accum: expected shape ", num(dk.sizes()),
               " (dk's), got ", num(dk_accum.sizes()));
   TORCH_CHECK(dv_accum.sizes() == dv.sizes(), "flash_epilogue.store: dv_accum: expected shape ", num(dv.sizes()),
               " (dv's), got ", num(dv_accum.sizes()));
-  TORCH_CHECK(dk.sizes().slice(0, rank - 1) == dv.sizes().slice(0, rank - 1), "flash_epilogue.store: dv: expected ",
-              "leading dims ", num(dk.sizes().slice(0, rank - 1)), " (dk's), got ",
-              num(dv.sizes().slice(0, rank - 1)));
-  int64_t const batch = varlen ? cu_seqlens->numel() - 1 : dk.size(0);
-  TORCH_CHECK(!varlen || batch >= 1, "flash_epilogue.store: cu_seqlens: expected at least 2 entries, got ",
-              num(cu_seqlens->numel()));
-  check_seqlens(op, cu_seqlens, "cu_seqlens", batch + 1, device);
-  check_seqlens(op, seqused, "seqused", batch, device);
-  TORCH_CHECK(dk.numel() < (int64_t(1) << 62), "flash_epilogue.store: dk: too large");
-  int64_t const rows = varlen ? dk.size(0) : dk.size(1);
-  int64_t const heads = varlen ? dk.size(1) : dk.size(2);
-  TORCH_CHECK(rows < (int64_t(1) << 31) && heads < 65536 && batch < 65536,
-              "flash_epilogue.store: dk: expected rows < 2^31 and heads, batch < 65536, got ", num(dk.sizes()));
-  if (dk.numel() == 0 && dv.numel() == 0) { return; }  // batch 0, seqlen 0, heads 0: nothing to launch
-  check_arch(op, device);
+  if (dk.numel() == 0) { return; }  // batch 0, seqlen 0, heads 0: nothing to launch
+  int const path = resolve_arch(op, dk.device(), arch);
 
-  c10::cuda::CUDAGuard const guard(device);
+  c10::cuda::CUDAGuard const guard(dk.device());
   StoreLaunchArgs args;
-  args.dk_accum = describe(dk_accum, varlen);
-  args.dv_accum = describe(dv_accum, varlen);
-  args.dk = describe(dk, varlen);
-  args.dv = describe(dv, varlen);
-  args.rows = static_cast<int>(rows);
-  args.num_heads = static_cast<int>(heads);
-  args.batch = static_cast<int>(batch);
-  args.cu_seqlens = varlen ? cu_seqlens->data_ptr<int>() : nullptr;
+  args.dk_accum = describe(dk_accum, p.varlen);
+  args.dv_accum = describe(dv_accum, p.varlen);
+  args.dk = describe(dk, p.varlen);
+  args.dv = describe(dv, p.varlen);
+  args.rows = static_cast<int>(p.rows);
+  args.num_heads = static_cast<int>(p.heads);
+  args.batch = static_cast<int>(p.batch);
+  args.cu_seqlens = p.varlen ? cu_seqlens->data_ptr<int>() : nullptr;
   args.seqused = seqused.has_value() ? seqused->data_ptr<int>() : nullptr;
-  args.use_tma = !varlen && !seqused.has_value();
-  int const head_dim = compiled_head_dim_for(static_cast<int>(std::max(dk.size(-1), dv.size(-1))));
-  cudaStream_t const stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
-  char const* why = dk.scalar_type() == at::kBFloat16
-                        ? dispatch_store_head_dim<OutputDType::kBFloat16>(head_dim, args, stream)
-                        : dispatch_store_head_dim<OutputDType::kFloat16>(head_dim, args, stream);
-  TORCH_CHECK(why == nullptr, "flash_epilogue.store: arguments rejected by the kernel: ", why);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  args.use_tma = !p.varlen && !seqused.has_value();
+  cudaStream_t const stream = c10::cuda::getCurrentCUDAStream(dk.device().index()).stream();
+  finish_launch(op, dispatch<StoreLauncher>(dk.scalar_type(), p.head_dim, path, args, stream));
+}
+
+void store_zero_cuda(at::Tensor const& dk, at::Tensor const& dv, std::optional<at::Tensor> const& cu_seqlens,
+                     std::optional<at::Tensor> const& seqused, std::optional<at::Tensor> const& batch_idx,
+                     std::optional<at::Tensor> const& head_idx, int64_t row_start, std::optional<int64_t> row_end,
+                     int64_t arch) {
+  constexpr char const* op = "store_zero";
+  OutputProblem const p = check_outputs(op, dk, dv, cu_seqlens, seqused);
+  for (auto const* idx : {&batch_idx, &head_idx}) {
+    if (!idx->has_value()) { continue; }
+    char const* name = idx == &batch_idx ? "batch_idx" : "head_idx";
+    at::Tensor const& t = idx->value();
+    TORCH_CHECK(t.scalar_type() == at::kInt, "flash_epilogue.store_zero: ", name, ": expected dtype torch.int32, got ",
+                t.scalar_type());
+    TORCH_CHECK(t.dim() == 1 && (t.numel() <= 1 || t.stride(0) == 1), "flash_epilogue.store_zero: ", name,
+                ": expected a contiguous 1-D tensor, got shape ", num(t.sizes()));
+    TORCH_CHECK(t.device() == dk.device(), "flash_epilogue.store_zero: ", name, ": expected device ", dk.device().str(),
+                ", got ", t.device().str());
+    TORCH_CHECK(t.numel() < 65536, "flash_epilogue.store_zero: ", name, ": expected fewer than 65536 entries, got ",
+                num(t.numel()));
+  }
+  TORCH_CHECK(row_start >= 0, "flash_epilogue.store_zero: row_start: expected >= 0, got ", num(row_start));
+  TORCH_CHECK(!row_end.has_value() || *row_end >= row_start, "flash_epilogue.store_zero: row_end: expected None or >= ",
+              "row_start = ", num(row_start), ", got ", num(row_end.value_or(0)));
+  int64_t const end = std::min<int64_t>(row_end.value_or(p.rows), p.rows);
+  bool const empty_selection = (batch_idx.has_value() && batch_idx->numel() == 0) ||
+                               (head_idx.has_value() && head_idx->numel() == 0);
+  if (dk.numel() == 0 || empty_selection || row_start >= end) { return; }
+  int const path = resolve_arch(op, dk.device(), arch);
+
+  c10::cuda::CUDAGuard const guard(dk.device());
+  StoreZeroLaunchArgs args;
+  args.dk = describe(dk, p.varlen);
+  args.dv = describe(dv, p.varlen);
+  args.rows = static_cast<int>(p.rows);
+  args.num_heads = static_cast<int>(p.heads);
+  args.batch = static_cast<int>(p.batch);
+  args.cu_seqlens = p.varlen ? cu_seqlens->data_ptr<int>() : nullptr;
+  args.seqused = seqused.has_value() ? seqused->data_ptr<int>() : nullptr;
+  args.batch_idx = batch_idx.has_value() ? batch_idx->data_ptr<int>() : nullptr;
+  args.num_batch_idx = batch_idx.has_value() ? static_cast<int>(batch_idx->numel()) : 0;
+  args.head_idx = head_idx.has_value() ? head_idx->data_ptr<int>() : nullptr;
+  args.num_head_idx = head_idx.has_value() ? static_cast<int>(head_idx->numel()) : 0;
+  args.row_begin = static_cast<int>(row_start);
+  args.row_end = static_cast<int>(end);
+  cudaStream_t const stream = c10::cuda::getCurrentCUDAStream(dk.device().index()).stream();
+  finish_launch(op, dispatch<StoreZeroLauncher>(dk.scalar_type(), p.head_dim, path, args, stream));
 }
 
 }  // namespace
@@ -223,10 +323,15 @@ void store_cuda(at::Tensor const& dk_accum, at::Tensor const& dv_accum, at::Tens
 // Keep in sync with flash_epilogue/_schemas.py (tests/test_schemas.py compares them).
 TORCH_LIBRARY(flash_epilogue, m) {
   m.def("store(Tensor dk_accum, Tensor dv_accum, Tensor(a!) dk, Tensor(b!) dv, *, Tensor? cu_seqlens=None, "
-        "Tensor? seqused=None) -> ()");
+        "Tensor? seqused=None, int _arch=0) -> ()");
+  m.def("store_zero(Tensor(a!) dk, Tensor(b!) dv, *, Tensor? cu_seqlens=None, Tensor? seqused=None, "
+        "Tensor? batch_idx=None, Tensor? head_idx=None, int row_start=0, int? row_end=None, int _arch=0) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(flash_epilogue, CUDA, m) { m.impl("store", &flash_epilogue::store_cuda); }
+TORCH_LIBRARY_IMPL(flash_epilogue, CUDA, m) {
+  m.impl("store", &flash_epilogue::store_cuda);
+  m.impl("store_zero", &flash_epilogue::store_zero_cuda);
+}
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "flash_epilogue CUDA kernels; the ops are registered as torch.ops.flash_epilogue.*";
@@ -235,15 +340,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "compiled_configs",
       [] {
         std::vector<pybind11::dict> configs;
-        for (char const* op : {"store"}) {
+        // "path" is the code path (sm90: TMA collectives; sm80: the Ampere collectives, compiled
+        // for every arch of the build), "archs" the GPU code the build holds.
+        for (char const* op : {"store", "store_zero"}) {
           for (char const* dtype : {"bfloat16", "float16"}) {
             for (int hd : flash_epilogue::kCompiledHeadDims) {
-              for (auto const& arch : flash_epilogue::compiled_archs()) {
+              for (char const* path : {"sm90", "sm80"}) {
                 pybind11::dict c;
                 c["op"] = op;
                 c["dtype"] = dtype;
                 c["head_dim"] = hd;
-                c["arch"] = arch;
+                c["path"] = path;
+                c["archs"] = std::string(path) == "sm90" ? std::vector<std::string>{"sm_90a"}
+                                                         : flash_epilogue::compiled_archs();
                 configs.push_back(c);
               }
             }

@@ -2,6 +2,7 @@
 
     import flash_epilogue
     flash_epilogue.store(dk_fp32, dv_fp32, dk_bf16, dv_bf16)    # or torch.ops.flash_epilogue.store
+    flash_epilogue.store_zero(dk_bf16, dv_bf16, batch_idx=[1])   # zero the valid rows of sequence 1
 
 The C++ collectives are a header library: see `get_include()`.
 """
@@ -12,7 +13,7 @@ __version__ = "0.1.0"
 from . import reference
 from ._config import COMPILED_HEAD_DIMS, TileConfig, tile_config
 from ._extension import UNAVAILABLE_REASON, compiled_archs
-from .ops import store
+from .ops import store, store_zero
 from .validation import FlashEpilogueBuildError, FlashEpilogueInputError
 
 
@@ -36,6 +37,7 @@ def get_include() -> list[str]:
 
 __all__ = [
     "store",
+    "store_zero",
     "reference",
     "tile_config",
     "TileConfig",

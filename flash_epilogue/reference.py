@@ -100,27 +100,25 @@ def store_reference(dk_accum: torch.Tensor, dv_accum: torch.Tensor, dk: torch.Te
 
 
 def _as_index_list(idx, n: int) -> list[int]:
+    """The selected indices in [0, n), in order; entries outside [0, n) (negative ones too: no
+    Python-style wrap-around) are skipped, as the kernel skips them. None selects all."""
     if idx is None:
         return list(range(n))
     if isinstance(idx, int):
         idx = [idx]
     elif isinstance(idx, torch.Tensor):
         idx = idx.reshape(-1).tolist()
-    out = []
-    for i in idx:
-        i = int(i)
-        if not -n <= i < n:
-            raise IndexError(f"index {i} out of range for size {n}")
-        out.append(i % n)
-    return out
+    return [int(i) for i in idx if 0 <= int(i) < n]
 
 
 def store_zero_reference(dk: torch.Tensor, dv: torch.Tensor, *, cu_seqlens=None, seqused=None,
                          batch_idx: Optional[Iterable[int]] = None, head_idx: Optional[Iterable[int]] = None,
                          row_start: int = 0, row_end: Optional[int] = None) -> None:
     """In place: zero rows [row_start, row_end) (relative to each sequence start, clamped to
-    the valid rows) of the selected batches and heads of dk and dv. ``None`` selects all;
-    an int or a sequence of ints selects those. Everything else untouched."""
+    the valid rows; ``row_end`` None = to the end) of the selected batches and heads of dk and
+    dv. ``None`` selects all; an int, a sequence of ints or an integer tensor selects those:
+    entries outside [0, batch) / [0, heads) are skipped, duplicates change nothing. Everything
+    else untouched."""
     if dk.shape[:-1] != dv.shape[:-1]:
         raise ValueError(f"dk {tuple(dk.shape)} and dv {tuple(dv.shape)} differ before the last dim")
     batch, extent, varlen = _layout(dk, cu_seqlens)

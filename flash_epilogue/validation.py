@@ -3,8 +3,8 @@
 Everything here reads dtype, device, shape, strides, storage offset and (for tensors that
 own real memory) data_ptr; nothing reads tensor contents, so validation never syncs with
 the device and works on meta/fake tensors. The one exception is
-:func:`check_seqlens_contents`, which copies cu_seqlens/seqused to the host and runs only
-when the caller asks for it.
+:func:`check_seqlens_contents` and :func:`check_index_contents`, which copy cu_seqlens/seqused
+or batch_idx/head_idx to the host and run only when the caller asks for it.
 
 Every rejected input raises :class:`FlashEpilogueInputError` with the message
 ``"flash_epilogue.<op>: <arg>: expected <expected>, got <actual>"``.
@@ -27,7 +27,9 @@ __all__ = [
     "FlashEpilogueBuildError",
     "StoreProblem",
     "validate_store",
+    "validate_store_zero",
     "check_seqlens_contents",
+    "check_index_contents",
     "normalized_strides",
 ]
 
@@ -265,15 +267,21 @@ def _check_no_overlap(op: str, name: str, t: torch.Tensor, other_name: str, othe
               f"bytes [{a0:#x}, {a1:#x}) overlapping {other_name}'s [{b0:#x}, {b1:#x})")
 
 
-def _check_index_tensor(op: str, name: str, t, numel: int, numel_why: str) -> None:
+def _check_index_tensor(op: str, name: str, t, numel: Optional[int], numel_why: str = "") -> None:
+    """An int32, 1-D, contiguous tensor of ``numel`` elements (any number when None)."""
     _check_tensor(op, name, t)
     _check_dtype(op, name, t, SEQLEN_DTYPES)
     if t.dim() != 1:
         _fail(op, f"{name}: rank", "1 dim", f"{t.dim()} dims, shape {_shape(t)}")
     if t.numel() > 1 and t.stride(0) != 1:
         _fail(op, f"{name}: stride(0)", "1 (contiguous)", t.stride(0))
-    if t.numel() != numel:
+    if numel is not None and t.numel() != numel:
         _fail(op, f"{name}: numel", f"{numel} ({numel_why})", t.numel())
+
+
+def _is_int(v) -> bool:
+    """A Python int (or a symbolic one under torch.compile), not a bool."""
+    return isinstance(v, (int, torch.SymInt)) and not isinstance(v, bool)
 
 
 def _check_seqlens_meta(op: str, cu_seqlens, seqused, batch_dim: int) -> int:
@@ -324,7 +332,9 @@ def _check_devices(op: str, tensors: Sequence[tuple[str, Optional[torch.Tensor]]
             "import); reinstall on a machine with the CUDA toolkit: "
             "`pip install --no-build-isolation .` (with FLASH_EPILOGUE_SKIP_CUDA_BUILD unset)")
     major, minor = _device_capability(device)
-    if (major, minor) not in SUPPORTED_CAPABILITIES or not any(a.startswith("sm_90") for a in archs):
+    hopper = (major, minor) in SUPPORTED_CAPABILITIES and "sm_90a" in archs
+    ampere = major == 8 and "sm_80" in archs  # an "80;90a" build: the sm_80 path runs on sm_8x
+    if not (hopper or ampere):
         _fail(op, "device", f"a GPU of compute capability sm_90 (compiled for {', '.join(archs)})",
               f"{device} with compute capability sm_{major}{minor}")
     return device
@@ -386,6 +396,69 @@ def validate_store(dk_accum, dv_accum, dk, dv, cu_seqlens=None, seqused=None, *,
     )
 
 
+def validate_store_zero(dk, dv, cu_seqlens=None, seqused=None, batch_idx=None, head_idx=None, row_start=0,
+                        row_end=None, *, op: str = "store_zero") -> StoreProblem:
+    """Validate the arguments of ``store_zero`` (metadata only, no sync); returns the problem.
+
+    ``batch_idx``/``head_idx``: None (all) or int32 1-D contiguous tensors of any length (0 too);
+    their values are checked only by :func:`check_index_contents` (out-of-range entries are
+    skipped by the kernel). ``row_start >= 0``; ``row_end`` None (to each sequence's end) or
+    ``>= row_start``.
+    """
+    outputs = (("dk", dk), ("dv", dv))
+    varlen = cu_seqlens is not None
+
+    for name, t in outputs:  # a
+        _check_tensor(op, name, t)
+    _check_dtype(op, "dk", dk, HALF_DTYPES)  # b
+    _check_same_dtype(op, "dv", dv, "dk", dk)
+    for name, t in outputs:  # c
+        _check_rank(op, name, t, varlen)
+    _check_same_leading_shape(op, "dv", dv, "dk", dk)  # d
+    d, dv_dim = dk.shape[-1], dv.shape[-1]  # e
+    _check_head_dim(op, "dk", d)
+    _check_head_dim(op, "dv", dv_dim)
+    for name, t in outputs:  # f
+        _check_last_stride(op, name, t)
+    for name, t in outputs:  # g
+        _check_strides(op, name, t)
+    for name, t in outputs:  # h
+        _check_alignment(op, name, t)
+    _check_no_overlap(op, "dv", dv, "dk", dk)  # i
+    batch = _check_seqlens_meta(op, cu_seqlens, seqused, dk.shape[0])  # j
+    selections = (("batch_idx", batch_idx), ("head_idx", head_idx))
+    for name, t in selections:
+        if t is not None:
+            _check_index_tensor(op, name, t, None)
+    for out_name, out in outputs:
+        for in_name, inp in (("cu_seqlens", cu_seqlens), ("seqused", seqused)) + selections:
+            if inp is not None:
+                _check_no_overlap(op, out_name, out, in_name, inp)
+    if not _is_int(row_start):  # k
+        _fail(op, "row_start", "an int", type(row_start).__name__)
+    if row_start < 0:
+        _fail(op, "row_start", ">= 0", row_start)
+    if row_end is not None:
+        if not _is_int(row_end):
+            _fail(op, "row_end", "None or an int", type(row_end).__name__)
+        if row_end < row_start:
+            _fail(op, "row_end", f"None or >= row_start = {row_start}", row_end)
+    device = _check_devices(op, outputs + (("cu_seqlens", cu_seqlens), ("seqused", seqused)) + selections)  # l
+
+    return StoreProblem(
+        batch=int(batch),
+        seqlen=int(dk.shape[0] if varlen else dk.shape[1]),
+        num_heads=int(dk.shape[-2]),
+        head_dim=int(d),
+        head_dim_v=int(dv_dim),
+        dtype=dk.dtype,
+        varlen=varlen,
+        has_seqused=seqused is not None,
+        config=tile_config(int(d), int(dv_dim)),
+        device=device,
+    )
+
+
 def check_seqlens_contents(cu_seqlens, seqused, *, total: int, seqlen_static: Optional[int] = None,
                            op: str) -> None:
     """Content checks of cu_seqlens/seqused (host sync: call only when the user asks).
@@ -417,3 +490,17 @@ def check_seqlens_contents(cu_seqlens, seqused, *, total: int, seqlen_static: Op
                 why = "the static seqlen"
             if n > limit:
                 _fail(op, f"seqused[{b}]", f"<= {limit} ({why})", n)
+
+
+def check_index_contents(op: str, name: str, t, limit: int, *, limit_why: Optional[str] = None) -> None:
+    """Content check of a selection tensor (batch_idx, head_idx): every value in [0, ``limit``).
+
+    Host sync: call only when the user asks. Unchecked, the kernel skips out-of-range entries.
+    ``t`` None (select all) passes. ``limit_why`` (e.g. "the batch size") is added to the message.
+    """
+    if t is None:
+        return
+    expected = f"a value in [0, {limit})" + (f" ({limit_why})" if limit_why else "")
+    for i, v in enumerate(int(v) for v in t.reshape(-1).tolist()):
+        if not 0 <= v < limit:
+            _fail(op, f"{name}[{i}]", expected, v)

@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-$PY -m pip install -q "${TORCH_SPEC:-torch==2.14.1}" ninja pytest hypothesis
+$PY -m pip install -q "${TORCH_SPEC:-torch==2.14.1}" ninja pytest hypothesis nvidia-cuda-cuobjdump==13.2.86 nvidia-cuda-nvdisasm==13.2.86
 $PY -m pip install -q --no-deps nvidia-cutlass==4.2.0.0
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 start=$(date +%s)

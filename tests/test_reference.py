@@ -256,10 +256,40 @@ def test_store_zero_varlen_and_strided():
     assert (dk[keep] != 0).all()
 
 
-def test_store_zero_bad_index_raises():
-    dk = torch.zeros(2, 3, 1, 8).half()
-    with pytest.raises(IndexError):
-        store_zero_reference(dk, dk.clone(), batch_idx=[2])
+def test_store_zero_out_of_range_indices_skipped():
+    # as the kernel does: entries outside [0, n) are skipped (negative ones are not wrapped
+    # around), duplicates are harmless, an empty selection writes nothing
+    torch.manual_seed(8)
+    dk = torch.randn(3, 4, 2, 16).half()
+    dv = torch.randn(3, 4, 2, 8).half()
+    bounds = sequence_bounds(3, 4)
+    for batch_idx, head_idx, batches, heads in [
+        ([3, -1, 1, 1, 100], None, [1], [0, 1]),
+        (torch.tensor([-3, 2, 2], dtype=torch.int32), [1, 2, -2, 1], [2], [1]),
+        (-1, 0, [], [0]),
+        ([], None, [], [0, 1]),
+        (None, torch.empty(0, dtype=torch.int32), [0, 1, 2], []),
+        ([0, 2], [5], [0, 2], []),
+    ]:
+        k, v = dk.clone(), dv.clone()
+        ek = _zero_expected(k, bounds, False, batches, heads, 1, 3)
+        ev = _zero_expected(v, bounds, False, batches, heads, 1, 3)
+        store_zero_reference(k, v, batch_idx=batch_idx, head_idx=head_idx, row_start=1, row_end=3)
+        assert torch.equal(_bits(k), _bits(ek)) and torch.equal(_bits(v), _bits(ev))
+    # nothing selected: bitwise unchanged
+    k = dk.clone()
+    store_zero_reference(k, dv.clone(), batch_idx=[-1, 3])
+    assert torch.equal(_bits(k), _bits(dk))
+
+
+def test_store_zero_varlen_index_range_is_the_batch():
+    # in varlen the batch is cu_seqlens.numel() - 1, not dk.shape[0]
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+    dk = torch.ones(6, 1, 8).bfloat16()
+    dv = torch.ones(6, 1, 8).bfloat16()
+    store_zero_reference(dk, dv, cu_seqlens=cu, batch_idx=[2, 1])
+    assert dk[:, 0, 0].tolist() == [1, 1, 0, 0, 0, 1]
+    assert torch.equal(dk, dv)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -28,15 +28,15 @@ def bits(t):
     return t.view(torch.int16)
 
 
-def check_store(dk_buf, dv_buf, dk, dv, dk_accum, dv_accum, **seq):
+def check_store(dk_buf, dv_buf, dk, dv, dk_accum, dv_accum, store_kw=None, **seq):
     """Run the kernel on (dk, dv), views into canary-filled buffers, and compare each buffer
-    bitwise with the reference applied to a copy."""
+    bitwise with the reference applied to a copy. `store_kw` goes to fe.store only (e.g. _arch)."""
     expect_k, expect_v = dk_buf.clone(), dv_buf.clone()
     # the views of the copies at the same offsets and strides
     ek = expect_k.as_strided(dk.shape, dk.stride(), dk.storage_offset())
     ev = expect_v.as_strided(dv.shape, dv.stride(), dv.storage_offset())
     store_reference(dk_accum, dv_accum, ek, ev, **seq)
-    fe.store(dk_accum, dv_accum, dk, dv, **seq)
+    fe.store(dk_accum, dv_accum, dk, dv, **seq, **(store_kw or {}))
     torch.cuda.synchronize()
     assert torch.equal(bits(dk_buf), bits(expect_k)), _first_diff(dk_buf, expect_k)
     assert torch.equal(bits(dv_buf), bits(expect_v)), _first_diff(dv_buf, expect_v)

@@ -483,13 +483,22 @@ def test_default_is_cuda_device():
     ((10, 0), ("sm_90a",), "sm_100"),
     ((9, 0), ("sm_80",), "sm_90"),
 ])
-def test_wrong_capability(monkeypatch, cap, archs, got):
+def test_wrong_capability(monkeypatch, cap, archs, got):  # noqa: D103
     monkeypatch.setattr(V, "_is_cuda_device", lambda device: True)
     monkeypatch.setattr(V, "_device_capability", lambda device: cap)
     monkeypatch.setattr(V, "_compiled_archs", lambda: archs)
     with _raises("device", f"a GPU of compute capability sm_90 (compiled for {', '.join(archs)})",
                  f"cpu with compute capability {got}"):
         validate_store(*make())
+
+
+@pytest.mark.parametrize("cap", [(8, 0), (8, 6), (9, 0)])
+def test_sm80_build_runs_on_ampere_and_hopper(monkeypatch, cap):
+    # an "80;90a" build: sm_8x devices take the sm_80 path, sm_90 the sm_90a kernels
+    monkeypatch.setattr(V, "_is_cuda_device", lambda device: True)
+    monkeypatch.setattr(V, "_device_capability", lambda device: cap)
+    monkeypatch.setattr(V, "_compiled_archs", lambda: ("sm_80", "sm_90a"))
+    validate_store(*make())
 
 
 def test_check_order_earlier_errors_win():
@@ -565,3 +574,342 @@ def test_packed_outputs_that_share_no_element_are_accepted():
     V._check_no_overlap("store", "dv", rows[:, 5:], "dk", rows[:, :5])
     with _raises_re(r"dv: memory: expected no overlap with dk"):
         V._check_no_overlap("store", "dv", rows[:, 4:], "dk", rows[:, :5])
+
+
+# ---------------------------------------------------------------------------------------------
+# store_zero: validate_store_zero, check_index_contents, the wrapper's index conversion
+
+from flash_epilogue import ops as fe_ops  # noqa: E402
+from flash_epilogue.validation import check_index_contents, validate_store_zero  # noqa: E402
+
+
+def _zraises(arg, expected, got):
+    return _raises(arg, expected, got, op="store_zero")
+
+
+def zmake(b=2, s=16, h=4, d=64, dv=None, dtype=F16, device="cpu", varlen=False):
+    return make(b=b, s=s, h=h, d=d, dv=dv, dtype=dtype, device=device, varlen=varlen)[2:]
+
+
+def test_zero_valid_batched(sm90):
+    dk, dv = zmake(b=3, s=10, h=5, d=64, dv=32)
+    p = validate_store_zero(dk, dv)
+    assert p == StoreProblem(batch=3, seqlen=10, num_heads=5, head_dim=64, head_dim_v=32, dtype=F16,
+                             varlen=False, has_seqused=False, config=tile_config(64, 32), device=torch.device("cpu"))
+    # selections of any length, empty ones too; row_end == row_start (empty range) is fine
+    p = validate_store_zero(dk, dv, seqused=cu(1, 2, 3), batch_idx=cu(0, 0, 7, -1), head_idx=cu(),
+                            row_start=4, row_end=4)
+    assert p.has_seqused
+    validate_store_zero(dk, dv, batch_idx=cu(), head_idx=cu(3), row_start=0, row_end=0)
+    validate_store_zero(dk, dv, batch_idx=cu(1), row_start=5, row_end=None)
+
+
+def test_zero_valid_varlen_meta_and_empty(sm90):
+    dk, dv = zmake(b=2, s=8, h=3, d=192, dv=128, dtype=BF16, varlen=True)
+    p = validate_store_zero(dk, dv, cu_seqlens=cu(0, 5, 9, 16), seqused=cu(3, 4, 7), batch_idx=cu(2, 0))
+    assert (p.batch, p.seqlen, p.num_heads, p.head_dim, p.head_dim_v, p.varlen) == (3, 16, 3, 192, 128, True)
+    assert p.config == tile_config(192, 128)
+    dk, dv = zmake(device="meta", dtype=BF16)
+    p = validate_store_zero(dk, dv, batch_idx=torch.zeros(3, dtype=I32, device="meta"))
+    assert p.device == torch.device("meta")
+    e = torch.zeros(0, 4, 64, dtype=F16)
+    assert validate_store_zero(e, e.clone(), cu_seqlens=cu(0, 0)).seqlen == 0
+    assert validate_store_zero(*zmake(b=0)).batch == 0
+
+
+# a. tensors / b. dtypes
+
+
+@pytest.mark.parametrize("pos,name", [(0, "dk"), (1, "dv")])
+def test_zero_not_a_tensor(pos, name):
+    args = list(zmake())
+    args[pos] = None
+    with _zraises(name, "a torch.Tensor", "NoneType"):
+        validate_store_zero(*args)
+
+
+def test_zero_dtypes():
+    dk, dv = zmake()
+    with _zraises("dk: dtype", "torch.float16 or torch.bfloat16", "torch.float32"):
+        validate_store_zero(dk.float(), dv.float())
+    with _zraises("dv: dtype", "torch.float16 (the dtype of dk)", "torch.bfloat16"):
+        validate_store_zero(dk, dv.to(BF16))
+
+
+# c. rank / d. shapes / e. head dims
+
+
+def test_zero_rank():
+    dk, dv = zmake(b=1, s=8)
+    with _zraises("dk: rank", "4 dims (batch, seqlen, heads, headdim) because cu_seqlens is None",
+                  "3 dims, shape (8, 4, 64)"):
+        validate_store_zero(dk[0], dv[0])
+    with _zraises("dv: rank", "3 dims (total_tokens, heads, headdim) because cu_seqlens is given",
+                  "4 dims, shape (1, 8, 4, 64)"):
+        validate_store_zero(dk[0], dv, cu_seqlens=cu(0, 8))
+
+
+def test_zero_dv_leading_shape():
+    dk, dv = zmake(h=4, dv=32)
+    with _zraises("dv: shape", "(2, 16, 4, '*') (dk's shape but the last dim)", "(2, 15, 4, 32)"):
+        validate_store_zero(dk, dv[:, :15])
+
+
+def test_zero_head_dims():
+    with _zraises("dk: head dim", "a multiple of 8 in [8, 256]", "60"):
+        validate_store_zero(*zmake(d=60, dv=64))
+    with _zraises("dv: head dim", "a multiple of 8 in [8, 256]", "264"):
+        validate_store_zero(*zmake(d=64, dv=264))
+
+
+# f. g. strides / h. alignment / i. overlap
+
+
+def test_zero_strides():
+    dk, dv = zmake(s=4, h=2)
+    with _zraises("dv: stride(-1)", "1 (last dim contiguous)", "2 (strides (1024, 256, 128, 2))"):
+        validate_store_zero(dk, torch.zeros(2, 4, 2, 128, dtype=F16)[..., ::2])
+    with _zraises("dk: stride(2)", "a non-negative multiple of 8 elements (16 bytes)",
+                  "68 (shape (2, 4, 2, 64), strides (544, 136, 68, 1))"):
+        validate_store_zero(torch.zeros(2, 4, 2, 68, dtype=F16)[..., :64], dv)
+
+
+def test_zero_alignment():
+    dk, dv = zmake(s=4, h=2)
+    dv = torch.zeros(dv.numel() + 8, dtype=F16)[1:1 + dv.numel()].view(dv.shape)
+    ptr = dv.data_ptr()
+    with _zraises("dv: data_ptr", "a 16-byte aligned address", f"{ptr:#x} (address % 16 = {ptr % 16})"):
+        validate_store_zero(dk, dv)
+    dk, dv = zmake(s=4, h=2, device="meta")
+    dk = torch.zeros(dk.numel() + 8, dtype=F16, device="meta")[2:2 + dk.numel()].view(dk.shape)
+    with _zraises("dk: storage_offset", "a multiple of 16 bytes", "2 elements = 4 bytes"):
+        validate_store_zero(dk, dv)
+
+
+def test_zero_dk_dv_overlap(sm90):
+    base = torch.zeros(2, 4, 2, 128, dtype=F16)
+    with _raises_re(r"^flash_epilogue\.store_zero: dv: memory: expected no overlap with dk, "
+                    r"got bytes \[0x[0-9a-f]+, 0x[0-9a-f]+\) overlapping dk's \[0x[0-9a-f]+, 0x[0-9a-f]+\)$"):
+        validate_store_zero(base[..., :64], base[..., 32:96])
+    dk, _ = zmake(s=4, h=2, device="meta")
+    with _zraises("dv: memory", "no overlap with dk", "bytes [0x0, 0x800) overlapping dk's [0x0, 0x800)"):
+        validate_store_zero(dk, dk)
+    # packed dk/dv sharing no element: accepted (exact check)
+    validate_store_zero(base[..., :64], base[..., 64:])
+    kv = torch.zeros(2, 4, 2, 2, 64, dtype=F16)
+    validate_store_zero(kv[:, :, 0], kv[:, :, 1])
+
+
+@pytest.mark.parametrize("which", ["cu_seqlens", "seqused", "batch_idx", "head_idx"])
+def test_zero_output_overlaps_metadata(which):
+    dk, dv = zmake(b=2, s=4, h=2, varlen=True)
+    view = dk.view(I32).reshape(-1)
+    kw = {"cu_seqlens": cu(0, 4, 8), "seqused": cu(4, 4), "batch_idx": cu(1), "head_idx": cu(0, 1)}
+    kw[which] = view[:kw[which].numel()]
+    with _raises_re(rf"^flash_epilogue\.store_zero: dk: memory: expected no overlap with {which}, got bytes"):
+        validate_store_zero(dk, dv, **kw)
+
+
+# j. cu_seqlens / seqused, batch_idx / head_idx
+
+
+def test_zero_seqlens_meta():
+    dk, dv = zmake(b=2, s=4, h=2, varlen=True)
+    with _zraises("cu_seqlens: dtype", "torch.int32", "torch.int64"):
+        validate_store_zero(dk, dv, cu_seqlens=torch.tensor([0, 4, 8]))
+    with _zraises("seqused: numel", "2 (batch = cu_seqlens.numel() - 1)", "3"):
+        validate_store_zero(dk, dv, cu_seqlens=cu(0, 4, 8), seqused=cu(1, 2, 3))
+    with _zraises("seqused: numel", "2 (batch = dk.shape[0])", "1"):
+        validate_store_zero(*zmake(b=2), seqused=cu(1))
+
+
+@pytest.mark.parametrize("name", ["batch_idx", "head_idx"])
+def test_zero_index_not_tensor(name):
+    with _zraises(name, "a torch.Tensor", "list"):
+        validate_store_zero(*zmake(), **{name: [0, 1]})
+
+
+@pytest.mark.parametrize("name", ["batch_idx", "head_idx"])
+def test_zero_index_dtype(name):
+    with _zraises(f"{name}: dtype", "torch.int32", "torch.int64"):
+        validate_store_zero(*zmake(), **{name: torch.tensor([0, 1])})
+    with _zraises(f"{name}: dtype", "torch.int32", "torch.int16"):
+        validate_store_zero(*zmake(), **{name: torch.tensor([0], dtype=torch.int16)})
+
+
+@pytest.mark.parametrize("name", ["batch_idx", "head_idx"])
+def test_zero_index_rank(name):
+    with _zraises(f"{name}: rank", "1 dim", "0 dims, shape ()"):
+        validate_store_zero(*zmake(), **{name: torch.tensor(1, dtype=I32)})
+    with _zraises(f"{name}: rank", "1 dim", "2 dims, shape (1, 2)"):
+        validate_store_zero(*zmake(), **{name: cu(0, 1)[None]})
+
+
+@pytest.mark.parametrize("name", ["batch_idx", "head_idx"])
+def test_zero_index_contiguous(name):
+    with _zraises(f"{name}: stride(0)", "1 (contiguous)", "2"):
+        validate_store_zero(*zmake(), **{name: cu(0, 9, 1, 9)[::2]})
+    # a single element with any stride is contiguous enough
+    V._check_index_tensor("store_zero", name, cu(0, 9, 1)[::5], None)
+
+
+# k. row range
+
+
+def test_zero_row_start():
+    with _zraises("row_start", ">= 0", "-1"):
+        validate_store_zero(*zmake(), row_start=-1)
+    with _zraises("row_start", "an int", "float"):
+        validate_store_zero(*zmake(), row_start=1.0)
+    with _zraises("row_start", "an int", "bool"):
+        validate_store_zero(*zmake(), row_start=True)
+    with _zraises("row_start", "an int", "NoneType"):
+        validate_store_zero(*zmake(), row_start=None)
+
+
+def test_zero_row_end():
+    with _zraises("row_end", "None or >= row_start = 5", "4"):
+        validate_store_zero(*zmake(), row_start=5, row_end=4)
+    with _zraises("row_end", "None or >= row_start = 0", "-1"):
+        validate_store_zero(*zmake(), row_end=-1)
+    with _zraises("row_end", "None or an int", "float"):
+        validate_store_zero(*zmake(), row_end=3.0)
+
+
+# l. devices (last)
+
+
+def test_zero_devices():
+    with _zraises("dk: device", "a CUDA tensor", "a tensor on cpu"):
+        validate_store_zero(*zmake(), row_start=3)
+
+
+def test_zero_index_devices(monkeypatch, sm90):
+    meta = torch.zeros(1, dtype=I32, device="meta")
+    with _zraises("batch_idx: device", "cpu (the device of dk)", "meta"):
+        validate_store_zero(*zmake(), batch_idx=meta)
+    with _zraises("head_idx: device", "cpu (the device of dk)", "meta"):
+        validate_store_zero(*zmake(), batch_idx=cu(0), head_idx=meta)
+    monkeypatch.setattr(V, "_is_cuda_device", lambda device: device.type == "cpu")
+    with _zraises("head_idx: device", "a CUDA tensor", "a tensor on meta"):
+        validate_store_zero(*zmake(), head_idx=meta)
+
+
+def test_zero_no_kernels_compiled(monkeypatch):
+    monkeypatch.setattr(V, "_is_cuda_device", lambda device: True)
+    monkeypatch.setattr(V, "_compiled_archs", lambda: ())
+    with pytest.raises(FlashEpilogueBuildError, match=r"^flash_epilogue\.store_zero: the package was installed"):
+        validate_store_zero(*zmake())
+
+
+def test_zero_check_order():
+    dk, dv = zmake()
+    # dtype before rank; rank before head dim; head dim before strides
+    with _zraises("dk: dtype", "torch.float16 or torch.bfloat16", "torch.float32"):
+        validate_store_zero(dk.float()[0], dv)
+    with _zraises("dk: head dim", "a multiple of 8 in [8, 256]", "12"):
+        validate_store_zero(*zmake(d=12), batch_idx=[0])
+    # seqlens before selections, selections before the row range, the row range before devices
+    with _zraises("seqused: dtype", "torch.int32", "torch.int64"):
+        validate_store_zero(dk, dv, seqused=torch.tensor([1, 2]), batch_idx=[0], row_start=-1)
+    with _zraises("batch_idx: dtype", "torch.int32", "torch.int64"):
+        validate_store_zero(dk, dv, batch_idx=torch.tensor([0]), head_idx=[0], row_start=-1)
+    with _zraises("head_idx", "a torch.Tensor", "list"):
+        validate_store_zero(dk, dv, batch_idx=cu(0), head_idx=[0], row_start=-1)
+    with _zraises("row_start", ">= 0", "-1"):
+        validate_store_zero(dk, dv, row_start=-1, row_end=-5)
+
+
+def test_zero_op_name_in_message():
+    with _raises("dk", "a torch.Tensor", "int", op="my_zero"):
+        validate_store_zero(3, None, op="my_zero")
+
+
+# check_index_contents (host sync, only on request)
+
+
+def test_index_contents_valid():
+    check_index_contents("store_zero", "batch_idx", cu(0, 2, 2, 1), 3)
+    check_index_contents("store_zero", "head_idx", cu(), 0)
+    check_index_contents("store_zero", "head_idx", None, 4)
+
+
+def test_index_contents_out_of_range():
+    with _zraises("batch_idx[2]", "a value in [0, 3)", "3"):
+        check_index_contents("store_zero", "batch_idx", cu(0, 2, 3, -1), 3)
+    with _zraises("head_idx[1]", "a value in [0, 4) (the number of heads)", "-1"):
+        check_index_contents("store_zero", "head_idx", cu(0, -1), 4, limit_why="the number of heads")
+    with _zraises("batch_idx[0]", "a value in [0, 0) (the batch size)", "0"):
+        check_index_contents("store_zero", "batch_idx", cu(0), 0, limit_why="the batch size")
+
+
+# the wrapper: ints / sequences -> int32 tensors on dk's device; content checks on request
+
+
+def test_index_tensor_conversion():
+    conv = fe_ops._index_tensor
+    t = cu(1, 2)
+    assert conv("store_zero", "batch_idx", t, "cpu") is t  # passed through, no copy
+    assert conv("store_zero", "batch_idx", None, "cpu") is None
+    for value, want in [(3, [3]), ([0, 2, 2], [0, 2, 2]), ((1,), [1]), (range(3), [0, 1, 2]), ([], []),
+                        (-1, [-1]), ([2**31 - 1, -2**31], [2**31 - 1, -2**31])]:
+        got = conv("store_zero", "batch_idx", value, torch.device("cpu"))
+        assert got.dtype == I32 and got.dim() == 1 and got.device.type == "cpu" and got.tolist() == want
+    import numpy as np
+    assert conv("store_zero", "head_idx", np.int64(2), "cpu").tolist() == [2]
+    assert conv("store_zero", "head_idx", np.array([1, 0]), "cpu").tolist() == [1, 0]
+    assert conv("store_zero", "head_idx", [1], "meta").device.type == "meta"
+
+
+def test_index_conversion_errors():
+    conv = fe_ops._index_tensor
+    what = "None, an int, a sequence of ints or an int32 tensor"
+    with _zraises("batch_idx", what, "float"):
+        conv("store_zero", "batch_idx", 1.0, "cpu")
+    with _zraises("batch_idx", what, "bool"):
+        conv("store_zero", "batch_idx", True, "cpu")
+    with _zraises("head_idx", what, "str"):
+        conv("store_zero", "head_idx", "01", "cpu")
+    with _zraises("head_idx[1]", "an int", "float"):
+        conv("store_zero", "head_idx", [0, 1.5], "cpu")
+    with _zraises("head_idx[0]", "an int", "bool"):
+        conv("store_zero", "head_idx", [False], "cpu")
+    with _zraises("batch_idx[1]", "an int32 value in [-2147483648, 2147483647]", str(2**31)):
+        conv("store_zero", "batch_idx", [0, 2**31], "cpu")
+    with _zraises("batch_idx", "an int32 value in [-2147483648, 2147483647]", str(-2**31 - 1)):
+        conv("store_zero", "batch_idx", -2**31 - 1, "cpu")
+
+
+def test_store_zero_wrapper_checks(sm90):
+    import flash_epilogue as fe
+
+    dk, dv = zmake(b=2, s=8, h=3)
+    # metadata errors name the argument (ints/lists converted first)
+    with _zraises("batch_idx: dtype", "torch.int32", "torch.int64"):
+        fe.store_zero(dk, dv, batch_idx=torch.tensor([0]))
+    with _zraises("row_end", "None or >= row_start = 2", "1"):
+        fe.store_zero(dk, dv, batch_idx=[0, 1], head_idx=2, row_start=2, row_end=1)
+    with _zraises("head_idx[0]", "an int", "str"):
+        fe.store_zero(dk, dv, head_idx=["a"])
+    with _zraises("dk", "a torch.Tensor", "list"):
+        fe.store_zero([1], dv, batch_idx=[0])
+    # content checks, only on request (they raise before the op is called)
+    with _zraises("batch_idx[1]", "a value in [0, 2) (the batch size)", "2"):
+        fe.store_zero(dk, dv, batch_idx=[1, 2], check_inputs=True)
+    with _zraises("head_idx[0]", "a value in [0, 3) (the number of heads)", "-1"):
+        fe.store_zero(dk, dv, batch_idx=cu(0), head_idx=-1, check_inputs=True)
+    with _zraises("seqused[1]", "<= 8 (the static seqlen)", "9"):
+        fe.store_zero(dk, dv, seqused=cu(1, 9), batch_idx=[5], check_inputs=True)
+    dk, dv = zmake(b=2, s=4, h=1, varlen=True)
+    with _zraises("cu_seqlens[2]", ">= cu_seqlens[1] = 5 (non-decreasing)", "4"):
+        fe.store_zero(dk, dv, cu_seqlens=cu(0, 5, 4), check_inputs=True)
+    with _zraises("batch_idx[0]", "a value in [0, 2) (the batch size)", "7"):
+        fe.store_zero(dk, dv, cu_seqlens=cu(0, 5, 8), batch_idx=7, check_inputs=True)
+
+
+def test_store_zero_wrapper_env_switch(sm90, monkeypatch):
+    import flash_epilogue as fe
+
+    monkeypatch.setenv("FLASH_EPILOGUE_CHECK_INPUTS", "1")
+    with _zraises("batch_idx[0]", "a value in [0, 2) (the batch size)", "4"):
+        fe.store_zero(*zmake(), batch_idx=4)

@@ -2,5 +2,5 @@
 #include "store_launch_template.cuh"
 
 namespace flash_epilogue {
-template char const* launch_store<OutputDType::kFloat16, 192>(StoreLaunchArgs const&, cudaStream_t);
+template char const* launch_store<OutputDType::kFloat16, 192, 90>(StoreLaunchArgs const&, cudaStream_t);
 }  // namespace flash_epilogue

@@ -34,9 +34,30 @@ struct StoreLaunchArgs {
   bool use_tma = true;              // false: the predicated path (forced by cu_seqlens/seqused)
 };
 
-// Returns nullptr on success, else why the arguments cannot run (a launch error is left for
-// cudaGetLastError). Instantiated per (dtype, compiled head dim) in csrc/instantiations/.
-template <OutputDType kDType, int kHeadDim>
+// Zero the valid rows of selected sequences and heads, inside a row window.
+struct StoreZeroLaunchArgs {
+  TensorDesc dk, dv;                // 16-bit outputs
+  int rows = 0;                     // seqlen (batched) or total tokens (varlen)
+  int num_heads = 0;
+  int batch = 0;
+  int const* cu_seqlens = nullptr;  // device, (batch + 1,) or null
+  int const* seqused = nullptr;     // device, (batch,) or null
+  int const* batch_idx = nullptr;   // device, (num_batch_idx,): sequences to zero; null = all
+  int num_batch_idx = 0;
+  int const* head_idx = nullptr;    // device, (num_head_idx,): heads to zero; null = all
+  int num_head_idx = 0;
+  int row_begin = 0;                // window [row_begin, row_end) counted from each sequence's start
+  int row_end = 0;
+};
+
+// Each returns nullptr on success, else why the arguments cannot run (a launch error is left for
+// cudaGetLastError). Instantiated per (dtype, compiled head dim, arch path) in csrc/instantiations/;
+// kArch 90 is the sm_90 path (TMA when possible), 80 the sm_80 path (ArchTag Sm80 collectives,
+// also runnable on sm_90).
+template <OutputDType kDType, int kHeadDim, int kArch>
 char const* launch_store(StoreLaunchArgs const& args, cudaStream_t stream);
+
+template <OutputDType kDType, int kHeadDim, int kArch>
+char const* launch_store_zero(StoreZeroLaunchArgs const& args, cudaStream_t stream);
 
 }  // namespace flash_epilogue

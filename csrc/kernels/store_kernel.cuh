@@ -65,20 +65,21 @@ CUTLASS_DEVICE void load_accum_tile(Fragment& frag, ThrMma const& thr_mma, GmemT
   }
 }
 
-template <class Config_, class Element_, bool kVarlen_>
+template <class Config_, class Element_, class ArchTag_, bool kVarlen_>
 struct StoreKernel {
   using Config = Config_;
   using Element = Element_;
+  using ArchTag = ArchTag_;
   static constexpr bool kVarlen = kVarlen_;  // the predicated path (cu_seqlens and/or seqused)
   static constexpr int kBlockN = Config::kBlockN;
   static constexpr int kHeadDim = Config::kHeadDim;
   static constexpr int kNumThreads = Config::kNumThreads;
   static constexpr bool kSwapAB = Config::kSwapAB;
-  using TiledMmaConfig = BwdTiledMmaSm90<Config, Element>;
+  using TiledMmaConfig = BwdTiledMma<Config, Element, ArchTag>;
   using TiledMma = typename TiledMmaConfig::TiledMma;
   static_assert(cute::size(TiledMma{}) == kNumThreads, "the TiledMma must span exactly the epilogue threads");
   using TileShape_MNK = cute::Shape<cute::_64, cute::Int<kBlockN>, cute::Int<kHeadDim>>;
-  using Epilogue = CollectiveEpilogueBwd<TileShape_MNK, Element, cutlass::arch::Sm90, kNumThreads, kVarlen, kSwapAB,
+  using Epilogue = CollectiveEpilogueBwd<TileShape_MNK, Element, ArchTag, kNumThreads, kVarlen, kSwapAB,
                                          Config::kAtomLayoutKdKV>;
   using ShapeAccum = typename Epilogue::ShapedKV;  // (rows, d, head, batch)
   using StrideAccum = typename Epilogue::StridedKV;
@@ -128,10 +129,21 @@ struct StoreKernel {
   }
 };
 
+// One entry point for every driver (store, store_zero). An sm_90 kernel built into an sm_80 binary
+// (FLASH_EPILOGUE_CUDA_ARCHS="80;90a") compiles to an empty body there: it is never launched on
+// such a device, and its TMA/stmatrix code cannot be emitted for sm_80.
 template <class Kernel>
-__global__ void __launch_bounds__(Kernel::kNumThreads, 1) store_device_kernel(CUTE_GRID_CONSTANT typename Kernel::Params const params) {
+__global__ void __launch_bounds__(Kernel::kNumThreads, 1) epilogue_device_kernel(CUTE_GRID_CONSTANT typename Kernel::Params const params) {
   extern __shared__ __align__(1024) char smem[];
-  Kernel{}(params, smem);
+#if defined(__CUDA_ARCH__)
+  if constexpr (Kernel::ArchTag::kMinComputeCapability >= 90) {
+#if __CUDA_ARCH__ >= 900
+    Kernel{}(params, smem);
+#endif
+  } else {
+    Kernel{}(params, smem);
+  }
+#endif
 }
 
 }  // namespace flash_epilogue

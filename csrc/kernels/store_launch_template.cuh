@@ -31,11 +31,14 @@ cudaError_t set_smem_limit_once(KernelFn kernel, int smem_bytes) {
   return err;
 }
 
-template <class Element, int kHeadDim, bool kVarlen>
+template <int kArch>
+using arch_tag_of = std::conditional_t<kArch >= 90, cutlass::arch::Sm90, cutlass::arch::Sm80>;
+
+template <class Element, int kHeadDim, class ArchTag, bool kVarlen>
 char const* launch_store_variant(StoreLaunchArgs const& args, cudaStream_t stream) {
   using namespace cute;
-  using Config = BwdTileConfig<kHeadDim, cutlass::arch::Sm90>;
-  using Kernel = StoreKernel<Config, Element, kVarlen>;
+  using Config = BwdTileConfig<kHeadDim, ArchTag>;
+  using Kernel = StoreKernel<Config, Element, ArchTag, kVarlen>;
   using Epilogue = typename Kernel::Epilogue;
   bool const is_varlen = args.cu_seqlens != nullptr;
   int const batch_extent = is_varlen ? 1 : args.batch;
@@ -59,20 +62,24 @@ char const* launch_store_variant(StoreLaunchArgs const& args, cudaStream_t strea
                                   : (args.rows + Config::kBlockN - 1) / Config::kBlockN;
   dim3 const grid(num_tiles, args.num_heads, batch_extent);
   if (num_tiles == 0 || args.num_heads == 0 || batch_extent == 0) { return nullptr; }
-  auto kernel = store_device_kernel<Kernel>;
+  auto kernel = epilogue_device_kernel<Kernel>;
   int const smem_bytes = Kernel::kSharedStorageSize;
   if (set_smem_limit_once(kernel, smem_bytes) != cudaSuccess) { return nullptr; }  // reported by cudaGetLastError
   kernel<<<grid, Kernel::kNumThreads, smem_bytes, stream>>>(params);
   return nullptr;
 }
 
-template <OutputDType kDType, int kHeadDim>
+template <OutputDType kDType, int kHeadDim, int kArch>
 char const* launch_store(StoreLaunchArgs const& args, cudaStream_t stream) {
   using Element = element_of<kDType>;
-  if (args.use_tma && args.cu_seqlens == nullptr && args.seqused == nullptr) {
-    return launch_store_variant<Element, kHeadDim, /*kVarlen=*/false>(args, stream);
+  using ArchTag = arch_tag_of<kArch>;
+  // sm_80 has no TMA: its collective always takes the predicated path.
+  if constexpr (kArch >= 90) {
+    if (args.use_tma && args.cu_seqlens == nullptr && args.seqused == nullptr) {
+      return launch_store_variant<Element, kHeadDim, ArchTag, /*kVarlen=*/false>(args, stream);
+    }
   }
-  return launch_store_variant<Element, kHeadDim, /*kVarlen=*/true>(args, stream);
+  return launch_store_variant<Element, kHeadDim, ArchTag, /*kVarlen=*/true>(args, stream);
 }
 
 }  // namespace flash_epilogue

@@ -13,10 +13,20 @@
 //   256      | 80      | 256     | yes        | 1              | 2
 //
 // With dKV_swapAB the MMA computes dK^T: its C fragment covers a (kHeadDim, kBlockN) tile.
+//
+// sm_80 (the Ampere fallback: 8 warps of the 16x8x16 fp32-accumulate MMA, 256 threads):
+//   head dim | kBlockN | dKV_swapAB | warp grid
+//   64       | 128     | no         | 4 x 2 over (N, D)
+//   96       | 128     | no         | 4 x 2 over (N, D)
+//   128      | 128     | no         | 2 x 4 over (N, D)
+//   192      | 80      | yes        | 4 x 2 over (D, N)
+//   256      | 64      | no         | 2 x 4 over (N, D)
 
 #include <cute/tensor.hpp>
 #include <cute/atom/mma_atom.hpp>
+#include <cute/arch/mma_sm80.hpp>
 #include <cute/arch/mma_sm90.hpp>
+#include <cute/atom/mma_traits_sm80.hpp>
 #include <cutlass/arch/arch.h>
 
 namespace flash_epilogue {
@@ -66,5 +76,49 @@ struct BwdTiledMmaSm90 {
                                                cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>,
                                                cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>>>;
 };
+
+template <int kHeadDim_, int kBlockN_, bool kSwapAB_, int kAtomLayoutNdKV_>
+struct BwdTileConfigSm80Base {
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kNumThreads = 256;
+  static constexpr bool kSwapAB = kSwapAB_;
+  static constexpr int kAtomLayoutNdKV = kAtomLayoutNdKV_;  // warps along N
+  static constexpr int kNumWarps = kNumThreads / 32;
+  static constexpr int kAtomLayoutKdKV = 1;  // only shapes the sm_90 TMA smem atom
+  static_assert(kNumWarps % kAtomLayoutNdKV == 0, "AtomLayoutNdKV must divide the warp count");
+};
+
+template <> struct BwdTileConfig<64, cutlass::arch::Sm80> : BwdTileConfigSm80Base<64, 128, false, 4> {};
+template <> struct BwdTileConfig<96, cutlass::arch::Sm80> : BwdTileConfigSm80Base<96, 128, false, 4> {};
+template <> struct BwdTileConfig<128, cutlass::arch::Sm80> : BwdTileConfigSm80Base<128, 128, false, 2> {};
+template <> struct BwdTileConfig<192, cutlass::arch::Sm80> : BwdTileConfigSm80Base<192, 80, true, 2> {};
+template <> struct BwdTileConfig<256, cutlass::arch::Sm80> : BwdTileConfigSm80Base<256, 64, false, 2> {};
+
+// The dK/dV TiledMma of FA3's sm_80 mainloop: the 16x8x16 MMA atom tiled over 8 warps, each warp
+// grid dimension covering 16 rows/columns per warp.
+template <class Config, class Element>
+struct BwdTiledMmaSm80 {
+  static constexpr int kBlockN = Config::kBlockN;
+  static constexpr int kHeadDim = Config::kHeadDim;
+  static constexpr int kAtomN = Config::kAtomLayoutNdKV;
+  static constexpr int kAtomOther = Config::kNumWarps / kAtomN;
+  using MmaAtom = std::conditional_t<std::is_same_v<Element, cutlass::half_t>, cute::SM80_16x8x16_F32F16F16F32_TN,
+                                     cute::SM80_16x8x16_F32BF16BF16F32_TN>;
+  using AtomLayout = std::conditional_t<!Config::kSwapAB,
+                                        cute::Layout<cute::Shape<cute::Int<kAtomN>, cute::Int<kAtomOther>, cute::_1>>,
+                                        cute::Layout<cute::Shape<cute::Int<kAtomOther>, cute::Int<kAtomN>, cute::_1>>>;
+  using TiledMma = decltype(cute::make_tiled_mma(
+      cute::MMA_Atom<MmaAtom>{}, AtomLayout{},
+      cute::Tile<cute::Int<16 * cute::size<0>(AtomLayout{})>, cute::Int<16 * cute::size<1>(AtomLayout{})>, cute::_16>{}));
+  using FragmentTileShape = std::conditional_t<!Config::kSwapAB,
+                                               cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>,
+                                               cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>>>;
+};
+
+// The TiledMma config of an arch: BwdTiledMma<Config, Element, Sm90 or Sm80>.
+template <class Config, class Element, class ArchTag>
+using BwdTiledMma = std::conditional_t<ArchTag::kMinComputeCapability >= 90, BwdTiledMmaSm90<Config, Element>,
+                                       BwdTiledMmaSm80<Config, Element>>;
 
 }  // namespace flash_epilogue

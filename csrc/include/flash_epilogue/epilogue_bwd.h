@@ -24,6 +24,8 @@
 //   * dK and dV may have different head dims (d, dv <= kHeadDim): each has its own shape,
 //     stride and TMA descriptor; the tile is sized for kHeadDim = max(d, dv).
 
+#include <climits>
+
 #include <cute/tensor.hpp>
 #include <cute/atom/copy_atom.hpp>
 #include <cute/atom/copy_traits_sm90_tma.hpp>
@@ -244,8 +246,21 @@ struct CollectiveEpilogueBwd {
 
     // Every epilogue warp is done with whatever last lived in this shared memory.
     named_barrier_sync(NumEpilogueThreads, BarrierId);
-    cute::copy(smem_tiled_copy_dKV, taccdVrdV, taccdVsdV);
-    cute::copy(smem_tiled_copy_dKV, taccdKrdK, taccdKsdK);
+    if constexpr (decltype(size(tdKrdK))::value * NumEpilogueThreads <= kBlockN * kHeadDim) {
+      cute::copy(smem_tiled_copy_dKV, taccdVrdV, taccdVsdV);
+      cute::copy(smem_tiled_copy_dKV, taccdKrdK, taccdKsdK);
+    } else {
+      // The TiledMma's tile does not divide (kBlockN, kHeadDim) (FA3's sm_80 hdim-192 config: N = 80
+      // in steps of 32), so the fragment has padding elements whose smem address lies outside the
+      // tile. Copy element by element, only those inside.
+      auto tile_shape = cute::conditional_return<!dKV_swapAB>(select<1, 2>(TileShape_MNK{}), select<2, 1>(TileShape_MNK{}));
+      Tensor taccdKVcdKV = smem_thr_copy_dKV.partition_D(make_identity_tensor(tile_shape));
+      Tensor tdKVpdKV = make_tensor<bool>(shape(taccdKVcdKV));
+#pragma unroll
+      for (int i = 0; i < size(tdKVpdKV); ++i) { tdKVpdKV(i) = elem_less(taccdKVcdKV(i), tile_shape); }
+      cute::copy_if(tdKVpdKV, taccdVrdV, taccdVsdV);
+      cute::copy_if(tdKVpdKV, taccdKrdK, taccdKsdK);
+    }
 
     if constexpr (Use_TMA) {
       cutlass::arch::fence_view_async_shared();  // generic-proxy smem writes -> visible to TMA
@@ -282,13 +297,20 @@ struct CollectiveEpilogueBwd {
   CUTLASS_DEVICE void store_tail() const {}
 
   // Zeros to the valid rows and columns of tile (n_block, head, batch), through the predicated
-  // path whatever Varlen is (no shared memory, no barrier).
+  // path whatever Varlen is (no shared memory, no barrier). Optionally only the rows of the tile
+  // inside [row_begin, row_end), counted from the sequence's start (so callers can zero a row
+  // range that does not align to kBlockN).
   CUTLASS_DEVICE void store_zero(Params const& params, int thread_idx,
-                                 cute::tuple<int32_t, int32_t, int32_t> const& block_coord) const {
+                                 cute::tuple<int32_t, int32_t, int32_t> const& block_coord, int row_begin = 0,
+                                 int row_end = INT_MAX) const {
     using namespace cute;
     auto [n_block, bidh, bidb] = block_coord;
     SeqlenInfo<kBlockN> const seqlen_info{bidb, get<0>(params.shape_dK), params.cu_seqlens, params.seqused};
-    int const valid_rows = seqlen_info.valid_rows(n_block, get<0>(params.shape_dK));
+    int const tile_start = n_block * kBlockN;
+    int const first_row = row_begin - tile_start;  // tile-relative window
+    int const end_row = row_end - tile_start;
+    int const valid_rows = cute::min(seqlen_info.valid_rows(n_block, get<0>(params.shape_dK)), end_row);
+    if (valid_rows <= 0 || first_row >= valid_rows) { return; }
     Tensor gdK = tile_of(params.ptr_dK, params.shape_dK, params.stride_dK, params, seqlen_info, block_coord);  // (BLK_N, BLK_D)
     Tensor gdV = tile_of(params.ptr_dV, params.shape_dV, params.stride_dV, params, seqlen_info, block_coord);  // (BLK_N, BLK_D)
 
@@ -299,8 +321,10 @@ struct CollectiveEpilogueBwd {
     Tensor tdKVrZero = make_fragment_like(tdKVgdK);
     clear(tdKVrZero);
     Tensor tdKVcdKV = gmem_thr_copy_dKV.partition_D(make_identity_tensor(select<1, 2>(TileShape_MNK{})));
-    copy_predicated(gmem_tiled_copy_dKV, tdKVrZero, tdKVgdK, tdKVcdKV, column_predicate(tdKVcdKV, get<1>(params.shape_dK)), valid_rows);
-    copy_predicated(gmem_tiled_copy_dKV, tdKVrZero, tdKVgdV, tdKVcdKV, column_predicate(tdKVcdKV, get<1>(params.shape_dV)), valid_rows);
+    copy_predicated(gmem_tiled_copy_dKV, tdKVrZero, tdKVgdK, tdKVcdKV, column_predicate(tdKVcdKV, get<1>(params.shape_dK)),
+                    valid_rows, first_row);
+    copy_predicated(gmem_tiled_copy_dKV, tdKVrZero, tdKVgdV, tdKVcdKV, column_predicate(tdKVcdKV, get<1>(params.shape_dV)),
+                    valid_rows, first_row);
   }
 
  private:

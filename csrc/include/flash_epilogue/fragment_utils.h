@@ -24,14 +24,15 @@ CUTLASS_DEVICE void convert_fragment(cute::Tensor<EngineIn, LayoutIn> const& src
       converter(*reinterpret_cast<cutlass::Array<From, kNumel> const*>(src.data()));
 }
 
-// Tiled copy of a (CPY, CPY_M, CPY_K) partition, writing only rows with coordinate < max_rows and
-// column blocks whose predicate is set. `identity` is the same partition of an identity tensor,
-// giving each element's (row, col) in the tile. With kCheckRows = false every row is copied
-// (the caller knows the tile is full).
+// Tiled copy of a (CPY, CPY_M, CPY_K) partition, writing only rows with coordinate in
+// [min_rows, max_rows) and column blocks whose predicate is set. `identity` is the same partition
+// of an identity tensor, giving each element's (row, col) in the tile. With kCheckRows = false
+// every row is copied (the caller knows the tile is full).
 template <bool kCheckRows = true, class TiledCopy, class SrcTensor, class DstTensor, class IdentityTensor,
           class ColPredTensor>
 CUTLASS_DEVICE void copy_predicated(TiledCopy const& tiled_copy, SrcTensor const& src, DstTensor&& dst,
-                                    IdentityTensor const& identity, ColPredTensor const& col_pred, int max_rows) {
+                                    IdentityTensor const& identity, ColPredTensor const& col_pred, int max_rows,
+                                    int min_rows = 0) {
   using namespace cute;
   CUTE_STATIC_ASSERT_V(rank(src) == Int<3>{});
   CUTE_STATIC_ASSERT_V(rank(dst) == Int<3>{});
@@ -40,7 +41,8 @@ CUTLASS_DEVICE void copy_predicated(TiledCopy const& tiled_copy, SrcTensor const
   CUTE_STATIC_ASSERT_V(size<2>(src) == size(col_pred));
 #pragma unroll
   for (int m = 0; m < size<1>(src); ++m) {
-    if (!kCheckRows || get<0>(identity(_0{}, m, _0{})) < max_rows) {
+    int const row = get<0>(identity(_0{}, m, _0{}));
+    if (!kCheckRows || (row >= min_rows && row < max_rows)) {
 #pragma unroll
       for (int k = 0; k < size<2>(src); ++k) {
         if (col_pred(k)) { cute::copy(tiled_copy, src(_, m, k), dst(_, m, k)); }
