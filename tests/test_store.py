@@ -178,3 +178,52 @@ def test_torch_ops_backstop_rejects_bad_input():
     # the process is healthy afterwards
     torch.ops.flash_epilogue.store(acc, acc, out, out.clone())
     torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("arch", [0, 80])
+@pytest.mark.parametrize("cu,used", [
+    ([0, 100, 100000], None),        # last entry past the token count
+    ([0, 250, 300], [400, 60]),      # seqused longer than its segment and than the tensor
+    ([-500, 100, 200], None),        # negative start
+    ([0, 300, 100], None),           # decreasing
+])
+def test_store_bad_metadata_unchecked_stays_inside_the_tensor(cu, used, arch):
+    # contents are not checked by default (no host sync); the kernels clamp every row range to the
+    # tensor, so whatever lands inside, nothing outside the tensor's memory may change
+    total, h, d = 300, 2, 128
+    buf_k, buf_v = canary_buffer((total + 64, h, d), torch.bfloat16), canary_buffer((total + 64, h, d), torch.bfloat16)
+    dk, dv = buf_k[32 : 32 + total], buf_v[32 : 32 + total]
+    before_k, before_v = buf_k.clone(), buf_v.clone()
+    seq = {"cu_seqlens": torch.tensor(cu, dtype=torch.int32, device="cuda")}
+    if used is not None:
+        seq["seqused"] = torch.tensor(used, dtype=torch.int32, device="cuda")
+    acc = fresh_accum((total, h, d))
+    fe.store(acc, acc, dk, dv, **seq, check_inputs=False, _arch=arch)
+    fe.store_zero(dk, dv, **seq, check_inputs=False, _arch=arch)
+    torch.cuda.synchronize()
+    for buf, before in ((buf_k, before_k), (buf_v, before_v)):
+        assert torch.equal(bits(buf[:32]), bits(before[:32]))
+        assert torch.equal(bits(buf[32 + total :]), bits(before[32 + total :]))
+    with pytest.raises(fe.FlashEpilogueInputError, match="cu_seqlens|seqused"):
+        fe.store(acc, acc, dk, dv, **seq, check_inputs=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_store_varlen_all_sequences_empty(dtype):
+    total, h, d = 200, 2, 64
+    cu = torch.zeros(5, dtype=torch.int32, device="cuda")
+    dk_buf, dv_buf = canary_buffer((total, h, d), dtype), canary_buffer((total, h, d), dtype)
+    check_store(dk_buf, dv_buf, dk_buf, dv_buf, fresh_accum((total, h, d)), fresh_accum((total, h, d)), cu_seqlens=cu)
+    assert torch.equal(bits(dk_buf), bits(canary_buffer((total, h, d), dtype)))
+
+
+@pytest.mark.parametrize("arch", [0, 80])
+@pytest.mark.parametrize("d,dv", [(192, 128), (64, 256), (136, 72)])
+def test_store_varlen_dv_differs_from_d(d, dv, arch):
+    lens = [0, 1, 95, 96, 97, 300]
+    cu = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32).cuda()
+    total, h = int(cu[-1]) + 3, 3
+    used = torch.tensor([max(0, x - 7) for x in lens], dtype=torch.int32, device="cuda")
+    dk_buf, dv_buf = canary_buffer((total, h, d), torch.bfloat16), canary_buffer((total, h, dv), torch.bfloat16)
+    check_store(dk_buf, dv_buf, dk_buf, dv_buf, fresh_accum((total, h, d)), fresh_accum((total, h, dv)),
+                store_kw={"_arch": arch}, cu_seqlens=cu, seqused=used)
