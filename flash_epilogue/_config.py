@@ -20,6 +20,11 @@ class TileConfig:
     num_threads: int  # epilogue (MMA) threads per CTA
     swap_ab: bool  # dKV_swapAB: the MMA computes dK^T, the fragment is (head_dim, block_n)
     atom_layout_n: int  # AtomLayoutNdKV: warpgroups along N (along D when swap_ab)
+    accum_tile_elems: int = 0  # floats per tile in the GQA accumulator (the C fragment, padding included)
+
+    def __post_init__(self):
+        if self.accum_tile_elems == 0:
+            object.__setattr__(self, "accum_tile_elems", self.block_n * self.head_dim)
 
 
 # sm_90 configurations (SPEC.md table), the only arch compiled by default.
@@ -37,7 +42,8 @@ SM80_CONFIGS = {
     64: TileConfig(64, 128, 256, False, 4),
     96: TileConfig(96, 128, 256, False, 4),
     128: TileConfig(128, 128, 256, False, 2),
-    192: TileConfig(192, 80, 256, True, 2),
+    # FA3's sm_80 hdim-192 TiledMma covers N in steps of 32: its fragment pads N = 80 to 96
+    192: TileConfig(192, 80, 256, True, 2, accum_tile_elems=96 * 192),
     256: TileConfig(256, 64, 256, False, 2),
 }
 

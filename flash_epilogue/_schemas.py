@@ -18,6 +18,17 @@ SCHEMAS = {
     "Tensor? cu_seqlens=None, Tensor? seqused=None, int _arch=0) -> ()",
     "store_zero": "store_zero(Tensor(a!) dk, Tensor(b!) dv, *, Tensor? cu_seqlens=None, Tensor? seqused=None, "
     "Tensor? batch_idx=None, Tensor? head_idx=None, int row_start=0, int? row_end=None, int _arch=0) -> ()",
+    # GQA. Accumulators are fp32 (batch_extent, h_k, num_tiles, tile_elems) in the fragment order of
+    # the dK/dV TiledMma (opaque); semaphores are an int32 workspace, zeroed by the op itself.
+    "gqa_accumulate": "gqa_accumulate(Tensor dk_partial, Tensor dv_partial, Tensor(a!) dk_accum, Tensor(b!) dv_accum, "
+    "Tensor(c!)? semaphores=None, *, Tensor? cu_seqlens=None, Tensor? seqused=None, bool deterministic=False, "
+    "int _arch=0) -> ()",
+    "gqa_postprocess": "gqa_postprocess(Tensor dk_accum, Tensor dv_accum, Tensor(a!) dk, Tensor(b!) dv, *, "
+    "float scale_dk=1.0, float scale_dv=1.0, Tensor? cu_seqlens=None, Tensor? seqused=None, int _arch=0) -> ()",
+    "gqa_accum_to_dense": "gqa_accum_to_dense(Tensor accum, Tensor(a!) out, *, Tensor? cu_seqlens=None, "
+    "Tensor? seqused=None, int _arch=0) -> ()",
+    "gqa_reduce": "gqa_reduce(Tensor dk_partial, Tensor? dv_partial, Tensor(a!) dk, Tensor(b!)? dv, *, "
+    "Tensor? cu_seqlens=None, Tensor? seqused=None, float scale_dk=1.0, float scale_dv=1.0, int _arch=0) -> ()",
 }
 
 _fallback_library = None
