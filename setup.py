@@ -92,7 +92,8 @@ else:
         *gencode,
         *defines,
     ]
-    sources = ["csrc/bindings.cpp", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc/instantiations").glob("*.cu"))]
+    sources = ["csrc/bindings.cpp", "csrc/kernels/config_table.cu",
+               *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc/instantiations").glob("*.cu"))]
     ext_modules.append(
         CUDAExtension(
             name="flash_epilogue._C",

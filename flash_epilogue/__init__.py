@@ -4,6 +4,12 @@
     flash_epilogue.store(dk_fp32, dv_fp32, dk_bf16, dv_bf16)    # or torch.ops.flash_epilogue.store
     flash_epilogue.store_zero(dk_bf16, dv_bf16, batch_idx=[1])   # zero the valid rows of sequence 1
 
+    # GQA: per-query-head fp32 partials -> KV-head dK/dV
+    acc = flash_epilogue.gqa_accumulator(h_k, d, batch=b, seqlen=s, device="cuda")
+    flash_epilogue.gqa_accumulate(dk_partial, dv_partial, acc)   # as many calls as chunks
+    flash_epilogue.gqa_postprocess(acc, dk_bf16, dv_bf16, scale_dk=scale)
+    dk_bf16 = flash_epilogue.gqa_reduce(dk_partial, num_heads_kv=h_k)   # or all at once
+
 The C++ collectives are a header library: see `get_include()`.
 """
 from __future__ import annotations
@@ -13,7 +19,8 @@ __version__ = "0.1.0"
 from . import reference
 from ._config import COMPILED_HEAD_DIMS, TileConfig, tile_config
 from ._extension import UNAVAILABLE_REASON, compiled_archs
-from .ops import store, store_zero
+from .gqa import GQAAccumulator, gqa_accumulator
+from .ops import gqa_accumulate, gqa_postprocess, gqa_reduce, store, store_zero
 from .validation import FlashEpilogueBuildError, FlashEpilogueInputError
 
 
@@ -38,6 +45,11 @@ def get_include() -> list[str]:
 __all__ = [
     "store",
     "store_zero",
+    "GQAAccumulator",
+    "gqa_accumulator",
+    "gqa_accumulate",
+    "gqa_postprocess",
+    "gqa_reduce",
     "reference",
     "tile_config",
     "TileConfig",

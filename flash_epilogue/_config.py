@@ -59,3 +59,27 @@ def tile_config(d: int, dv: int | None = None, arch: int = 90) -> TileConfig:
         if width <= hd:
             return configs[hd]
     raise ValueError(f"head dim {width} exceeds the largest compiled head dim {COMPILED_HEAD_DIMS[-1]}")
+
+
+def gqa_accum_shape(batch: int, rows: int, num_heads_kv: int, d: int, dv: int | None = None, *, arch: int = 90,
+                    varlen: bool = False) -> tuple[int, int, int, int]:
+    """Shape (batch_extent, h_k, num_tiles, tile_elems) of each GQA accumulator (dK's and dV's agree).
+
+    The tile is the C fragment of the config serving max(d, dv) on `arch` (90, or 80 for the sm_80
+    path). Batched: one tile row per (batch, ceil(seqlen / kBlockN) tiles), `rows` = seqlen.
+    Varlen (`rows` = total tokens, `batch` = cu_seqlens.numel() - 1): batch_extent 1 and
+    (total + batch * kBlockN) // kBlockN tiles, enough for every sequence to start at its
+    kBlockN-aligned offset_padded = ((cu_seqlens[b] + b * kBlockN) // kBlockN) * kBlockN.
+    """
+    cfg = tile_config(d, dv, arch)
+    n = cfg.block_n
+    if varlen:
+        return (1, num_heads_kv, (rows + batch * n) // n, cfg.accum_tile_elems)
+    return (batch, num_heads_kv, -(-rows // n), cfg.accum_tile_elems)
+
+
+def gqa_semaphore_numel(accum_shape: tuple[int, ...]) -> int:
+    """int32 entries of the deterministic-mode workspace of accumulators of `accum_shape`: one
+    counter for dK and one for dV per (tile, KV head), plus one for the kernel's own use (a ticket)."""
+    batch_extent, num_heads_kv, num_tiles = accum_shape[0], accum_shape[1], accum_shape[2]
+    return 2 * batch_extent * num_tiles * num_heads_kv + 1

@@ -25,7 +25,7 @@ SCHEMAS = {
     "int _arch=0) -> ()",
     "gqa_postprocess": "gqa_postprocess(Tensor dk_accum, Tensor dv_accum, Tensor(a!) dk, Tensor(b!) dv, *, "
     "float scale_dk=1.0, float scale_dv=1.0, Tensor? cu_seqlens=None, Tensor? seqused=None, int _arch=0) -> ()",
-    "gqa_accum_to_dense": "gqa_accum_to_dense(Tensor accum, Tensor(a!) out, *, Tensor? cu_seqlens=None, "
+    "gqa_accum_to_dense": "gqa_accum_to_dense(Tensor accum, Tensor(a!) out, *, int head_dim, Tensor? cu_seqlens=None, "
     "Tensor? seqused=None, int _arch=0) -> ()",
     "gqa_reduce": "gqa_reduce(Tensor dk_partial, Tensor? dv_partial, Tensor(a!) dk, Tensor(b!)? dv, *, "
     "Tensor? cu_seqlens=None, Tensor? seqused=None, float scale_dk=1.0, float scale_dv=1.0, int _arch=0) -> ()",

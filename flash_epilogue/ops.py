@@ -16,8 +16,9 @@ import torch
 
 from . import _extension  # noqa: F401 (defines the ops, or their fallbacks)
 from . import validation
+from .gqa import GQAAccumulator
 
-__all__ = ["store", "store_zero"]
+__all__ = ["store", "store_zero", "gqa_accumulate", "gqa_postprocess", "gqa_reduce"]
 
 
 def _want_content_checks(check_inputs: Optional[bool]) -> bool:
@@ -166,4 +167,246 @@ def _register_fake_if_defined(qualname: str):
 @_register_fake_if_defined("flash_epilogue::store_zero")
 def _store_zero_fake(dk, dv, *, cu_seqlens=None, seqused=None, batch_idx=None, head_idx=None, row_start=0,
                      row_end=None, _arch=0) -> None:
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# GQA: accumulate per-query-head partials into a GQAAccumulator, postprocess it; one-call reduce
+
+
+def _check_acc(op: str, acc) -> None:
+    if not isinstance(acc, GQAAccumulator):
+        validation._fail(op, "acc", "a flash_epilogue.GQAAccumulator (from flash_epilogue.gqa_accumulator)",
+                         type(acc).__name__)
+
+
+def _check_acc_matches(op: str, acc: GQAAccumulator, problem: validation.GQAProblem, *, k_name: str,
+                       v_name: Optional[str]) -> None:
+    """The accumulator was sized for this problem (its tensors' shapes are checked by the
+    validator; here the ints that tensors of the same shape can still disagree on)."""
+    layout = "varlen (cu_seqlens given)" if problem.varlen else "batched (cu_seqlens None)"
+    if acc.varlen != problem.varlen:
+        validation._fail(op, "acc.varlen", f"{problem.varlen}: the call's layout is {layout}", acc.varlen)
+    batch_why = "cu_seqlens.numel() - 1" if problem.varlen else f"{k_name}.shape[0]"
+    if acc.batch != problem.batch:
+        validation._fail(op, "acc.batch", f"{problem.batch} ({batch_why})", acc.batch)
+    rows_why = f"{k_name}.shape[0], the total tokens" if problem.varlen else f"{k_name}.shape[1], the seqlen"
+    if acc.rows != problem.seqlen:
+        validation._fail(op, "acc.rows", f"{problem.seqlen} ({rows_why})", acc.rows)
+    if acc.head_dim != problem.head_dim:
+        validation._fail(op, "acc.head_dim", f"{problem.head_dim} ({k_name}.shape[-1])", acc.head_dim)
+    if v_name is not None and acc.head_dim_v != problem.head_dim_v:
+        validation._fail(op, "acc.head_dim_v", f"{problem.head_dim_v} ({v_name}.shape[-1])", acc.head_dim_v)
+
+
+def _content_checks(check_inputs, op: str, problem, cu_seqlens, seqused) -> None:
+    if _want_content_checks(check_inputs):
+        validation.check_seqlens_contents(cu_seqlens, seqused, total=problem.seqlen,
+                                          seqlen_static=None if problem.varlen else problem.seqlen, op=op)
+
+
+def gqa_accumulate(
+    dk_partial: torch.Tensor,
+    dv_partial: torch.Tensor,
+    acc: GQAAccumulator,
+    *,
+    deterministic: Optional[bool] = None,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    seqused: Optional[torch.Tensor] = None,
+    check_inputs: Optional[bool] = None,
+) -> None:
+    """Add per-query-head fp32 dK/dV partials into the GQA accumulator ``acc``, in place.
+
+    ``dk_partial``/``dv_partial``: fp32 (batch, seqlen, h_q, d) / (batch, seqlen, h_q, dv), or
+    varlen (total_tokens, h_q, d) with ``cu_seqlens``; last dim contiguous, other strides multiples
+    of 16 bytes. h_q must be a multiple of ``acc.num_heads_kv``: query head j belongs to KV head
+    j // (h_q / h_k), and each KV head's accumulator receives the sum of its group over the valid
+    rows (rows past ``seqused`` add nothing). Callable many times into the same accumulator
+    (chunks of tokens, KV blocks, context-parallel steps): each call carries whole groups.
+
+    ``deterministic`` (default: ``torch.are_deterministic_algorithms_enabled()``): bitwise
+    reproducible, ``acc + p_0 + p_1 + ... + p_{g-1}`` in fp32 in head order; needs an accumulator
+    allocated with ``deterministic=True``. Otherwise the group is added in any order (fp32
+    reassociation only).
+    """
+    op = "gqa_accumulate"
+    _check_acc(op, acc)
+    if deterministic is None:
+        deterministic = torch.are_deterministic_algorithms_enabled()
+        why = "torch.are_deterministic_algorithms_enabled() is True"
+    else:
+        why = "deterministic=True"
+    if deterministic is True and acc.semaphores is None:
+        validation._fail(op, "acc.semaphores",
+                         f"an int32 workspace because {why}: allocate the accumulator with "
+                         "flash_epilogue.gqa_accumulator(..., deterministic=True) (or pass deterministic=False)",
+                         "None (allocated with deterministic=False)")
+    semaphores = acc.semaphores if deterministic is True else None
+    problem = validation.validate_gqa_accumulate(dk_partial, dv_partial, acc.dk_accum, acc.dv_accum, semaphores,
+                                                 cu_seqlens, seqused, deterministic=deterministic, _arch=acc.arch,
+                                                 op=op)
+    _check_acc_matches(op, acc, problem, k_name="dk_partial", v_name="dv_partial")
+    _content_checks(check_inputs, op, problem, cu_seqlens, seqused)
+    torch.ops.flash_epilogue.gqa_accumulate(dk_partial, dv_partial, acc.dk_accum, acc.dv_accum, semaphores,
+                                            cu_seqlens=cu_seqlens, seqused=seqused, deterministic=deterministic,
+                                            _arch=acc.arch)
+
+
+def gqa_postprocess(
+    acc: GQAAccumulator,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    *,
+    scale_dk: float = 1.0,
+    scale_dv: float = 1.0,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    seqused: Optional[torch.Tensor] = None,
+    check_inputs: Optional[bool] = None,
+) -> None:
+    """Write the accumulator to dk/dv (bf16 or fp16), in place: ``(accum * scale).to(dtype)``
+    (fp32 multiply by the scale rounded to fp32, then round to nearest even).
+
+    dk/dv: (batch, seqlen, h_k, d) / (..., dv), or varlen (total_tokens, h_k, d) with
+    ``cu_seqlens``; layouts and strides as for :func:`store`. Only the valid rows are written
+    (rows past ``seqused``, padding between sequences and everything else stay untouched). The
+    accumulator is not changed: call ``acc.reset()`` before reusing it.
+    """
+    op = "gqa_postprocess"
+    _check_acc(op, acc)
+    problem = validation.validate_gqa_postprocess(acc.dk_accum, acc.dv_accum, dk, dv, cu_seqlens, seqused,
+                                                  scale_dk=scale_dk, scale_dv=scale_dv, _arch=acc.arch, op=op)
+    _check_acc_matches(op, acc, problem, k_name="dk", v_name="dv")
+    _content_checks(check_inputs, op, problem, cu_seqlens, seqused)
+    torch.ops.flash_epilogue.gqa_postprocess(acc.dk_accum, acc.dv_accum, dk, dv, scale_dk=float(scale_dk),
+                                             scale_dv=float(scale_dv), cu_seqlens=cu_seqlens, seqused=seqused,
+                                             _arch=acc.arch)
+
+
+def _accum_to_dense(acc: GQAAccumulator, *, cu_seqlens=None, seqused=None,
+                    check_inputs=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """GQAAccumulator.to_dense: decode both accumulators through gqa_accum_to_dense into new
+    zero-filled fp32 tensors (rows outside the valid rows stay 0)."""
+    op = "gqa_accum_to_dense"
+    _check_acc(op, acc)
+    if acc.varlen and cu_seqlens is None:
+        validation._fail(op, "cu_seqlens", "the int32 cu_seqlens the varlen accumulator was filled with", "None")
+    if not acc.varlen and cu_seqlens is not None:
+        validation._fail(op, "cu_seqlens", "None for an accumulator of the batched layout", "a tensor")
+    head_dim = max(acc.head_dim, acc.head_dim_v)  # names the tile config
+    outs = []
+    for accum, d in ((acc.dk_accum, acc.head_dim), (acc.dv_accum, acc.head_dim_v)):
+        out = torch.zeros(acc.dense_shape(d), dtype=torch.float32, device=accum.device)
+        problem = validation.validate_gqa_accum_to_dense(accum, out, cu_seqlens, seqused, head_dim=head_dim,
+                                                         _arch=acc.arch, op=op)
+        if problem.batch != acc.batch:
+            validation._fail(op, "acc.batch", f"{problem.batch} (cu_seqlens.numel() - 1)", acc.batch)
+        if not outs:
+            _content_checks(check_inputs, op, problem, cu_seqlens, seqused)
+        torch.ops.flash_epilogue.gqa_accum_to_dense(accum, out, head_dim=head_dim, cu_seqlens=cu_seqlens,
+                                                    seqused=seqused, _arch=acc.arch)
+        outs.append(out)
+    return outs[0], outs[1]
+
+
+def _reduce_outputs(op: str, dk_partial, dv_partial, num_heads_kv, varlen: bool, out, out_dtype):
+    """(dk, dv) for gqa_reduce: `out` unpacked, or new tensors (batch, seqlen, h_k, d) / varlen
+    (total, h_k, d) of `out_dtype` (default: the partials' dtype if 16-bit, else bfloat16)."""
+    if not validation._is_int(num_heads_kv) or num_heads_kv < 1:
+        validation._fail(op, "num_heads_kv", "a positive int", num_heads_kv)
+    if out_dtype is not None and out_dtype not in validation.HALF_DTYPES:
+        validation._fail(op, "out_dtype", "None, torch.float16 or torch.bfloat16", out_dtype)
+    if out is not None:
+        if isinstance(out, torch.Tensor):
+            if dv_partial is not None:
+                validation._fail(op, "out", "a (dk, dv) pair because dv_partial is given", "a torch.Tensor")
+            dk, dv = out, None
+        elif isinstance(out, (tuple, list)) and len(out) == 2:
+            dk, dv = out
+        else:
+            validation._fail(op, "out", "None, a tensor (dk) or a (dk, dv) pair",
+                             f"a {type(out).__name__}" + (f" of length {len(out)}" if isinstance(out, (tuple, list))
+                                                          else ""))
+        if out_dtype is not None and isinstance(dk, torch.Tensor) and dk.dtype != out_dtype:
+            validation._fail(op, "out_dtype", f"None or {dk.dtype} (the dtype of out)", out_dtype)
+        return dk, dv
+    outputs = []
+    for name, partial in (("dk_partial", dk_partial), ("dv_partial", dv_partial)):
+        if partial is None:
+            outputs.append(None)
+            continue
+        validation._check_tensor(op, name, partial)
+        validation._check_rank(op, name, partial, varlen)
+        h_q = partial.shape[-2]
+        if h_q < 1 or h_q % num_heads_kv != 0:
+            validation._fail(op, "num_heads_kv", f"a divisor of the {h_q} query heads ({name}.shape[-2])",
+                             num_heads_kv)
+        dtype = out_dtype
+        if dtype is None:
+            dtype = partial.dtype if partial.dtype in validation.HALF_DTYPES else torch.bfloat16
+        shape = tuple(partial.shape[:-2]) + (num_heads_kv, partial.shape[-1])
+        outputs.append(torch.empty(shape, dtype=dtype, device=partial.device))
+    return outputs[0], outputs[1]
+
+
+def gqa_reduce(
+    dk_partial: torch.Tensor,
+    dv_partial: Optional[torch.Tensor] = None,
+    *,
+    num_heads_kv: int,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    seqused: Optional[torch.Tensor] = None,
+    out: Union[None, torch.Tensor, tuple] = None,
+    out_dtype: Optional[torch.dtype] = None,
+    scale_dk: float = 1.0,
+    scale_dv: float = 1.0,
+    check_inputs: Optional[bool] = None,
+    _arch: int = 0,
+):
+    """Sum each group of query-head partials into dK (and dV) in one call: deterministic.
+
+    ``dk_partial`` (and ``dv_partial``, optional): fp32, bf16 or fp16 (batch, seqlen, h_q, d) or
+    varlen (total_tokens, h_q, d) with ``cu_seqlens``; any strides with the last dim contiguous
+    and the others multiples of 16 bytes (a (batch, h_q, seqlen, d) tensor is passed as
+    ``.transpose(1, 2)``). For every KV head k < ``num_heads_kv`` the output is
+    ``(0 + p_{k*g} + p_{k*g+1} + ... + p_{k*g+g-1}) * scale`` summed in fp32 in head order, then
+    rounded to the output dtype (g = h_q / num_heads_kv).
+
+    ``out``: None (new tensors (batch, seqlen, num_heads_kv, d) of ``out_dtype``, default the
+    partials' dtype if 16-bit, else bfloat16; rows outside the valid rows are left uninitialized),
+    dk, or a (dk, dv) pair (bf16/fp16, any strides as for :func:`store`). Only the valid rows are
+    written. Returns dk, or (dk, dv) when dv_partial is given.
+    """
+    op = "gqa_reduce"
+    varlen = cu_seqlens is not None
+    dk, dv = _reduce_outputs(op, dk_partial, dv_partial, num_heads_kv, varlen, out, out_dtype)
+    problem = validation.validate_gqa_reduce(dk_partial, dv_partial, dk, dv, cu_seqlens, seqused, scale_dk=scale_dk,
+                                             scale_dv=scale_dv, _arch=_arch, op=op)
+    if problem.num_heads_kv != num_heads_kv:
+        validation._fail(op, "num_heads_kv", f"{problem.num_heads_kv} (the heads of out: dk.shape[-2])", num_heads_kv)
+    _content_checks(check_inputs, op, problem, cu_seqlens, seqused)
+    torch.ops.flash_epilogue.gqa_reduce(dk_partial, dv_partial, dk, dv, cu_seqlens=cu_seqlens, seqused=seqused,
+                                        scale_dk=float(scale_dk), scale_dv=float(scale_dv), _arch=_arch)
+    return dk if dv_partial is None else (dk, dv)
+
+
+@_register_fake_if_defined("flash_epilogue::gqa_accumulate")
+def _gqa_accumulate_fake(dk_partial, dv_partial, dk_accum, dv_accum, semaphores=None, *, cu_seqlens=None,
+                         seqused=None, deterministic=False, _arch=0) -> None:
+    return None
+
+
+@_register_fake_if_defined("flash_epilogue::gqa_postprocess")
+def _gqa_postprocess_fake(dk_accum, dv_accum, dk, dv, *, scale_dk=1.0, scale_dv=1.0, cu_seqlens=None, seqused=None,
+                          _arch=0) -> None:
+    return None
+
+
+@_register_fake_if_defined("flash_epilogue::gqa_accum_to_dense")
+def _gqa_accum_to_dense_fake(accum, out, *, head_dim, cu_seqlens=None, seqused=None, _arch=0) -> None:
+    return None
+
+
+@_register_fake_if_defined("flash_epilogue::gqa_reduce")
+def _gqa_reduce_fake(dk_partial, dv_partial, dk, dv, *, cu_seqlens=None, seqused=None, scale_dk=1.0, scale_dv=1.0,
+                     _arch=0) -> None:
     return None

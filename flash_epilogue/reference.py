@@ -25,6 +25,7 @@ __all__ = [
     "store_zero_reference",
     "gqa_reduce_reference",
     "gqa_reduce_sequential_fp32",
+    "gqa_accumulate_reference",
 ]
 
 
@@ -149,19 +150,26 @@ def _group_view(partial: torch.Tensor, num_heads_kv: int) -> torch.Tensor:
 
 def gqa_reduce_reference(partial: torch.Tensor, num_heads_kv: int, *, out_dtype: Optional[torch.dtype] = None,
                          cu_seqlens=None, seqused=None, scale: float = 1.0,
-                         out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                         out: Optional[torch.Tensor] = None, sequential: bool = False) -> torch.Tensor:
     """Sum each group of query heads in fp64, multiply by ``scale``, cast to ``out_dtype``.
 
     ``partial`` is ``(batch, seqlen, h_q, d)`` or varlen ``(total, h_q, d)``. Only the valid
     rows are written: into ``out`` when given (everything else untouched; ``out_dtype``
     defaults to ``out.dtype``), else into a new zero-filled ``(..., h_k, d)`` tensor.
+
+    ``sequential=True``: the kernel's arithmetic instead, bit for bit: the fp32 sum of
+    :func:`gqa_reduce_sequential_fp32` (0 + p_0 + ... + p_{g-1}, times the scale rounded to fp32),
+    then rounded to ``out_dtype`` (nearest even).
     """
     if out_dtype is None:
         if out is None:
             raise ValueError("gqa_reduce_reference: give out_dtype or out")
         out_dtype = out.dtype
-    grouped = _group_view(partial, num_heads_kv)
-    reduced = (grouped.to(torch.float64).sum(dim=-2) * float(scale)).to(out_dtype)
+    if sequential:
+        reduced = gqa_reduce_sequential_fp32(partial, num_heads_kv, scale).to(out_dtype)
+    else:
+        grouped = _group_view(partial, num_heads_kv)
+        reduced = (grouped.to(torch.float64).sum(dim=-2) * float(scale)).to(out_dtype)
     if out is None:
         out = torch.zeros(reduced.shape, dtype=out_dtype, device=partial.device)
     else:
@@ -190,3 +198,44 @@ def gqa_reduce_sequential_fp32(partial: torch.Tensor, num_heads_kv: int, scale: 
     for g in range(grouped.shape[-2]):
         acc = acc + grouped[..., g, :]
     return acc * torch.tensor(float(scale), dtype=torch.float32, device=partial.device)
+
+
+def gqa_accumulate_reference(dk_partial: torch.Tensor, dv_partial: Optional[torch.Tensor],
+                             dk_dense: torch.Tensor, dv_dense: Optional[torch.Tensor], *, num_heads_kv: int,
+                             cu_seqlens=None, seqused=None, sequential: bool = True) -> None:
+    """In place: add each group of query-head partials into dense accumulators, valid rows only.
+
+    ``dk_partial``/``dv_partial``: ``(batch, seqlen, h_q, d)`` or varlen ``(total, h_q, d)``;
+    ``dk_dense``/``dv_dense``: the same with ``num_heads_kv`` heads, ``(batch, seqlen, h_k, d)`` /
+    ``(total, h_k, d)`` (what ``GQAAccumulator.to_dense`` returns). Query head j belongs to KV
+    head j // (h_q / h_k). Rows outside the valid rows are not touched. A None partial (with a
+    None dense) is skipped.
+
+    ``sequential=True`` (fp32 dense only): what deterministic ``gqa_accumulate`` computes, bit for
+    bit: ``dense = ((dense + p_0) + p_1) + ... + p_{g-1}`` in fp32. ``sequential=False``: the group
+    sum in fp64 added to the dense values (use fp64 dense tensors for an exact-enough oracle).
+    """
+    for partial, dense, name in ((dk_partial, dk_dense, "dk"), (dv_partial, dv_dense, "dv")):
+        if partial is None and dense is None:
+            continue
+        if partial is None or dense is None:
+            raise ValueError(f"{name}_partial and {name}_dense: give both or neither")
+        grouped = _group_view(partial, num_heads_kv)
+        want = tuple(grouped.shape[:-2]) + (grouped.shape[-1],)
+        if tuple(dense.shape) != want:
+            raise ValueError(f"{name}_dense has shape {tuple(dense.shape)}, expected {want}")
+        if sequential and dense.dtype != torch.float32:
+            raise ValueError(f"sequential=True adds in fp32: {name}_dense must be float32, got {dense.dtype}")
+        batch, extent, varlen = _layout(partial, cu_seqlens)
+        for b, (start, length) in enumerate(sequence_bounds(batch, extent, cu_seqlens, seqused)):
+            if length == 0:
+                continue
+            src = _rows(grouped, varlen, b, start, start + length)  # (rows, h_k, g, d)
+            dst = _rows(dense, varlen, b, start, start + length)
+            if sequential:
+                acc = dst.clone()
+                for g in range(src.shape[-2]):
+                    acc = acc + src[..., g, :].to(torch.float32)
+            else:
+                acc = (dst.to(torch.float64) + src.to(torch.float64).sum(dim=-2)).to(dense.dtype)
+            dst.copy_(acc)

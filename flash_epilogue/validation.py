@@ -15,19 +15,26 @@ monkeypatch to reach them with CPU tensors.
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import NoReturn, Optional, Sequence
 
 import torch
 
-from ._config import HEAD_DIM_MULTIPLE, MAX_HEAD_DIM, TileConfig, tile_config
+from ._config import HEAD_DIM_MULTIPLE, MAX_HEAD_DIM, TileConfig, gqa_accum_shape, gqa_semaphore_numel, tile_config
 
 __all__ = [
     "FlashEpilogueInputError",
     "FlashEpilogueBuildError",
     "StoreProblem",
+    "GQAProblem",
     "validate_store",
     "validate_store_zero",
+    "validate_gqa_accumulate",
+    "validate_gqa_postprocess",
+    "validate_gqa_accum_to_dense",
+    "validate_gqa_reduce",
+    "resolve_arch",
     "check_seqlens_contents",
     "check_index_contents",
     "normalized_strides",
@@ -63,6 +70,28 @@ class StoreProblem:
     has_seqused: bool
     config: TileConfig
     device: torch.device
+
+
+@dataclass(frozen=True)
+class GQAProblem:
+    batch: int  # number of sequences (cu_seqlens.numel() - 1 in varlen)
+    seqlen: int  # static seqlen, or the total token count in varlen
+    num_heads_kv: int  # h_k
+    num_heads_q: Optional[int]  # h_q (None for the ops that see only KV heads: postprocess, accum_to_dense)
+    head_dim: int  # d (accum_to_dense: the width of out)
+    head_dim_v: int  # dv (accum_to_dense: the width of out)
+    dtype: torch.dtype  # the outputs' dtype (float32 for accumulate and accum_to_dense)
+    varlen: bool
+    has_seqused: bool
+    arch: int  # the code path the accumulator layout belongs to: 90, or 80 (0 resolved for the device)
+    config: TileConfig
+    accum_shape: Optional[tuple[int, int, int, int]]  # (batch_extent, h_k, num_tiles, tile_elems); None for reduce
+    device: torch.device
+
+    @property
+    def group(self) -> Optional[int]:
+        """Query heads per KV head (None when the op sees no query heads)."""
+        return None if self.num_heads_q is None else self.num_heads_q // max(self.num_heads_kv, 1)
 
 
 # --------------------------------------------------------------------------------------------
@@ -284,11 +313,11 @@ def _is_int(v) -> bool:
     return isinstance(v, (int, torch.SymInt)) and not isinstance(v, bool)
 
 
-def _check_seqlens_meta(op: str, cu_seqlens, seqused, batch_dim: int) -> int:
+def _check_seqlens_meta(op: str, cu_seqlens, seqused, batch_dim: int, batch_name: str = "dk") -> int:
     """Metadata checks of cu_seqlens/seqused; returns the batch size.
 
-    ``batch_dim`` is dk.shape[0] in the batched layout; ignored in varlen (cu_seqlens given),
-    where the batch is cu_seqlens.numel() - 1 (at least 1).
+    ``batch_dim`` is ``batch_name``.shape[0] in the batched layout; ignored in varlen (cu_seqlens
+    given), where the batch is cu_seqlens.numel() - 1 (at least 1).
     """
     if cu_seqlens is not None:
         _check_tensor(op, "cu_seqlens", cu_seqlens)
@@ -303,7 +332,7 @@ def _check_seqlens_meta(op: str, cu_seqlens, seqused, batch_dim: int) -> int:
         why = "batch = cu_seqlens.numel() - 1"
     else:
         batch = batch_dim
-        why = "batch = dk.shape[0]"
+        why = f"batch = {batch_name}.shape[0]"
     if seqused is not None:
         _check_index_tensor(op, "seqused", seqused, batch, why)
     return batch
@@ -504,3 +533,341 @@ def check_index_contents(op: str, name: str, t, limit: int, *, limit_why: Option
     for i, v in enumerate(int(v) for v in t.reshape(-1).tolist()):
         if not 0 <= v < limit:
             _fail(op, f"{name}[{i}]", expected, v)
+
+
+# --------------------------------------------------------------------------------------------
+# GQA: accumulate, postprocess, accum_to_dense, reduce
+
+GQA_ARCHS = (0, 80, 90)  # `_arch`: 0 = the device's own path
+_ACCUM_DIMS = "(batch_extent, heads_kv, num_tiles, tile_elems)"
+
+
+def _check_arch_value(op: str, arch) -> None:
+    if not _is_int(arch) or int(arch) not in GQA_ARCHS:
+        _fail(op, "_arch", "0 (the device's path), 80 or 90", arch)
+
+
+def resolve_arch(device: Optional[torch.device], requested: int = 0) -> int:
+    """The code path (90 or 80) an op runs for `requested` (0, 80 or 90) on `device`.
+
+    0 picks the device's own path: 80 on an sm_8x GPU, 90 otherwise (sm_90; also for devices that
+    are not CUDA devices, which the device checks reject later).
+    """
+    if requested:
+        return int(requested)
+    if device is not None and _is_cuda_device(device):
+        try:
+            major, _ = _device_capability(device)
+        except Exception:  # noqa: BLE001 (a device we cannot query: the device checks say why)
+            return 90
+        return 80 if major == 8 else 90
+    return 90
+
+
+def _check_arch_device(op: str, device: torch.device, requested: int) -> None:
+    """`_arch` = 90 needs an sm_90 GPU (the sm_80 path runs on both)."""
+    if int(requested) == 90 and _is_cuda_device(device):
+        major, minor = _device_capability(device)
+        if (major, minor) not in SUPPORTED_CAPABILITIES:
+            _fail(op, "_arch", f"0 or 80 on {device} (compute capability sm_{major}{minor})", requested)
+
+
+def _check_scale(op: str, name: str, v) -> None:
+    if isinstance(v, bool) or not isinstance(v, (numbers.Real, torch.SymInt, torch.SymFloat)):
+        _fail(op, name, "a float", type(v).__name__)
+
+
+def _check_accum_rank(op: str, name: str, t: torch.Tensor) -> None:
+    if t.dim() != 4:
+        _fail(op, f"{name}: rank", f"4 dims {_ACCUM_DIMS}", f"{t.dim()} dims, shape {_shape(t)}")
+
+
+def _check_group(op: str, q_name: str, h_q: int, kv_name: str, h_k: int, kv_src: str) -> None:
+    """h_k >= 1 and h_q a positive multiple of h_k (query head j belongs to KV head j // (h_q / h_k))."""
+    if h_k < 1:
+        _fail(op, f"{kv_name}: heads", f">= 1 ({kv_src}, the number of KV heads)", h_k)
+    if h_q < 1 or h_q % h_k != 0:
+        _fail(op, f"{q_name}: heads",
+              f"a positive multiple of the {h_k} KV heads ({kv_src}): every KV head serves h_q / h_k query heads",
+              f"{h_q} query heads ({q_name}.shape[-2])")
+
+
+def _accum_why(batch: int, rows: int, h_k: int, d: int, dv: int, arch: int, varlen: bool) -> str:
+    what = (f"{batch} sequences of {rows} total tokens" if varlen else f"batch {batch}, seqlen {rows}")
+    return (f"the accumulator of {what}, {h_k} KV heads, head dims ({d}, {dv}) on the sm_{arch} path: "
+            "allocate it with flash_epilogue.gqa_accumulator")
+
+
+def _check_accum_shape(op: str, name: str, t: torch.Tensor, expected: tuple, why: str) -> None:
+    if _shape(t) != tuple(expected):
+        _fail(op, f"{name}: shape", f"{tuple(expected)} ({why})", _shape(t))
+
+
+def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def _check_contiguous(op: str, name: str, t: torch.Tensor) -> None:
+    if t.numel() > 0 and not t.is_contiguous():
+        _fail(op, f"{name}: strides", f"{_contiguous_strides(_shape(t))} (contiguous)", t.stride())
+
+
+def _check_reduced_shape(op: str, name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
+    """t is ref with another number of heads (dim -2): (..., h_k, d) against (..., h_q, d)."""
+    if t.shape[:-2] != ref.shape[:-2] or t.shape[-1] != ref.shape[-1]:
+        _fail(op, f"{name}: shape", f"{_shape(ref)[:-2] + ('*',) + _shape(ref)[-1:]} ({ref_name}'s shape but the heads dim)",
+              _shape(t))
+
+
+def _check_no_overlaps(op: str, written: Sequence[tuple[str, Optional[torch.Tensor]]],
+                       read: Sequence[tuple[str, Optional[torch.Tensor]]]) -> None:
+    """No written tensor shares an element with another written one or with a read one."""
+    written = [(n, t) for n, t in written if t is not None]
+    read = [(n, t) for n, t in read if t is not None]
+    for i, (name, t) in enumerate(written):
+        for other_name, other in written[:i]:
+            _check_no_overlap(op, name, t, other_name, other)
+    for name, t in written:
+        for other_name, other in read:
+            _check_no_overlap(op, name, t, other_name, other)
+
+
+def validate_gqa_accumulate(dk_partial, dv_partial, dk_accum, dv_accum, semaphores=None, cu_seqlens=None,
+                            seqused=None, *, deterministic: bool = False, _arch: int = 0,
+                            op: str = "gqa_accumulate") -> GQAProblem:
+    """Validate the arguments of ``gqa_accumulate`` (metadata only, no sync); returns the problem.
+
+    Partials: fp32 (batch, seqlen, h_q, d) / varlen (total, h_q, d), dv_partial with its own head
+    dim; h_k = dk_accum.shape[1] divides h_q. Accumulators: fp32, contiguous, both of the shape
+    :func:`gqa_accum_shape` gives. Semaphores (required when ``deterministic``): int32, 1-D,
+    contiguous, :func:`gqa_semaphore_numel` entries.
+    """
+    partials = (("dk_partial", dk_partial), ("dv_partial", dv_partial))
+    accums = (("dk_accum", dk_accum), ("dv_accum", dv_accum))
+    four = partials + accums
+    varlen = cu_seqlens is not None
+
+    for name, t in four:  # a
+        _check_tensor(op, name, t)
+    if semaphores is not None:
+        _check_tensor(op, "semaphores", semaphores)
+    if not isinstance(deterministic, bool):
+        _fail(op, "deterministic", "a bool", type(deterministic).__name__)
+    _check_arch_value(op, _arch)
+    for name, t in four:  # b
+        _check_dtype(op, name, t, ACCUM_DTYPES)
+    for name, t in partials:  # c
+        _check_rank(op, name, t, varlen)
+    for name, t in accums:
+        _check_accum_rank(op, name, t)
+    _check_same_leading_shape(op, "dv_partial", dv_partial, "dk_partial", dk_partial)  # d
+    d, dv_dim = int(dk_partial.shape[-1]), int(dv_partial.shape[-1])
+    _check_head_dim(op, "dk_partial", d)
+    _check_head_dim(op, "dv_partial", dv_dim)
+    h_q, h_k = int(dk_partial.shape[-2]), int(dk_accum.shape[1])
+    _check_group(op, "dk_partial", h_q, "dk_accum", h_k, "dk_accum.shape[1]")
+    batch = int(_check_seqlens_meta(op, cu_seqlens, seqused, dk_partial.shape[0], "dk_partial"))  # j
+    rows = int(dk_partial.shape[0] if varlen else dk_partial.shape[1])
+    arch = resolve_arch(dk_partial.device, _arch)
+    expected = gqa_accum_shape(batch, rows, h_k, d, dv_dim, arch=arch, varlen=varlen)
+    why = _accum_why(batch, rows, h_k, d, dv_dim, arch, varlen)
+    for name, t in accums:
+        _check_accum_shape(op, name, t, expected, why)
+    for name, t in partials:  # f, g
+        _check_last_stride(op, name, t)
+    for name, t in partials:
+        _check_strides(op, name, t)
+    for name, t in accums:
+        _check_contiguous(op, name, t)
+    for name, t in four:  # h
+        _check_alignment(op, name, t)
+    numel = gqa_semaphore_numel(expected)
+    if semaphores is None and deterministic:
+        _fail(op, "semaphores", f"an int32 tensor of >= {numel} entries because deterministic=True "
+              "(allocate the accumulator with flash_epilogue.gqa_accumulator(..., deterministic=True))", "None")
+    if semaphores is not None:
+        _check_index_tensor(op, "semaphores", semaphores, None)
+        if semaphores.numel() < numel:
+            _fail(op, "semaphores: numel",
+                  f">= {numel} (2 * batch_extent * num_tiles * heads_kv + 1 for accumulators of shape {expected})",
+                  semaphores.numel())
+    seqlens = (("cu_seqlens", cu_seqlens), ("seqused", seqused))
+    _check_no_overlaps(op, accums + (("semaphores", semaphores),), partials + seqlens)  # i
+    device = _check_devices(op, four + (("semaphores", semaphores),) + seqlens)  # k
+    _check_arch_device(op, device, _arch)
+
+    return GQAProblem(batch=batch, seqlen=rows, num_heads_kv=h_k, num_heads_q=h_q, head_dim=d, head_dim_v=dv_dim,
+                      dtype=torch.float32, varlen=varlen, has_seqused=seqused is not None, arch=arch,
+                      config=tile_config(d, dv_dim, arch), accum_shape=expected, device=device)
+
+
+def validate_gqa_postprocess(dk_accum, dv_accum, dk, dv, cu_seqlens=None, seqused=None, *, scale_dk=1.0,
+                             scale_dv=1.0, _arch: int = 0, op: str = "gqa_postprocess") -> GQAProblem:
+    """Validate the arguments of ``gqa_postprocess`` (metadata only, no sync); returns the problem.
+
+    dk/dv as the outputs of ``store`` (bf16/fp16, (batch, seqlen, h_k, d) / varlen (total, h_k, d),
+    dv with its own head dim); the accumulators as for ``gqa_accumulate``, for dk/dv's problem.
+    """
+    accums = (("dk_accum", dk_accum), ("dv_accum", dv_accum))
+    outputs = (("dk", dk), ("dv", dv))
+    four = accums + outputs
+    varlen = cu_seqlens is not None
+
+    for name, t in four:  # a
+        _check_tensor(op, name, t)
+    _check_scale(op, "scale_dk", scale_dk)
+    _check_scale(op, "scale_dv", scale_dv)
+    _check_arch_value(op, _arch)
+    for name, t in accums:  # b
+        _check_dtype(op, name, t, ACCUM_DTYPES)
+    _check_dtype(op, "dk", dk, HALF_DTYPES)
+    _check_same_dtype(op, "dv", dv, "dk", dk)
+    for name, t in accums:  # c
+        _check_accum_rank(op, name, t)
+    for name, t in outputs:
+        _check_rank(op, name, t, varlen)
+    _check_same_leading_shape(op, "dv", dv, "dk", dk)  # d
+    d, dv_dim = int(dk.shape[-1]), int(dv.shape[-1])
+    _check_head_dim(op, "dk", d)
+    _check_head_dim(op, "dv", dv_dim)
+    h_k = int(dk.shape[-2])
+    batch = int(_check_seqlens_meta(op, cu_seqlens, seqused, dk.shape[0], "dk"))  # j
+    rows = int(dk.shape[0] if varlen else dk.shape[1])
+    arch = resolve_arch(dk.device, _arch)
+    expected = gqa_accum_shape(batch, rows, h_k, d, dv_dim, arch=arch, varlen=varlen)
+    why = _accum_why(batch, rows, h_k, d, dv_dim, arch, varlen)
+    for name, t in accums:
+        _check_accum_shape(op, name, t, expected, why)
+    for name, t in outputs:  # f, g
+        _check_last_stride(op, name, t)
+    for name, t in outputs:
+        _check_strides(op, name, t)
+    for name, t in accums:
+        _check_contiguous(op, name, t)
+    for name, t in four:  # h
+        _check_alignment(op, name, t)
+    seqlens = (("cu_seqlens", cu_seqlens), ("seqused", seqused))
+    _check_no_overlaps(op, outputs, accums + seqlens)  # i
+    device = _check_devices(op, four + seqlens)  # k
+    _check_arch_device(op, device, _arch)
+
+    return GQAProblem(batch=batch, seqlen=rows, num_heads_kv=h_k, num_heads_q=None, head_dim=d, head_dim_v=dv_dim,
+                      dtype=dk.dtype, varlen=varlen, has_seqused=seqused is not None, arch=arch,
+                      config=tile_config(d, dv_dim, arch), accum_shape=expected, device=device)
+
+
+def validate_gqa_accum_to_dense(accum, out, cu_seqlens=None, seqused=None, *, head_dim: int, _arch: int = 0,
+                                op: str = "gqa_accum_to_dense") -> GQAProblem:
+    """Validate the arguments of ``gqa_accum_to_dense`` (metadata only, no sync); returns the problem.
+
+    ``head_dim``: max(d, dv) of the accumulator (it names the tile config); out: fp32
+    (batch, seqlen, h_k, w) / varlen (total, h_k, w) with w <= head_dim.
+    """
+    both = (("accum", accum), ("out", out))
+    varlen = cu_seqlens is not None
+
+    for name, t in both:  # a
+        _check_tensor(op, name, t)
+    if not _is_int(head_dim):
+        _fail(op, "head_dim", "an int", type(head_dim).__name__)
+    _check_arch_value(op, _arch)
+    for name, t in both:  # b
+        _check_dtype(op, name, t, ACCUM_DTYPES)
+    _check_accum_rank(op, "accum", accum)  # c
+    _check_rank(op, "out", out, varlen)
+    _check_head_dim(op, "head_dim", int(head_dim))  # d
+    w = int(out.shape[-1])
+    _check_head_dim(op, "out", w)
+    if w > head_dim:
+        _fail(op, "out: head dim", f"<= head_dim = {head_dim}", w)
+    h_k = int(out.shape[-2])
+    batch = int(_check_seqlens_meta(op, cu_seqlens, seqused, out.shape[0], "out"))  # j
+    rows = int(out.shape[0] if varlen else out.shape[1])
+    arch = resolve_arch(out.device, _arch)
+    expected = gqa_accum_shape(batch, rows, h_k, int(head_dim), arch=arch, varlen=varlen)
+    _check_accum_shape(op, "accum", accum, expected,
+                       _accum_why(batch, rows, h_k, int(head_dim), int(head_dim), arch, varlen))
+    _check_last_stride(op, "out", out)  # f, g
+    _check_strides(op, "out", out)
+    _check_contiguous(op, "accum", accum)
+    for name, t in both:  # h
+        _check_alignment(op, name, t)
+    seqlens = (("cu_seqlens", cu_seqlens), ("seqused", seqused))
+    _check_no_overlaps(op, (("out", out),), (("accum", accum),) + seqlens)  # i
+    device = _check_devices(op, both + seqlens)  # k
+    _check_arch_device(op, device, _arch)
+
+    return GQAProblem(batch=batch, seqlen=rows, num_heads_kv=h_k, num_heads_q=None, head_dim=w, head_dim_v=w,
+                      dtype=torch.float32, varlen=varlen, has_seqused=seqused is not None, arch=arch,
+                      config=tile_config(int(head_dim), None, arch), accum_shape=expected, device=device)
+
+
+def validate_gqa_reduce(dk_partial, dv_partial, dk, dv, cu_seqlens=None, seqused=None, *, scale_dk=1.0,
+                        scale_dv=1.0, _arch: int = 0, op: str = "gqa_reduce") -> GQAProblem:
+    """Validate the arguments of ``gqa_reduce`` (metadata only, no sync); returns the problem.
+
+    Partials: fp32 or dk's 16-bit dtype (both the same), (batch, seqlen, h_q, d) / varlen
+    (total, h_q, d), any strides like the inputs of ``store``; dk/dv: bf16/fp16 with the partials'
+    shape but h_k = dk.shape[-2] heads, h_k dividing h_q; dv (and dv_partial) None together.
+    """
+    varlen = cu_seqlens is not None
+    _check_tensor(op, "dk_partial", dk_partial)  # a
+    _check_tensor(op, "dk", dk)
+    if dv_partial is None:
+        if dv is not None:
+            _fail(op, "dv", "None because dv_partial is None", type(dv).__name__)
+    else:
+        _check_tensor(op, "dv_partial", dv_partial)
+        if not isinstance(dv, torch.Tensor):
+            _fail(op, "dv", "a torch.Tensor because dv_partial is given", type(dv).__name__)
+    partials = tuple((n, t) for n, t in (("dk_partial", dk_partial), ("dv_partial", dv_partial)) if t is not None)
+    outputs = tuple((n, t) for n, t in (("dk", dk), ("dv", dv)) if t is not None)
+    _check_scale(op, "scale_dk", scale_dk)
+    _check_scale(op, "scale_dv", scale_dv)
+    _check_arch_value(op, _arch)
+    _check_dtype(op, "dk", dk, HALF_DTYPES)  # b
+    if dv is not None:
+        _check_same_dtype(op, "dv", dv, "dk", dk)
+    if dk_partial.dtype not in (torch.float32, dk.dtype):
+        _fail(op, "dk_partial: dtype", f"torch.float32 or {dk.dtype} (the dtype of dk)", dk_partial.dtype)
+    if dv_partial is not None:
+        _check_same_dtype(op, "dv_partial", dv_partial, "dk_partial", dk_partial)
+    for name, t in partials + outputs:  # c
+        _check_rank(op, name, t, varlen)
+    if dv_partial is not None:  # d
+        _check_same_leading_shape(op, "dv_partial", dv_partial, "dk_partial", dk_partial)
+    _check_reduced_shape(op, "dk", dk, "dk_partial", dk_partial)
+    if dv is not None:
+        _check_reduced_shape(op, "dv", dv, "dv_partial", dv_partial)
+    d = int(dk.shape[-1])
+    dv_dim = int(dv.shape[-1]) if dv is not None else d
+    _check_head_dim(op, "dk", d)
+    if dv is not None:
+        _check_head_dim(op, "dv", dv_dim)
+    h_q, h_k = int(dk_partial.shape[-2]), int(dk.shape[-2])
+    _check_group(op, "dk_partial", h_q, "dk", h_k, "dk.shape[-2]")
+    for name, t in partials + outputs:  # f, g, h
+        _check_last_stride(op, name, t)
+    for name, t in partials + outputs:
+        _check_strides(op, name, t)
+    for name, t in partials + outputs:
+        _check_alignment(op, name, t)
+    _check_no_overlaps(op, outputs, partials)  # i
+    batch = int(_check_seqlens_meta(op, cu_seqlens, seqused, dk_partial.shape[0], "dk_partial"))  # j
+    seqlens = (("cu_seqlens", cu_seqlens), ("seqused", seqused))
+    for out_name, out in outputs:
+        for in_name, inp in seqlens:
+            if inp is not None:
+                _check_no_overlap(op, out_name, out, in_name, inp)
+    device = _check_devices(op, partials + outputs + seqlens)  # k
+    _check_arch_device(op, device, _arch)
+    arch = resolve_arch(device, _arch)
+
+    return GQAProblem(batch=batch, seqlen=int(dk.shape[0] if varlen else dk.shape[1]), num_heads_kv=h_k,
+                      num_heads_q=h_q, head_dim=d, head_dim_v=dv_dim, dtype=dk.dtype, varlen=varlen,
+                      has_seqused=seqused is not None, arch=arch, config=tile_config(d, dv_dim, arch),
+                      accum_shape=None, device=device)

@@ -50,6 +50,52 @@ struct StoreZeroLaunchArgs {
   int row_end = 0;
 };
 
+// GQA accumulators: fp32, contiguous (batch_extent, h_k, num_tiles, tile_elems).
+struct AccumDesc {
+  float* ptr = nullptr;
+  int64_t head_stride = 0;   // floats
+  int64_t batch_stride = 0;  // floats
+  int num_tiles = 0;
+};
+
+struct GqaAccumulateLaunchArgs {
+  TensorDesc dk_partial, dv_partial;  // fp32 (rows, d, h_q, batch)
+  AccumDesc dk_accum, dv_accum;
+  int rows = 0, num_heads_q = 0, num_heads_kv = 0, batch = 0;
+  int const* cu_seqlens = nullptr;
+  int const* seqused = nullptr;
+  int* semaphores = nullptr;  // deterministic: 2 * batch_extent * num_tiles * h_k + 1 ints, zeroed by the launch
+};
+
+struct GqaPostprocessLaunchArgs {
+  AccumDesc dk_accum, dv_accum;
+  TensorDesc dk, dv;  // 16-bit (rows, d, h_k, batch)
+  int rows = 0, num_heads_kv = 0, batch = 0;
+  int const* cu_seqlens = nullptr;
+  int const* seqused = nullptr;
+  float scale_dk = 1.f, scale_dv = 1.f;
+  bool use_tma = true;
+};
+
+struct GqaDenseLaunchArgs {
+  AccumDesc accum;
+  TensorDesc out;  // fp32 (rows, w, h_k, batch)
+  int rows = 0, num_heads_kv = 0, batch = 0;
+  int const* cu_seqlens = nullptr;
+  int const* seqused = nullptr;
+};
+
+struct GqaReduceLaunchArgs {
+  TensorDesc dk_partial, dv_partial;  // (rows, d, h_q, batch); dv_partial.ptr null: dK only
+  bool partial_fp32 = true;           // else the outputs' 16-bit dtype
+  TensorDesc dk, dv;                  // 16-bit (rows, d, h_k, batch); dv.ptr null iff dv_partial.ptr null
+  int rows = 0, num_heads_q = 0, num_heads_kv = 0, batch = 0;
+  int const* cu_seqlens = nullptr;
+  int const* seqused = nullptr;
+  float scale_dk = 1.f, scale_dv = 1.f;
+  bool use_tma = true;
+};
+
 // Each returns nullptr on success, else why the arguments cannot run (a launch error is left for
 // cudaGetLastError). Instantiated per (dtype, compiled head dim, arch path) in csrc/instantiations/;
 // kArch 90 is the sm_90 path (TMA when possible), 80 the sm_80 path (ArchTag Sm80 collectives,
@@ -59,5 +105,23 @@ char const* launch_store(StoreLaunchArgs const& args, cudaStream_t stream);
 
 template <OutputDType kDType, int kHeadDim, int kArch>
 char const* launch_store_zero(StoreZeroLaunchArgs const& args, cudaStream_t stream);
+
+// The accumulator's order depends on the TiledMma's C layout, not on the 16-bit type: one kernel
+// per (head dim, arch path).
+template <int kHeadDim, int kArch>
+char const* launch_gqa_accumulate(GqaAccumulateLaunchArgs const& args, cudaStream_t stream);
+
+template <int kHeadDim, int kArch>
+char const* launch_gqa_accum_to_dense(GqaDenseLaunchArgs const& args, cudaStream_t stream);
+
+template <OutputDType kDType, int kHeadDim, int kArch>
+char const* launch_gqa_postprocess(GqaPostprocessLaunchArgs const& args, cudaStream_t stream);
+
+template <OutputDType kDType, int kHeadDim, int kArch>
+char const* launch_gqa_reduce(GqaReduceLaunchArgs const& args, cudaStream_t stream);
+
+// floats per accumulator tile, and tile size in rows, of a (head dim, arch path); 0 if none
+int gqa_accum_tile_elems(int head_dim, int arch);
+int gqa_block_n(int head_dim, int arch);
 
 }  // namespace flash_epilogue

@@ -19,8 +19,8 @@ namespace flash_epilogue {
 // the grid is sized from shapes alone (no host read of cu_seqlens) and each CTA finds its batch
 // by binary search. Padded tiles past a sequence's end have no valid rows and exit.
 template <int kBlockN>
-CUTLASS_DEVICE cute::tuple<int, int> tile_to_block_and_batch(int tile, int batch, int const* cu_seqlens) {
-  if (cu_seqlens == nullptr) { return {tile, static_cast<int>(blockIdx.z)}; }
+CUTLASS_DEVICE cute::tuple<int, int> tile_to_block_and_batch(int tile, int batch_z, int batch, int const* cu_seqlens) {
+  if (cu_seqlens == nullptr) { return {tile, batch_z}; }
   auto first_tile = [&](int b) { return (cu_seqlens[b] + b * kBlockN) / kBlockN; };
   int lo = 0, hi = batch - 1;  // the last b with first_tile(b) <= tile
   while (lo < hi) {
@@ -30,39 +30,70 @@ CUTLASS_DEVICE cute::tuple<int, int> tile_to_block_and_batch(int tile, int batch
   return {tile - first_tile(lo), lo};
 }
 
-// Load one fp32 (BLK_N, BLK_D) tile of a (rows, d, head, batch) tensor into the C fragment of
-// `thr_mma`, zero outside [0, valid_rows) x [0, num_cols). Without swapAB the fragment's element
-// pairs (2i, 2i+1) are adjacent columns of one row (GMMA and SM80 C layouts), read as float2.
-template <bool kSwapAB, int kBlockN, int kHeadDim, class Fragment, class ThrMma, class GmemTensor>
-CUTLASS_DEVICE void load_accum_tile(Fragment& frag, ThrMma const& thr_mma, GmemTensor const& gtile, int valid_rows,
-                                    int num_cols) {
+// Visit the C fragment of `thr_mma` over a (BLK_N, BLK_D) global tile of a (rows, d, head, batch)
+// tensor: fn(i, row, col, pointer) for element i. Without swapAB the fragment's element pairs
+// (2i, 2i+1) are adjacent columns of one row (GMMA and SM80 C layouts) and fn gets them together
+// (i even, two elements); with swapAB (the MMA holds dK^T) the tile is seen as (BLK_D, BLK_N) and
+// pairs run down a column, so fn gets one element at a time.
+template <bool kSwapAB, int kBlockN, int kHeadDim, class ThrMma, class GmemTensor, class Fn>
+CUTLASS_DEVICE void for_each_fragment_element(ThrMma const& thr_mma, GmemTensor const& gtile, Fn&& fn) {
   using namespace cute;
-  using TileNK = Shape<Int<kBlockN>, Int<kHeadDim>>;
   if constexpr (!kSwapAB) {
-    Tensor tg = thr_mma.partition_C(gtile);                             // (MMA, MMA_N, MMA_D)
-    Tensor tc = thr_mma.partition_C(make_identity_tensor(TileNK{}));    // (MMA, MMA_N, MMA_D) -> (n, d)
-    static_assert(decltype(size(frag))::value % 2 == 0, "the C fragment holds column pairs");
+    Tensor tg = thr_mma.partition_C(gtile);                                                      // (MMA, MMA_N, MMA_D)
+    Tensor tc = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));  // -> (n, d)
+    static_assert(decltype(size(tg))::value % 2 == 0, "the C fragment holds column pairs");
 #pragma unroll
-    for (int i = 0; i < size(frag); i += 2) {
+    for (int i = 0; i < size(tg); i += 2) {
       auto const [row, col] = tc(i);
-      float2 v = make_float2(0.f, 0.f);
-      if (row < valid_rows && col < num_cols) { v = *reinterpret_cast<float2 const*>(&tg(i)); }
-      frag(i) = v.x;
-      frag(i + 1) = v.y;
+      fn(Int<2>{}, i, row, col, &tg(i));
     }
   } else {
-    // The swapAB MMA holds dK^T: view the tile as (BLK_D, BLK_N). Element pairs run along rows of
-    // global memory here, so plain 4-byte loads (still whole 32-byte sectors per quad).
     Tensor gtile_t = make_tensor(gtile.data(), make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{},
                                                            make_stride(get<1>(gtile.stride()), get<0>(gtile.stride()))));
     Tensor tg = thr_mma.partition_C(gtile_t);                                                    // (MMA, MMA_D, MMA_N)
     Tensor tc = thr_mma.partition_C(make_identity_tensor(Shape<Int<kHeadDim>, Int<kBlockN>>{}));  // -> (d, n)
 #pragma unroll
-    for (int i = 0; i < size(frag); ++i) {
+    for (int i = 0; i < size(tg); ++i) {
       auto const [col, row] = tc(i);
-      frag(i) = (row < valid_rows && col < num_cols) ? tg(i) : 0.f;
+      fn(Int<1>{}, i, row, col, &tg(i));
     }
   }
+}
+
+// Load one (BLK_N, BLK_D) tile (fp32, or 16-bit widened to fp32) into the C fragment `frag`,
+// zero outside [0, valid_rows) x [0, num_cols). Pairs are read as one 8-byte (fp32) or 4-byte
+// (16-bit) access.
+template <bool kSwapAB, int kBlockN, int kHeadDim, class Fragment, class ThrMma, class GmemTensor>
+CUTLASS_DEVICE void load_accum_tile(Fragment& frag, ThrMma const& thr_mma, GmemTensor const& gtile, int valid_rows,
+                                    int num_cols) {
+  using In = std::remove_cv_t<typename GmemTensor::value_type>;
+  for_each_fragment_element<kSwapAB, kBlockN, kHeadDim>(thr_mma, gtile, [&](auto width, int i, int row, int col, auto ptr) {
+    bool const valid = row < valid_rows && col < num_cols;
+    if constexpr (decltype(width)::value == 2) {
+      cutlass::Array<In, 2> v;
+      v.fill(In(0));
+      if (valid) { v = *reinterpret_cast<cutlass::Array<In, 2> const*>(ptr); }
+      frag(i) = static_cast<float>(v[0]);
+      frag(i + 1) = static_cast<float>(v[1]);
+    } else {
+      frag(i) = valid ? static_cast<float>(*ptr) : 0.f;
+    }
+  });
+}
+
+// The inverse for fp32 outputs: write the fragment's elements inside [0, valid_rows) x [0, num_cols).
+template <bool kSwapAB, int kBlockN, int kHeadDim, class Fragment, class ThrMma, class GmemTensor>
+CUTLASS_DEVICE void store_fragment_tile(Fragment const& frag, ThrMma const& thr_mma, GmemTensor const& gtile,
+                                        int valid_rows, int num_cols) {
+  for_each_fragment_element<kSwapAB, kBlockN, kHeadDim>(thr_mma, gtile, [&](auto width, int i, int row, int col, auto ptr) {
+    if (row < valid_rows && col < num_cols) {
+      if constexpr (decltype(width)::value == 2) {
+        *reinterpret_cast<float2*>(ptr) = make_float2(frag(i), frag(i + 1));
+      } else {
+        *ptr = frag(i);
+      }
+    }
+  });
 }
 
 template <class Config_, class Element_, class ArchTag_, bool kVarlen_>
@@ -101,7 +132,7 @@ struct StoreKernel {
     auto const& ep = params.epilogue;
     if (thread_idx == 0) { Epilogue::prefetch_tma_descriptors(ep); }
 
-    auto const [n_block, bidb] = tile_to_block_and_batch<kBlockN>(blockIdx.x, params.batch, ep.cu_seqlens);
+    auto const [n_block, bidb] = tile_to_block_and_batch<kBlockN>(blockIdx.x, blockIdx.z, params.batch, ep.cu_seqlens);
     int const bidh = blockIdx.y;
     int const rows = get<0>(ep.shape_dK);
     SeqlenInfo<kBlockN> const seqlen_info{bidb, rows, ep.cu_seqlens, ep.seqused};

@@ -48,7 +48,7 @@ struct StoreZeroKernel {
     if (bidh < 0 || bidh >= params.num_heads) { return; }
     int n_block, bidb;
     if (params.padded_tiles) {
-      auto const [nb, b] = tile_to_block_and_batch<kBlockN>(blockIdx.x, params.batch, params.epilogue.cu_seqlens);
+      auto const [nb, b] = tile_to_block_and_batch<kBlockN>(blockIdx.x, blockIdx.z, params.batch, params.epilogue.cu_seqlens);
       n_block = nb;
       bidb = b;
     } else {

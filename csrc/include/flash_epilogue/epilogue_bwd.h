@@ -23,6 +23,8 @@
 //     its read of shared memory before it reaches the next call's first barrier.
 //   * dK and dV may have different head dims (d, dv <= kHeadDim): each has its own shape,
 //     stride and TMA descriptor; the tile is sized for kHeadDim = max(d, dv).
+//   * dV is optional: with ptr_dV == nullptr only dK is written (tdVrdV is ignored), e.g. for a
+//     single-tensor group reduce.
 
 #include <climits>
 
@@ -142,7 +144,7 @@ struct CollectiveEpilogueBwd {
     Element* ptr_dK;
     ShapedKV shape_dK;
     StridedKV stride_dK;
-    Element* ptr_dV;
+    Element* ptr_dV;    // may be null: dK only
     ShapedKV shape_dV;  // same as shape_dK but for the head dim, which may differ (dv != d)
     StridedKV stride_dV;
     int const* cu_seqlens = nullptr;  // (batch + 1,), only read by the predicated path
@@ -186,6 +188,7 @@ struct CollectiveEpilogueBwd {
       return nullptr;
     };
     if (char const* why = check_one(args.ptr_dK, args.shape_dK, args.stride_dK)) { return why; }
+    if (args.ptr_dV == nullptr) { return nullptr; }
     if (char const* why = check_one(args.ptr_dV, args.shape_dV, args.stride_dV)) { return why; }
     if (cute::get<0>(args.shape_dK) != cute::get<0>(args.shape_dV) ||
         cute::get<2>(args.shape_dK) != cute::get<2>(args.shape_dV) ||
@@ -206,8 +209,11 @@ struct CollectiveEpilogueBwd {
         return nullptr;
       }
     };
+    bool const has_dv = args.ptr_dV != nullptr;  // without dV, its descriptor is dK's (never used)
     return {args.ptr_dK, args.shape_dK, args.stride_dK, args.ptr_dV, args.shape_dV, args.stride_dV,
-            make_store(args.ptr_dK, args.shape_dK, args.stride_dK), make_store(args.ptr_dV, args.shape_dV, args.stride_dV),
+            make_store(args.ptr_dK, args.shape_dK, args.stride_dK),
+            has_dv ? make_store(args.ptr_dV, args.shape_dV, args.stride_dV)
+                   : make_store(args.ptr_dK, args.shape_dK, args.stride_dK),
             args.cu_seqlens, args.seqused};
   }
 
@@ -215,7 +221,7 @@ struct CollectiveEpilogueBwd {
   CUTLASS_DEVICE static void prefetch_tma_descriptors(Params const& params) {
     if constexpr (Use_TMA) {
       cute::prefetch_tma_descriptor(params.tma_store_dK.get_tma_descriptor());
-      cute::prefetch_tma_descriptor(params.tma_store_dV.get_tma_descriptor());
+      if (params.ptr_dV) { cute::prefetch_tma_descriptor(params.tma_store_dV.get_tma_descriptor()); }
     }
   }
 
@@ -227,6 +233,7 @@ struct CollectiveEpilogueBwd {
                             cute::tuple<int32_t, int32_t, int32_t> const& block_coord) const {
     using namespace cute;
     auto [n_block, bidh, bidb] = block_coord;
+    bool const has_dv = params.ptr_dV != nullptr;
     Tensor sdK = as_position_independent_swizzle_tensor(make_tensor(make_smem_ptr(storage.smem_dk.data()), SmemLayoutdKV{}));
     Tensor sdV = as_position_independent_swizzle_tensor(make_tensor(make_smem_ptr(storage.smem_dv.data()), SmemLayoutdKV{}));
     Tensor sdKt = as_position_independent_swizzle_tensor(make_tensor(make_smem_ptr(storage.smem_dk.data()), SmemLayoutdKVt{}));
@@ -247,7 +254,7 @@ struct CollectiveEpilogueBwd {
     // Every epilogue warp is done with whatever last lived in this shared memory.
     named_barrier_sync(NumEpilogueThreads, BarrierId);
     if constexpr (decltype(size(tdKrdK))::value * NumEpilogueThreads <= kBlockN * kHeadDim) {
-      cute::copy(smem_tiled_copy_dKV, taccdVrdV, taccdVsdV);
+      if (has_dv) { cute::copy(smem_tiled_copy_dKV, taccdVrdV, taccdVsdV); }
       cute::copy(smem_tiled_copy_dKV, taccdKrdK, taccdKsdK);
     } else {
       // The TiledMma's tile does not divide (kBlockN, kHeadDim) (FA3's sm_80 hdim-192 config: N = 80
@@ -258,7 +265,7 @@ struct CollectiveEpilogueBwd {
       Tensor tdKVpdKV = make_tensor<bool>(shape(taccdKVcdKV));
 #pragma unroll
       for (int i = 0; i < size(tdKVpdKV); ++i) { tdKVpdKV(i) = elem_less(taccdKVcdKV(i), tile_shape); }
-      cute::copy_if(tdKVpdKV, taccdVrdV, taccdVsdV);
+      if (has_dv) { cute::copy_if(tdKVpdKV, taccdVrdV, taccdVsdV); }
       cute::copy_if(tdKVpdKV, taccdKrdK, taccdKsdK);
     }
 
@@ -280,7 +287,7 @@ struct CollectiveEpilogueBwd {
       if (warp_idx == NumEpilogueThreads / cutlass::NumThreadsPerWarp - 1) {
         named_barrier_sync(NumEpilogueThreads + cutlass::NumThreadsPerWarp, BarrierId);
         if (cute::elect_one_sync()) {
-          cute::copy(params.tma_store_dV, tdVsdV, tdVgdV);
+          if (has_dv) { cute::copy(params.tma_store_dV, tdVsdV, tdVgdV); }
           cute::copy(params.tma_store_dK, tdKsdK, tdKgdK);
           tma_store_arrive();
         }
@@ -313,6 +320,7 @@ struct CollectiveEpilogueBwd {
     if (valid_rows <= 0 || first_row >= valid_rows) { return; }
     Tensor gdK = tile_of(params.ptr_dK, params.shape_dK, params.stride_dK, params, seqlen_info, block_coord);  // (BLK_N, BLK_D)
     Tensor gdV = tile_of(params.ptr_dV, params.shape_dV, params.stride_dV, params, seqlen_info, block_coord);  // (BLK_N, BLK_D)
+    bool const has_dv = params.ptr_dV != nullptr;
 
     GmemTiledCopydKV gmem_tiled_copy_dKV;
     auto gmem_thr_copy_dKV = gmem_tiled_copy_dKV.get_thread_slice(thread_idx);
@@ -323,8 +331,10 @@ struct CollectiveEpilogueBwd {
     Tensor tdKVcdKV = gmem_thr_copy_dKV.partition_D(make_identity_tensor(select<1, 2>(TileShape_MNK{})));
     copy_predicated(gmem_tiled_copy_dKV, tdKVrZero, tdKVgdK, tdKVcdKV, column_predicate(tdKVcdKV, get<1>(params.shape_dK)),
                     valid_rows, first_row);
-    copy_predicated(gmem_tiled_copy_dKV, tdKVrZero, tdKVgdV, tdKVcdKV, column_predicate(tdKVcdKV, get<1>(params.shape_dV)),
-                    valid_rows, first_row);
+    if (has_dv) {
+      copy_predicated(gmem_tiled_copy_dKV, tdKVrZero, tdKVgdV, tdKVcdKV, column_predicate(tdKVcdKV, get<1>(params.shape_dV)),
+                      valid_rows, first_row);
+    }
   }
 
  private:
@@ -374,9 +384,12 @@ struct CollectiveEpilogueBwd {
     fill(all_columns, true);
     // Shared memory holds the whole tile: read it all (only rows past kBlockN when the thread
     // layout does not divide kBlockN are skipped).
-    copy_predicated<!kEvenN>(gmem_tiled_copy_dKV, tdKVsdV, tdKVrdV, tdKVcdKV, all_columns, kBlockN);
+    bool const has_dv = params.ptr_dV != nullptr;
+    if (has_dv) { copy_predicated<!kEvenN>(gmem_tiled_copy_dKV, tdKVsdV, tdKVrdV, tdKVcdKV, all_columns, kBlockN); }
     copy_predicated<!kEvenN>(gmem_tiled_copy_dKV, tdKVsdK, tdKVrdK, tdKVcdKV, all_columns, kBlockN);
-    copy_predicated(gmem_tiled_copy_dKV, tdKVrdV, tdKVgdV, tdKVcdKV, column_predicate(tdKVcdKV, get<1>(params.shape_dV)), valid_rows);
+    if (has_dv) {
+      copy_predicated(gmem_tiled_copy_dKV, tdKVrdV, tdKVgdV, tdKVcdKV, column_predicate(tdKVcdKV, get<1>(params.shape_dV)), valid_rows);
+    }
     copy_predicated(gmem_tiled_copy_dKV, tdKVrdK, tdKVgdK, tdKVcdKV, column_predicate(tdKVcdKV, get<1>(params.shape_dK)), valid_rows);
   }
 };

@@ -1,0 +1,234 @@
+#pragma once
+
+// CollectiveEpilogueBwdGQA: the dK/dV epilogue when several query heads share a KV head. Each
+// CTA holds the fp32 dK/dV of one (n_block, q_head, batch) tile as C fragments and adds them into
+// fp32 accumulators dKaccum/dVaccum of the KV head q_head / (h_q / h_k). A postprocess (built with
+// the same TiledMma and thread count: load_fragment below) turns the accumulators into dK/dV.
+//
+// Accumulator layout: one contiguous tile of kAccumTileElems floats per (tile, kv_head, batch),
+//   tile start = batch * stride_batch + kv_head * stride_head + tile * kAccumTileElems,
+//   tile = n_block (batched) or offset_padded / kBlockN + n_block (varlen, batch extent 1).
+// Inside a tile the floats are in register-fragment order, not row-major (accum_offset):
+//   sm_90: one slab per warpgroup; thread t's 16-byte chunk j at j * 512 + 4 * (t % 128) of its
+//          slab (a conflict-free float4 store to shared memory, then one bulk copy).
+//   sm_80: fragment element i of thread t at i * NumEpilogueThreads + t (coalesced atomics).
+// kAccumTileElems = size(fragment) * NumEpilogueThreads, which exceeds kBlockN * kHeadDim when
+// the TiledMma's tile does not divide the block (its padding elements are zeros).
+//
+// Adding: sm_90 copies the fragment to shared memory and one thread issues a bulk reduce-add
+// (cp.reduce.async.bulk .add.f32; no TMA descriptor, so varlen works); sm_80 uses fp32 atomics.
+// dV first, then dK, reusing the one shared buffer.
+//
+// Deterministic mode (semaphores != nullptr): one int32 counter per (tile, kv_head) for dV and
+// one for dK, index (batch * num_tiles + tile) * h_k + kv_head (collision-free in varlen too,
+// and sized from shapes alone). The CTA of group member g waits until the counter equals g, adds,
+// waits until its add is *complete* in global memory, then increments: the adds land in head
+// order 0..g-1, so results are bitwise reproducible. Counters must be zero before the launch.
+// The waits cannot deadlock only if member g-1 of a tile is guaranteed to run while member g
+// waits: the caller must hand out work so that member g of a tile is started after member g-1
+// (e.g. an atomic ticket in (tile, kv_head, g) order, as csrc/kernels does), never rely on the
+// hardware scheduling lower block indices first.
+//
+// Contract: NumEpilogueThreads threads call `store` together; named barrier BarrierId over them;
+// TensorStorage (sm_90: kAccumTileElems floats) passed in.
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/arch.h>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/fast_math.h>
+
+#include "flash_epilogue/bulk_reduce.h"
+#include "flash_epilogue/named_barrier.h"
+#include "flash_epilogue/semaphore.h"
+#include "flash_epilogue/seqlen_info.h"
+
+namespace flash_epilogue {
+
+template <class TileShape_MNK_, class ArchTag_, int NumEpilogueThreads_, int kAccumTileElems_,
+          int BarrierId_ = kDefaultEpilogueBarrierId>
+struct CollectiveEpilogueBwdGQA {
+  using TileShape_MNK = TileShape_MNK_;
+  using ArchTag = ArchTag_;
+  static constexpr int NumEpilogueThreads = NumEpilogueThreads_;
+  static constexpr int kAccumTileElems = kAccumTileElems_;
+  static constexpr int BarrierId = BarrierId_;
+  static constexpr int kBlockN = cute::get<1>(TileShape_MNK{});
+  static constexpr int kHeadDim = cute::get<2>(TileShape_MNK{});
+  static constexpr bool Use_BulkReduce = ArchTag::kMinComputeCapability >= 90;
+  static constexpr int kFragElems = kAccumTileElems / NumEpilogueThreads;
+
+  static_assert(ArchTag::kMinComputeCapability >= 80, "CollectiveEpilogueBwdGQA needs sm_80 or newer");
+  static_assert(kAccumTileElems % NumEpilogueThreads == 0, "kAccumTileElems must be size(fragment) * NumEpilogueThreads");
+  static_assert(kAccumTileElems >= kBlockN * kHeadDim, "the accumulator tile must hold the whole (kBlockN, kHeadDim) block");
+  static_assert(BarrierId > 0 && BarrierId <= kMaxNamedBarrierId, "BarrierId must be in [1, 15]");
+  static_assert(!Use_BulkReduce || NumEpilogueThreads % cutlass::NumThreadsPerWarpGroup == 0,
+                "the sm_90 path works per warpgroup");
+  static_assert(!Use_BulkReduce || kFragElems % 4 == 0, "the sm_90 path moves 16-byte chunks of the fragment");
+  static constexpr int kNumWarpGroups = Use_BulkReduce ? NumEpilogueThreads / cutlass::NumThreadsPerWarpGroup : 1;
+  static constexpr int kSlabElems = kAccumTileElems / kNumWarpGroups;
+
+  struct TensorStorageBulk : cute::aligned_struct<128> {
+    cute::array_aligned<float, kAccumTileElems, 128> smem_dkv;
+  };
+  struct TensorStorageAtomic {};
+  using TensorStorage = std::conditional_t<Use_BulkReduce, TensorStorageBulk, TensorStorageAtomic>;
+
+  struct Arguments {
+    float* ptr_dKaccum;
+    float* ptr_dVaccum;
+    int64_t stride_head;   // floats between KV heads of one batch
+    int64_t stride_batch;  // floats between batches (unused in varlen)
+    int num_tiles;         // tiles per (kv_head, batch): ceil(seqlen / kBlockN), or padded total / kBlockN
+    int batch_extent;      // batch (batched) or 1 (varlen)
+    int num_heads_q;
+    int num_heads_kv;
+    int static_seqlen;     // batched layout's seqlen (SeqlenInfo); the token count in varlen
+    int* semaphores = nullptr;  // deterministic: 2 * batch_extent * num_tiles * h_k zeroed counters
+    int const* cu_seqlens = nullptr;
+    int const* seqused = nullptr;
+  };
+
+  struct Params {
+    float* ptr_dKaccum;
+    float* ptr_dVaccum;
+    int64_t stride_head;
+    int64_t stride_batch;
+    int num_tiles;
+    int num_heads_kv;
+    int static_seqlen;
+    int64_t num_semaphores_per_tensor;
+    cutlass::FastDivmod qhead_per_khead_divmod;
+    int* semaphores;
+    int const* cu_seqlens;
+    int const* seqused;
+  };
+
+  static char const* can_implement(Arguments const& args) {
+    if (args.num_heads_kv <= 0 || args.num_heads_q % args.num_heads_kv != 0) {
+      return "num_heads_q must be a multiple of num_heads_kv";
+    }
+    if (reinterpret_cast<uintptr_t>(args.ptr_dKaccum) % 16 || reinterpret_cast<uintptr_t>(args.ptr_dVaccum) % 16) {
+      return "accumulators must be 16-byte aligned";
+    }
+    if (args.stride_head % 4 || args.stride_batch % 4) { return "accumulator strides must be multiples of 16 bytes"; }
+    return nullptr;
+  }
+
+  static Params to_underlying_arguments(Arguments const& args) {
+    int64_t const counters = static_cast<int64_t>(args.batch_extent) * args.num_tiles * args.num_heads_kv;
+    return {args.ptr_dKaccum, args.ptr_dVaccum, args.stride_head, args.stride_batch, args.num_tiles,
+            args.num_heads_kv, args.static_seqlen, counters, cutlass::FastDivmod(args.num_heads_q / args.num_heads_kv),
+            args.semaphores, args.cu_seqlens, args.seqused};
+  }
+
+  // Where fragment element i of thread t lives in its accumulator tile.
+  CUTLASS_HOST_DEVICE static int accum_offset(int thread_idx, int i) {
+    if constexpr (Use_BulkReduce) {
+      int const warpgroup = thread_idx / cutlass::NumThreadsPerWarpGroup;
+      int const lane = thread_idx % cutlass::NumThreadsPerWarpGroup;
+      return warpgroup * kSlabElems + (i / 4) * (4 * cutlass::NumThreadsPerWarpGroup) + 4 * lane + i % 4;
+    } else {
+      return i * NumEpilogueThreads + thread_idx;
+    }
+  }
+
+  // The postprocess side: read this thread's fragment back from an accumulator tile.
+  template <class Fragment>
+  CUTLASS_DEVICE static void load_fragment(Fragment& frag, float const* tile, int thread_idx) {
+    static_assert(decltype(cute::size(frag))::value == kFragElems, "fragment of another TiledMma or thread count");
+    if constexpr (Use_BulkReduce) {
+#pragma unroll
+      for (int i = 0; i < kFragElems; i += 4) {
+        float4 const v = *reinterpret_cast<float4 const*>(tile + accum_offset(thread_idx, i));
+        frag(i) = v.x;
+        frag(i + 1) = v.y;
+        frag(i + 2) = v.z;
+        frag(i + 3) = v.w;
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < kFragElems; ++i) { frag(i) = tile[accum_offset(thread_idx, i)]; }
+    }
+  }
+
+  // The accumulator tile of (n_block, kv_head, batch) and its counter index; not valid if
+  // (inconsistent) sequence metadata puts it outside the accumulator.
+  struct TileLocation {
+    int64_t offset;
+    int64_t semaphore;
+    bool valid;
+  };
+  CUTLASS_DEVICE static TileLocation locate(Params const& params, int n_block, int kv_head, int bidb) {
+    SeqlenInfo<kBlockN> const info{bidb, params.static_seqlen, params.cu_seqlens, params.seqused};
+    int const tile = (params.cu_seqlens ? info.offset_padded / kBlockN : 0) + n_block;
+    int const batch_coord = params.cu_seqlens ? 0 : bidb;
+    int64_t const offset = batch_coord * params.stride_batch + kv_head * params.stride_head +
+                           static_cast<int64_t>(tile) * kAccumTileElems;
+    int64_t const semaphore = (static_cast<int64_t>(batch_coord) * params.num_tiles + tile) * params.num_heads_kv + kv_head;
+    return {offset, semaphore, tile >= 0 && tile < params.num_tiles};
+  }
+
+  // block_coord = (n_block, q_head, batch). Adds dV then dK of this tile into the accumulators.
+  template <class FrgTensor>
+  CUTLASS_DEVICE void store(Params const& params, FrgTensor const& tdKrdK, FrgTensor const& tdVrdV,
+                            TensorStorage& storage, int thread_idx,
+                            cute::tuple<int32_t, int32_t, int32_t> const& block_coord) const {
+    static_assert(decltype(cute::size(tdKrdK))::value == kFragElems, "fragment of another TiledMma or thread count");
+    auto [n_block, q_head, bidb] = block_coord;
+    int group_idx;
+    int const kv_head = params.qhead_per_khead_divmod.divmod(group_idx, q_head);
+    TileLocation const loc = locate(params, n_block, kv_head, bidb);
+    if (!loc.valid) { return; }  // whole CTA
+    int* const sem_dk = params.semaphores ? params.semaphores + loc.semaphore : nullptr;
+    int* const sem_dv = params.semaphores ? params.semaphores + params.num_semaphores_per_tensor + loc.semaphore : nullptr;
+    add_tile(tdVrdV, params.ptr_dVaccum + loc.offset, sem_dv, group_idx, storage, thread_idx);
+    add_tile(tdKrdK, params.ptr_dKaccum + loc.offset, sem_dk, group_idx, storage, thread_idx);
+  }
+
+ private:
+  template <class FrgTensor>
+  CUTLASS_DEVICE static void add_tile(FrgTensor const& frag, float* gmem_tile, int* semaphore, int group_idx,
+                                      TensorStorage& storage, int thread_idx) {
+    if constexpr (Use_BulkReduce) {
+      float* smem = storage.smem_dkv.data();
+      // The previous add's bulk copy has read the buffer (its issuer waited before this barrier).
+      named_barrier_sync(NumEpilogueThreads, BarrierId);
+#pragma unroll
+      for (int i = 0; i < kFragElems; i += 4) {
+        *reinterpret_cast<float4*>(smem + accum_offset(thread_idx, i)) =
+            make_float4(frag(i), frag(i + 1), frag(i + 2), frag(i + 3));
+      }
+      cutlass::arch::fence_view_async_shared();  // generic-proxy smem writes -> visible to the bulk copy
+      named_barrier_sync(NumEpilogueThreads, BarrierId);
+      if (thread_idx == 0) {
+        if (semaphore) {
+          semaphore_wait_eq(semaphore, group_idx);
+          fence_proxy_async_global();  // the previous member's adds happen before ours
+        }
+        bulk_reduce_add_f32(gmem_tile, smem, kAccumTileElems * sizeof(float));
+        bulk_commit_group();
+        if (semaphore) {
+          bulk_wait_complete();  // our adds are performed in global memory, not just read from smem
+          fence_proxy_async_global();
+          semaphore_release_inc(semaphore);
+        } else {
+          bulk_wait_read();
+        }
+      }
+    } else {
+      if (semaphore) {
+        if (thread_idx == 0) { semaphore_wait_eq(semaphore, group_idx); }
+        named_barrier_sync(NumEpilogueThreads, BarrierId);
+      }
+#pragma unroll
+      for (int i = 0; i < kFragElems; ++i) { atomicAdd(gmem_tile + accum_offset(thread_idx, i), frag(i)); }
+      if (semaphore) {
+        __threadfence();
+        named_barrier_sync(NumEpilogueThreads, BarrierId);  // every thread's atomics are performed
+        if (thread_idx == 0) { semaphore_release_inc(semaphore); }
+      }
+    }
+  }
+};
+
+}  // namespace flash_epilogue
