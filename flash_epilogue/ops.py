@@ -224,15 +224,17 @@ def gqa_accumulate(
     rows (rows past ``seqused`` add nothing). Callable many times into the same accumulator
     (chunks of tokens, KV blocks, context-parallel steps): each call carries whole groups.
 
-    ``deterministic`` (default: ``torch.are_deterministic_algorithms_enabled()``): bitwise
-    reproducible, ``acc + p_0 + p_1 + ... + p_{g-1}`` in fp32 in head order; needs an accumulator
-    allocated with ``deterministic=True``. Otherwise the group is added in any order (fp32
-    reassociation only).
+    ``deterministic``: bitwise reproducible, ``acc + p_0 + p_1 + ... + p_{g-1}`` in fp32 in head
+    order; needs an accumulator allocated with ``deterministic=True``. Otherwise the group is
+    added in any order (fp32 reassociation only). Default (None): deterministic when the
+    accumulator was allocated with ``deterministic=True`` or when
+    ``torch.are_deterministic_algorithms_enabled()``.
     """
     op = "gqa_accumulate"
     _check_acc(op, acc)
     if deterministic is None:
-        deterministic = torch.are_deterministic_algorithms_enabled()
+        # an accumulator allocated for deterministic mode asks for it; so does torch's global switch
+        deterministic = acc.semaphores is not None or torch.are_deterministic_algorithms_enabled()
         why = "torch.are_deterministic_algorithms_enabled() is True"
     else:
         why = "deterministic=True"
@@ -292,14 +294,14 @@ def _accum_to_dense(acc: GQAAccumulator, *, cu_seqlens=None, seqused=None,
         validation._fail(op, "cu_seqlens", "the int32 cu_seqlens the varlen accumulator was filled with", "None")
     if not acc.varlen and cu_seqlens is not None:
         validation._fail(op, "cu_seqlens", "None for an accumulator of the batched layout", "a tensor")
+    if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dim() == 1 and cu_seqlens.numel() - 1 != acc.batch:
+        validation._fail(op, "acc.batch", f"{cu_seqlens.numel() - 1} (cu_seqlens.numel() - 1)", acc.batch)
     head_dim = max(acc.head_dim, acc.head_dim_v)  # names the tile config
     outs = []
     for accum, d in ((acc.dk_accum, acc.head_dim), (acc.dv_accum, acc.head_dim_v)):
         out = torch.zeros(acc.dense_shape(d), dtype=torch.float32, device=accum.device)
         problem = validation.validate_gqa_accum_to_dense(accum, out, cu_seqlens, seqused, head_dim=head_dim,
                                                          _arch=acc.arch, op=op)
-        if problem.batch != acc.batch:
-            validation._fail(op, "acc.batch", f"{problem.batch} (cu_seqlens.numel() - 1)", acc.batch)
         if not outs:
             _content_checks(check_inputs, op, problem, cu_seqlens, seqused)
         torch.ops.flash_epilogue.gqa_accum_to_dense(accum, out, head_dim=head_dim, cu_seqlens=cu_seqlens,

@@ -292,6 +292,11 @@ def test_gqa_deterministic_follows_torch_setting(arch):
     gqa_accumulate_reference(pk, pv, *ref, num_heads_kv=2, **seq)
     for got, want in zip(acc.to_dense(**seq), ref):
         assert torch.equal(bits(got), bits(want)), first_diff(got, want)
+    # an accumulator allocated with deterministic=True is deterministic by default without the switch
+    acc.reset()
+    fe.gqa_accumulate(pk, pv, acc, **seq)
+    for got, want in zip(acc.to_dense(**seq), ref):
+        assert torch.equal(bits(got), bits(want)), first_diff(got, want)
 
 
 # ---------------------------------------------------------------------------------------------

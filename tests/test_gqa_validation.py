@@ -238,11 +238,13 @@ def test_allocate_errors():
 # validate_gqa_accumulate
 
 
-def acc_args(b=2, s=16, h_k=2, g=2, d=64, dv=None, varlen=False, arch=90, deterministic=False, device="cpu"):
-    """(dk_partial, dv_partial, dk_accum, dv_accum, semaphores) of a valid problem."""
+def acc_args(b=2, s=16, h_k=2, g=2, d=64, dv=None, varlen=False, arch=90, deterministic=False, device="cpu",
+             nseq=None):
+    """(dk_partial, dv_partial, dk_accum, dv_accum, semaphores) of a valid problem; varlen: b * s
+    tokens in `nseq` sequences (default b)."""
     dv = d if dv is None else dv
     lead = (b * s,) if varlen else (b, s)
-    shape = gqa_accum_shape(b, lead[0] if varlen else s, h_k, d, dv, arch=arch, varlen=varlen)
+    shape = gqa_accum_shape(nseq or b, lead[0] if varlen else s, h_k, d, dv, arch=arch, varlen=varlen)
     sem = torch.zeros(gqa_semaphore_numel(shape), dtype=I32, device=device) if deterministic else None
     return (torch.zeros(lead + (h_k * g, d), device=device), torch.zeros(lead + (h_k * g, dv), device=device),
             torch.zeros(shape, device=device), torch.zeros(shape, device=device), sem)
@@ -261,7 +263,7 @@ def test_accumulate_valid(sm90):
                            accum_shape=(3, 2, 4, 18432), device=torch.device("cpu"))
     assert p.group == 3
     cs = cu(0, 5, 5, 16)
-    p = validate_gqa_accumulate(*acc_args(b=1, s=16, varlen=True, h_k=1, g=16, arch=80)[:4], cu_seqlens=cs,
+    p = validate_gqa_accumulate(*acc_args(b=1, s=16, varlen=True, h_k=1, g=16, arch=80, nseq=3)[:4], cu_seqlens=cs,
                                 seqused=cu(4, 0, 9), _arch=80)
     assert p.varlen and p.arch == 80 and p.batch == 3 and p.group == 16 and p.has_seqused
     # a bigger semaphore workspace is fine (the op needs at least its size)
@@ -283,7 +285,7 @@ def test_accumulate_arch_resolution(sm86):
     # on an sm_86 GPU the accumulator must have the sm_80 layout; _arch=90 is refused
     args = acc_args(d=256, s=100, arch=80)[:4]
     assert validate_gqa_accumulate(*args).arch == 80
-    with _acc("dk_accum: shape", "(2, 2, 1, 20480) (the accumulator of batch 2, seqlen 100, 2 KV heads, head dims "
+    with _acc("dk_accum: shape", "(2, 2, 2, 20480) (the accumulator of batch 2, seqlen 100, 2 KV heads, head dims "
                                  "(256, 256) on the sm_90 path: allocate it with flash_epilogue.gqa_accumulator)",
               "(2, 2, 2, 16384)"):
         validate_gqa_accumulate(*args, _arch=90)
@@ -370,7 +372,7 @@ def test_accumulate_accum_shape():
         validate_gqa_accumulate(*acc_args(b=2, s=300, d=256)[:4], _arch=80)
     # varlen: (total + batch * kBlockN) // kBlockN tiles
     dk_p, dv_p, dk_a, dv_a, _ = acc_args(b=1, s=100, varlen=True)
-    with _acc("dk_accum: shape", "(1, 2, 4, 8192) (the accumulator of 3 sequences of 100 total tokens, 2 KV heads, "
+    with _acc("dk_accum: shape", "(1, 2, 3, 8192) (the accumulator of 3 sequences of 100 total tokens, 2 KV heads, "
                                  "head dims (64, 64) on the sm_90 path: allocate it with "
                                  "flash_epilogue.gqa_accumulator)", "(1, 2, 1, 8192)"):
         validate_gqa_accumulate(dk_p, dv_p, dk_a, dv_a, cu_seqlens=cu(0, 50, 60, 100))
@@ -386,7 +388,7 @@ def test_accumulate_strides():
         validate_gqa_accumulate(torch.zeros(2, 4, 2, 66)[..., :64], dv_p, dk_a, dv_a)
     # accumulators: contiguous only
     nc = torch.zeros(dk_a.shape[:-1] + (2 * dk_a.shape[-1],))[..., ::2]
-    with _acc("dk_accum: strides", "(16384, 8192, 8192, 1) (contiguous)", "(32768, 16384, 16384, 2)"):
+    with _acc("dk_accum: strides", "(8192, 8192, 8192, 1) (contiguous)", "(16384, 16384, 16384, 2)"):
         validate_gqa_accumulate(dk_p, dv_p, nc, dv_a)
     big = torch.zeros(2, 1, 1, 8192 + 4)
     with _acc("dv_accum: strides", "(8192, 8192, 8192, 1) (contiguous)", "(8196, 8196, 8196, 1)"):
@@ -483,10 +485,10 @@ def test_accumulate_check_order():
 # validate_gqa_postprocess
 
 
-def post_args(b=2, s=16, h_k=2, d=64, dv=None, dtype=BF16, varlen=False, arch=90, device="cpu"):
+def post_args(b=2, s=16, h_k=2, d=64, dv=None, dtype=BF16, varlen=False, arch=90, device="cpu", nseq=None):
     dv = d if dv is None else dv
     lead = (b * s,) if varlen else (b, s)
-    shape = gqa_accum_shape(b, lead[0] if varlen else s, h_k, d, dv, arch=arch, varlen=varlen)
+    shape = gqa_accum_shape(nseq or b, lead[0] if varlen else s, h_k, d, dv, arch=arch, varlen=varlen)
     return (torch.zeros(shape, device=device), torch.zeros(shape, device=device),
             torch.zeros(lead + (h_k, d), dtype=dtype, device=device),
             torch.zeros(lead + (h_k, dv), dtype=dtype, device=device))
@@ -502,7 +504,7 @@ def test_postprocess_valid(sm90):
                            dtype=BF16, varlen=False, has_seqused=False, arch=90, config=tile_config(192, 128),
                            accum_shape=(3, 4, 4, 18432), device=torch.device("cpu"))
     assert p.group is None
-    p = validate_gqa_postprocess(*post_args(b=1, s=40, varlen=True, dtype=F16, arch=80), cu_seqlens=cu(0, 10, 40),
+    p = validate_gqa_postprocess(*post_args(b=1, s=40, varlen=True, dtype=F16, arch=80, nseq=2), cu_seqlens=cu(0, 10, 40),
                                  seqused=cu(3, 30), _arch=80)
     assert p.varlen and p.batch == 2 and p.arch == 80 and p.dtype == F16
     # outputs with strides like store's
@@ -617,11 +619,11 @@ def test_accum_to_dense_errors():
         validate_gqa_accum_to_dense(accum, out, head_dim=12)
     with _dense("out: dtype", "torch.float32", "torch.bfloat16"):
         validate_gqa_accum_to_dense(accum, out.bfloat16(), head_dim=128)
-    with _dense("accum: rank", "4 dims (batch_extent, heads_kv, num_tiles, tile_elems)", "2 dims, shape (2, 2)"):
+    with _dense("accum: rank", "4 dims (batch_extent, heads_kv, num_tiles, tile_elems)", "3 dims, shape (2, 2, 2)"):
         validate_gqa_accum_to_dense(accum[:, :, 0, :2], out, head_dim=128)
     with _dense("out: head dim", "<= head_dim = 64", "128"):
         validate_gqa_accum_to_dense(accum, out, head_dim=64)
-    with _dense("out: stride(-1)", "1 (last dim contiguous)", "2 (strides (30720, 512, 256, 2))"):
+    with _dense("out: stride(-1)", "1 (last dim contiguous)", "2 (strides (15360, 512, 256, 2))"):
         validate_gqa_accum_to_dense(accum, torch.zeros(2, 30, 2, 256)[..., ::2], head_dim=128)
     with _raises_re(r"^flash_epilogue\.gqa_accum_to_dense: out: memory: expected no overlap with accum"):
         validate_gqa_accum_to_dense(accum, accum.reshape(-1)[:out.numel()].view(out.shape), head_dim=128)
@@ -707,7 +709,7 @@ def test_reduce_strides_alignment_overlap():
     with _red("dk_partial: stride(2)", "a non-negative multiple of 8 elements (16 bytes)",
               "68 (shape (2, 4, 2, 64), strides (544, 136, 68, 1))"):
         validate_gqa_reduce(torch.zeros(2, 4, 2, 68, dtype=BF16)[..., :64], dv_p, dk, dv)
-    with _red("dv: stride(-1)", "1 (last dim contiguous)", "2 (strides (1024, 256, 128, 2))"):
+    with _red("dv: stride(-1)", "1 (last dim contiguous)", "2 (strides (512, 128, 128, 2))"):
         validate_gqa_reduce(dk_p, dv_p, dk, torch.zeros(2, 4, 1, 128, dtype=BF16)[..., ::2])
     mis = torch.zeros(dk_p.numel() + 8, dtype=BF16)[3:3 + dk_p.numel()].view(dk_p.shape)
     with _raises_re(r"^flash_epilogue\.gqa_reduce: dk_partial: data_ptr: expected a 16-byte aligned address"):
@@ -740,18 +742,24 @@ def test_reduce_seqlens_and_devices(monkeypatch):
 def test_accumulate_wrapper(sm90, ops):
     acc = fe.gqa_accumulator(2, 64, batch=2, seqlen=16, device="cpu", deterministic=True)
     pk, pv = torch.zeros(2, 16, 4, 64), torch.zeros(2, 16, 4, 64)
-    fe.gqa_accumulate(pk, pv, acc)
+    fe.gqa_accumulate(pk, pv, acc, deterministic=False)
     fe.gqa_accumulate(pk, pv, acc, deterministic=True, seqused=cu(3, 4))
-    (a0, k0), (a1, k1) = ops["gqa_accumulate"].calls
+    fe.gqa_accumulate(pk, pv, acc)  # an accumulator with semaphores: deterministic by default
+    (a0, k0), (a1, k1), (a2, k2) = ops["gqa_accumulate"].calls
     assert a0[2] is acc.dk_accum and a0[3] is acc.dv_accum and a0[4] is None  # no semaphores when not deterministic
     assert k0 == {"cu_seqlens": None, "seqused": None, "deterministic": False, "_arch": 90}
     assert a1[4] is acc.semaphores and k1["deterministic"] is True and k1["seqused"] is not None
-    # default: torch's setting
+    assert a2[4] is acc.semaphores and k2["deterministic"] is True
+    del ops["gqa_accumulate"].calls[:]
+    # an accumulator without semaphores: torch's setting decides
+    plain = fe.gqa_accumulator(2, 64, batch=2, seqlen=16, device="cpu")
+    fe.gqa_accumulate(pk, pv, plain)
+    assert ops["gqa_accumulate"].calls[0][1]["deterministic"] is False
+    del ops["gqa_accumulate"].calls[:]
     before = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
         fe.gqa_accumulate(pk, pv, acc)
-        plain = fe.gqa_accumulator(2, 64, batch=2, seqlen=16, device="cpu")
         with _raises("gqa_accumulate", "acc.semaphores",
                      "an int32 workspace because torch.are_deterministic_algorithms_enabled() is True: allocate the "
                      "accumulator with flash_epilogue.gqa_accumulator(..., deterministic=True) (or pass "
@@ -760,8 +768,8 @@ def test_accumulate_wrapper(sm90, ops):
         fe.gqa_accumulate(pk, pv, plain, deterministic=False)
     finally:
         torch.use_deterministic_algorithms(before)
-    assert ops["gqa_accumulate"].calls[2][1]["deterministic"] is True
-    assert ops["gqa_accumulate"].calls[3][1]["deterministic"] is False
+    assert ops["gqa_accumulate"].calls[0][1]["deterministic"] is True
+    assert ops["gqa_accumulate"].calls[1][1]["deterministic"] is False
     with _raises("gqa_accumulate", "acc.semaphores",
                  "an int32 workspace because deterministic=True: allocate the accumulator with "
                  "flash_epilogue.gqa_accumulator(..., deterministic=True) (or pass deterministic=False)",
