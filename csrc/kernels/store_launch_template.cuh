@@ -23,10 +23,9 @@ cudaError_t set_smem_limit_once(KernelFn kernel, int smem_bytes) {
   int device = 0;
   if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) { return err; }
   if (device < kMaxDevices && configured_bytes[device] >= smem_bytes) { return cudaSuccess; }
-  cudaError_t err = cudaSuccess;
-  if (smem_bytes > 48 * 1024) {
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
-  }
+  // Always raise it: the default 48 KB limit counts the kernel's static shared memory too, so a
+  // 48 KB dynamic request plus a few static bytes fails to launch ("invalid argument").
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
   if (err == cudaSuccess && device < kMaxDevices) { configured_bytes[device] = smem_bytes; }
   return err;
 }
