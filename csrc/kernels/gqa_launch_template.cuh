@@ -15,9 +15,6 @@ namespace detail {
 inline ShapeRowsHeadBatch shape_of(TensorDesc const& t, int rows, int heads, int batch_extent) {
   return {rows, t.head_dim, heads, batch_extent};
 }
-inline StrideRowsHeadBatch stride_of(TensorDesc const& t) {
-  return {t.row_stride, cute::_1{}, t.head_stride, t.batch_stride};
-}
 
 template <class Traits>
 AccumReader<Traits> reader_of(AccumDesc const& a) {
@@ -62,10 +59,10 @@ char const* launch_gqa_accumulate(GqaAccumulateLaunchArgs const& args, cudaStrea
   typename Kernel::Params params{Collective::to_underlying_arguments(coll_args),
                                  static_cast<float const*>(args.dk_partial.ptr),
                                  detail::shape_of(args.dk_partial, args.rows, args.num_heads_q, batch_extent),
-                                 detail::stride_of(args.dk_partial),
+                                 stride_of(args.dk_partial),
                                  static_cast<float const*>(args.dv_partial.ptr),
                                  detail::shape_of(args.dv_partial, args.rows, args.num_heads_q, batch_extent),
-                                 detail::stride_of(args.dv_partial),
+                                 stride_of(args.dv_partial),
                                  args.batch, args.num_heads_q, static_cast<int>(tiles.x), static_cast<int>(tiles.z), ticket};
   if (args.semaphores) {
     // Counters and ticket start at zero on this stream, before every launch (graph-capturable).
@@ -87,23 +84,12 @@ char const* launch_gqa_accum_to_dense(GqaDenseLaunchArgs const& args, cudaStream
   typename Kernel::Params params{detail::reader_of<typename Kernel::Traits>(args.accum),
                                  static_cast<float*>(args.out.ptr),
                                  detail::shape_of(args.out, args.rows, args.num_heads_kv, batch_extent),
-                                 detail::stride_of(args.out), args.batch, args.cu_seqlens, args.seqused};
+                                 stride_of(args.out), args.batch, args.cu_seqlens, args.seqused};
   return detail::launch<Kernel>(detail::tile_grid<Config::kBlockN>(args.rows, args.num_heads_kv, args.batch, varlen),
                                 params, stream);
 }
 
 namespace detail {
-
-template <class Epilogue, class Element>
-typename Epilogue::Arguments epilogue_arguments(TensorDesc const& dk, TensorDesc const& dv, int rows, int heads,
-                                                int batch_extent, int const* cu_seqlens, int const* seqused) {
-  auto shape = [&](TensorDesc const& t) { return typename Epilogue::ShapedKV{rows, t.head_dim, heads, batch_extent}; };
-  auto stride = [](TensorDesc const& t) {
-    return typename Epilogue::StridedKV{t.row_stride, cute::_1{}, t.head_stride, t.batch_stride};
-  };
-  return {static_cast<Element*>(dk.ptr), shape(dk), stride(dk), static_cast<Element*>(dv.ptr), shape(dv), stride(dv),
-          cu_seqlens, seqused};
-}
 
 template <class Element, int kHeadDim, class ArchTag, bool kVarlen>
 char const* launch_gqa_postprocess_variant(GqaPostprocessLaunchArgs const& args, cudaStream_t stream) {

@@ -33,6 +33,20 @@ cudaError_t set_smem_limit_once(KernelFn kernel, int smem_bytes) {
 template <int kArch>
 using arch_tag_of = std::conditional_t<kArch >= 90, cutlass::arch::Sm90, cutlass::arch::Sm80>;
 
+// (rows, d, heads, batch) element strides of a TensorDesc, as every driver's Params holds them.
+inline cute::Stride<int64_t, cute::_1, int64_t, int64_t> stride_of(TensorDesc const& t) {
+  return {t.row_stride, cute::_1{}, t.head_stride, t.batch_stride};
+}
+
+// CollectiveEpilogueBwd's arguments for outputs dk/dv (dv.ptr may be null: dK only).
+template <class Epilogue, class Element>
+typename Epilogue::Arguments epilogue_arguments(TensorDesc const& dk, TensorDesc const& dv, int rows, int heads,
+                                                int batch_extent, int const* cu_seqlens, int const* seqused) {
+  auto shape = [&](TensorDesc const& t) { return typename Epilogue::ShapedKV{rows, t.head_dim, heads, batch_extent}; };
+  return {static_cast<Element*>(dk.ptr), shape(dk), stride_of(dk), static_cast<Element*>(dv.ptr), shape(dv),
+          stride_of(dv), cu_seqlens, seqused};
+}
+
 template <class Element, int kHeadDim, class ArchTag, bool kVarlen>
 char const* launch_store_variant(StoreLaunchArgs const& args, cudaStream_t stream) {
   using namespace cute;
@@ -42,20 +56,13 @@ char const* launch_store_variant(StoreLaunchArgs const& args, cudaStream_t strea
   bool const is_varlen = args.cu_seqlens != nullptr;
   int const batch_extent = is_varlen ? 1 : args.batch;
 
-  auto shape = [&](TensorDesc const& t) {
-    return typename Epilogue::ShapedKV{args.rows, t.head_dim, args.num_heads, batch_extent};
-  };
-  auto stride = [](TensorDesc const& t) {
-    return typename Epilogue::StridedKV{t.row_stride, _1{}, t.head_stride, t.batch_stride};
-  };
-  typename Epilogue::Arguments ep_args{static_cast<Element*>(args.dk.ptr), shape(args.dk), stride(args.dk),
-                                       static_cast<Element*>(args.dv.ptr), shape(args.dv), stride(args.dv),
-                                       args.cu_seqlens, args.seqused};
+  auto const ep_args = epilogue_arguments<Epilogue, Element>(args.dk, args.dv, args.rows, args.num_heads, batch_extent,
+                                                             args.cu_seqlens, args.seqused);
   if (char const* why = Epilogue::can_implement(ep_args)) { return why; }
 
   typename Kernel::Params params{Epilogue::to_underlying_arguments(ep_args),
-                                 static_cast<float const*>(args.dk_accum.ptr), stride(args.dk_accum),
-                                 static_cast<float const*>(args.dv_accum.ptr), stride(args.dv_accum), args.batch};
+                                 static_cast<float const*>(args.dk_accum.ptr), stride_of(args.dk_accum),
+                                 static_cast<float const*>(args.dv_accum.ptr), stride_of(args.dv_accum), args.batch};
 
   int const num_tiles = is_varlen ? args.rows / Config::kBlockN + args.batch
                                   : (args.rows + Config::kBlockN - 1) / Config::kBlockN;

@@ -18,15 +18,8 @@ char const* launch_store_zero(StoreZeroLaunchArgs const& args, cudaStream_t stre
   bool const is_varlen = args.cu_seqlens != nullptr;
   int const batch_extent = is_varlen ? 1 : args.batch;
 
-  auto shape = [&](TensorDesc const& t) {
-    return typename Epilogue::ShapedKV{args.rows, t.head_dim, args.num_heads, batch_extent};
-  };
-  auto stride = [](TensorDesc const& t) {
-    return typename Epilogue::StridedKV{t.row_stride, _1{}, t.head_stride, t.batch_stride};
-  };
-  typename Epilogue::Arguments ep_args{static_cast<Element*>(args.dk.ptr), shape(args.dk), stride(args.dk),
-                                       static_cast<Element*>(args.dv.ptr), shape(args.dv), stride(args.dv),
-                                       args.cu_seqlens, args.seqused};
+  auto const ep_args = epilogue_arguments<Epilogue, Element>(args.dk, args.dv, args.rows, args.num_heads, batch_extent,
+                                                             args.cu_seqlens, args.seqused);
   if (char const* why = Epilogue::can_implement(ep_args)) { return why; }
 
   // No sequence is longer than the tensor's rows: clamp the window to them.
