@@ -213,6 +213,8 @@ def _has_real_data(t: torch.Tensor) -> bool:
     """True when data_ptr() is a real address (not meta, not a fake tensor under compile)."""
     if t.device.type == "meta":
         return False
+    if type(t) is torch.Tensor:  # fast path: a plain tensor is never fake (FakeTensor is a subclass)
+        return True
     try:
         from torch._subclasses.fake_tensor import is_fake  # noqa: PLC0415
     except ImportError:  # pragma: no cover
