@@ -2,7 +2,9 @@
 # The H200 check, run through the `device` tool from the repository root:
 #   scripts/gpu_check.sh STAGES COMMIT      e.g.  scripts/gpu_check.sh build,test,bench abc1234
 # Stages: build (the extension against the device's torch, MAX_JOBS=16), test (pytest, GPU tests
-# included), bench (benchmarks/). Logs and results go to $OUT (summary: gpu_tests.json).
+# included), bench (benchmarks/bench_store.py: store vs torch .to), bench_ops (benchmarks/bench_ops.py:
+# every op vs torch eager/compile/Triton and the copy roofline -> h200.json/csv/png; give it a call
+# of its own). Logs and results go to $OUT (summary: gpu_tests.json).
 # Needs the nvidia-cutlass wheel in .whl/ (carried: the device machine has no registry):
 #   pip download --no-deps nvidia-cutlass==4.2.0.0 -d .whl
 set -uo pipefail
@@ -50,5 +52,9 @@ fi
 
 if has bench; then
   python3 benchmarks/bench_store.py --out "$OUT/store_first.json" --commit "$COMMIT" 2>&1 | tee "$OUT/bench.log" || status=1
+fi
+
+if has bench_ops; then
+  python3 benchmarks/bench_ops.py --out "$OUT" --commit "$COMMIT" 2>&1 | tee "$OUT/bench_ops.log" || status=1
 fi
 exit $status
