@@ -605,6 +605,17 @@ def _check_accum_shape(op: str, name: str, t: torch.Tensor, expected: tuple, why
         _fail(op, f"{name}: shape", f"{tuple(expected)} ({why})", _shape(t))
 
 
+def _check_accum_geometry(op: str, accums, device, _arch: int, batch: int, rows: int, h_k: int, d: int, dv: int,
+                          varlen: bool) -> tuple[int, tuple]:
+    """The arch path and the accumulator shape of this problem; every accumulator must have it."""
+    arch = resolve_arch(device, _arch)
+    expected = gqa_accum_shape(batch, rows, h_k, d, dv, arch=arch, varlen=varlen)
+    why = _accum_why(batch, rows, h_k, d, dv, arch, varlen)
+    for name, t in accums:
+        _check_accum_shape(op, name, t, expected, why)
+    return arch, expected
+
+
 def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
     strides, acc = [], 1
     for n in reversed(shape):
@@ -674,11 +685,7 @@ def validate_gqa_accumulate(dk_partial, dv_partial, dk_accum, dv_accum, semaphor
     _check_group(op, "dk_partial", h_q, "dk_accum", h_k, "dk_accum.shape[1]")
     batch = int(_check_seqlens_meta(op, cu_seqlens, seqused, dk_partial.shape[0], "dk_partial"))  # j
     rows = int(dk_partial.shape[0] if varlen else dk_partial.shape[1])
-    arch = resolve_arch(dk_partial.device, _arch)
-    expected = gqa_accum_shape(batch, rows, h_k, d, dv_dim, arch=arch, varlen=varlen)
-    why = _accum_why(batch, rows, h_k, d, dv_dim, arch, varlen)
-    for name, t in accums:
-        _check_accum_shape(op, name, t, expected, why)
+    arch, expected = _check_accum_geometry(op, accums, dk_partial.device, _arch, batch, rows, h_k, d, dv_dim, varlen)
     for name, t in partials:  # f, g
         _check_last_stride(op, name, t)
     for name, t in partials:
@@ -739,11 +746,7 @@ def validate_gqa_postprocess(dk_accum, dv_accum, dk, dv, cu_seqlens=None, sequse
     h_k = int(dk.shape[-2])
     batch = int(_check_seqlens_meta(op, cu_seqlens, seqused, dk.shape[0], "dk"))  # j
     rows = int(dk.shape[0] if varlen else dk.shape[1])
-    arch = resolve_arch(dk.device, _arch)
-    expected = gqa_accum_shape(batch, rows, h_k, d, dv_dim, arch=arch, varlen=varlen)
-    why = _accum_why(batch, rows, h_k, d, dv_dim, arch, varlen)
-    for name, t in accums:
-        _check_accum_shape(op, name, t, expected, why)
+    arch, expected = _check_accum_geometry(op, accums, dk.device, _arch, batch, rows, h_k, d, dv_dim, varlen)
     for name, t in outputs:  # f, g
         _check_last_stride(op, name, t)
     for name, t in outputs:
@@ -789,10 +792,8 @@ def validate_gqa_accum_to_dense(accum, out, cu_seqlens=None, seqused=None, *, he
     h_k = int(out.shape[-2])
     batch = int(_check_seqlens_meta(op, cu_seqlens, seqused, out.shape[0], "out"))  # j
     rows = int(out.shape[0] if varlen else out.shape[1])
-    arch = resolve_arch(out.device, _arch)
-    expected = gqa_accum_shape(batch, rows, h_k, int(head_dim), arch=arch, varlen=varlen)
-    _check_accum_shape(op, "accum", accum, expected,
-                       _accum_why(batch, rows, h_k, int(head_dim), int(head_dim), arch, varlen))
+    arch, expected = _check_accum_geometry(op, (("accum", accum),), out.device, _arch, batch, rows, h_k,
+                                           int(head_dim), int(head_dim), varlen)
     _check_last_stride(op, "out", out)  # f, g
     _check_strides(op, "out", out)
     _check_contiguous(op, "accum", accum)
