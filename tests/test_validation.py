@@ -483,7 +483,7 @@ def test_default_is_cuda_device():
     ((10, 0), ("sm_90a",), "sm_100"),
     ((9, 0), ("sm_80",), "sm_90"),
 ])
-def test_wrong_capability(monkeypatch, cap, archs, got):  # noqa: D103
+def test_wrong_capability(monkeypatch, cap, archs, got):
     monkeypatch.setattr(V, "_is_cuda_device", lambda device: True)
     monkeypatch.setattr(V, "_device_capability", lambda device: cap)
     monkeypatch.setattr(V, "_compiled_archs", lambda: archs)
