@@ -288,11 +288,13 @@ def _elements_coincide(t: torch.Tensor, other: torch.Tensor, delta_bytes: int) -
     return reachable(0, delta_bytes // size)
 
 
-def _check_no_overlap(op: str, name: str, t: torch.Tensor, other_name: str, other: torch.Tensor) -> None:
+def _check_no_overlap(op: str, name: str, t: torch.Tensor, other_name: str, other: torch.Tensor,
+                      ranges: Optional[dict] = None) -> None:
+    """`t` shares no element with `other`. `ranges` (id -> _byte_range) avoids recomputing them."""
     if t.numel() == 0 or other.numel() == 0:
         return
-    key_a, a0, a1 = _byte_range(t)
-    key_b, b0, b1 = _byte_range(other)
+    key_a, a0, a1 = ranges[id(t)] if ranges else _byte_range(t)
+    key_b, b0, b1 = ranges[id(other)] if ranges else _byte_range(other)
     if key_a == key_b and a0 < b1 and b0 < a1 and _elements_coincide(t, other, b0 - a0):
         _fail(op, f"{name}: memory", f"no overlap with {other_name}",
               f"bytes [{a0:#x}, {a1:#x}) overlapping {other_name}'s [{b0:#x}, {b1:#x})")
@@ -402,15 +404,10 @@ def validate_store(dk_accum, dv_accum, dk, dv, cu_seqlens=None, seqused=None, *,
         _check_strides(op, name, t)
     for name, t in four:  # h
         _check_alignment(op, name, t)
-    _check_no_overlap(op, "dv", dv, "dk", dk)  # i
-    for out_name, out in outputs:
-        for in_name, inp in inputs:
-            _check_no_overlap(op, out_name, out, in_name, inp)
+    _check_no_overlaps(op, outputs, inputs)  # i
     batch = _check_seqlens_meta(op, cu_seqlens, seqused, dk.shape[0])  # j
-    for out_name, out in outputs:
-        for in_name, inp in (("cu_seqlens", cu_seqlens), ("seqused", seqused)):
-            if inp is not None:
-                _check_no_overlap(op, out_name, out, in_name, inp)
+    if cu_seqlens is not None or seqused is not None:
+        _check_no_overlaps(op, outputs, (("cu_seqlens", cu_seqlens), ("seqused", seqused)))
     device = _check_devices(op, four + (("cu_seqlens", cu_seqlens), ("seqused", seqused)))  # k
 
     return StoreProblem(
@@ -641,12 +638,13 @@ def _check_no_overlaps(op: str, written: Sequence[tuple[str, Optional[torch.Tens
     """No written tensor shares an element with another written one or with a read one."""
     written = [(n, t) for n, t in written if t is not None]
     read = [(n, t) for n, t in read if t is not None]
+    ranges = {id(t): _byte_range(t) for _, t in written + read if t.numel()}
     for i, (name, t) in enumerate(written):
         for other_name, other in written[:i]:
-            _check_no_overlap(op, name, t, other_name, other)
+            _check_no_overlap(op, name, t, other_name, other, ranges)
     for name, t in written:
         for other_name, other in read:
-            _check_no_overlap(op, name, t, other_name, other)
+            _check_no_overlap(op, name, t, other_name, other, ranges)
 
 
 def validate_gqa_accumulate(dk_partial, dv_partial, dk_accum, dv_accum, semaphores=None, cu_seqlens=None,
