@@ -1,0 +1,23 @@
+"""Build and load the example with torch's JIT extension loader:
+
+    import build; ext = build.load(); ext.run(dk_accum, dv_accum, dk, dv)
+"""
+from __future__ import annotations
+
+import os
+
+import flash_epilogue
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+NVCC_FLAGS = ["-std=c++20", "-O3", "--expt-relaxed-constexpr", "-gencode=arch=compute_90a,code=sm_90a",
+              "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
+              "-U__CUDA_NO_BFLOAT16_OPERATORS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__"]
+
+
+def load(verbose: bool = False):
+    from torch.utils.cpp_extension import load as load_extension
+
+    return load_extension(name="flash_epilogue_custom_kernel_example",
+                          sources=[os.path.join(HERE, "epilogue_example.cu")],
+                          extra_include_paths=flash_epilogue.get_include(),
+                          extra_cuda_cflags=NVCC_FLAGS, verbose=verbose)

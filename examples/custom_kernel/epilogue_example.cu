@@ -1,0 +1,95 @@
+// A kernel of your own that ends an attention backward with flash_epilogue's collective.
+//
+// Your mainloop leaves the fp32 dK and dV of one KV tile in registers as C fragments of its dK/dV
+// TiledMma; CollectiveEpilogueBwd converts them to bf16 and writes them out. Here the "mainloop"
+// only loads the fp32 values from global memory into those fragments, so the example stays small;
+// everything from `Epilogue{}.store(...)` on is what your kernel would do.
+//
+// Layout: (seqlen, heads, 128) contiguous, one sequence. Build: see README.md beside this file.
+
+#include <torch/extension.h>
+
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "flash_epilogue/bwd_config.h"
+#include "flash_epilogue/epilogue_bwd.h"
+
+namespace example {
+
+using namespace cute;
+namespace fe = flash_epilogue;
+
+constexpr int kHeadDim = 128;
+using Element = cutlass::bfloat16_t;
+using Config = fe::BwdTileConfig<kHeadDim, cutlass::arch::Sm90>;  // FA3's hdim-128 tile: 128 x 128, 256 threads
+using TiledMma = typename fe::BwdTiledMmaSm90<Config, Element>::TiledMma;
+using TileShape = Shape<_64, Int<Config::kBlockN>, Int<kHeadDim>>;
+// The predicated path (Varlen = true) needs no TMA descriptor; barrier id 9 stays clear of the
+// ids this kernel's own code might use.
+using Epilogue = fe::CollectiveEpilogueBwd<TileShape, Element, cutlass::arch::Sm90, Config::kNumThreads,
+                                           /*Varlen=*/true, Config::kSwapAB, Config::kAtomLayoutKdKV, /*BarrierId=*/9>;
+
+__global__ void __launch_bounds__(Config::kNumThreads, 1)
+    my_backward_tail(CUTE_GRID_CONSTANT typename Epilogue::Params const params, float const* dk_accum,
+                     float const* dv_accum, int seqlen, int heads) {
+  extern __shared__ __align__(128) char smem[];
+  int const n_block = blockIdx.x, head = blockIdx.y, thread_idx = threadIdx.x;
+
+  // --- stand-in for the mainloop: fp32 (BLK_N, D) tiles into the C fragments of the dK/dV MMA
+  TiledMma tiled_mma;
+  auto thr_mma = tiled_mma.get_thread_slice(thread_idx);
+  Tensor tdKrdK = partition_fragment_C(tiled_mma, Shape<Int<Config::kBlockN>, Int<kHeadDim>>{});
+  Tensor tdVrdV = partition_fragment_C(tiled_mma, Shape<Int<Config::kBlockN>, Int<kHeadDim>>{});
+  auto layout = make_layout(make_shape(seqlen, Int<kHeadDim>{}), make_stride(int64_t(heads) * kHeadDim, _1{}));
+  auto tile = [&](float const* base) {
+    return local_tile(make_tensor(make_gmem_ptr(base + int64_t(head) * kHeadDim), layout),
+                      Shape<Int<Config::kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));
+  };
+  Tensor tdKgdK = thr_mma.partition_C(tile(dk_accum));
+  Tensor tdVgdV = thr_mma.partition_C(tile(dv_accum));
+  Tensor coords = thr_mma.partition_C(make_identity_tensor(Shape<Int<Config::kBlockN>, Int<kHeadDim>>{}));
+  for (int i = 0; i < size(tdKrdK); ++i) {
+    bool const valid = n_block * Config::kBlockN + get<0>(coords(i)) < seqlen;
+    tdKrdK(i) = valid ? tdKgdK(i) : 0.f;
+    tdVrdV(i) = valid ? tdVgdV(i) : 0.f;
+  }
+
+  // --- the epilogue, as in your kernel
+  auto& storage = *reinterpret_cast<typename Epilogue::TensorStorage*>(smem);
+  Epilogue{}.store(params, tdKrdK, tdVrdV, storage, tiled_mma, thread_idx, make_tuple(n_block, head, 0));
+}
+
+void run(torch::Tensor const& dk_accum, torch::Tensor const& dv_accum, torch::Tensor& dk, torch::Tensor& dv) {
+  TORCH_CHECK(dk_accum.is_cuda() && dk_accum.is_contiguous() && dk_accum.scalar_type() == torch::kFloat &&
+                  dk_accum.dim() == 3 && dk_accum.size(2) == kHeadDim,
+              "dk_accum: expected a contiguous CUDA fp32 (seqlen, heads, 128) tensor");
+  TORCH_CHECK(dv_accum.sizes() == dk_accum.sizes() && dv_accum.is_contiguous(), "dv_accum: expected dk_accum's shape");
+  TORCH_CHECK(dk.sizes() == dk_accum.sizes() && dv.sizes() == dk_accum.sizes() && dk.is_contiguous() &&
+                  dv.is_contiguous() && dk.scalar_type() == torch::kBFloat16 && dv.scalar_type() == torch::kBFloat16,
+              "dk, dv: expected contiguous bf16 tensors of dk_accum's shape");
+  int const seqlen = static_cast<int>(dk.size(0)), heads = static_cast<int>(dk.size(1));
+  if (seqlen == 0 || heads == 0) { return; }
+  c10::cuda::CUDAGuard const guard(dk.device());
+
+  // (seqlen, d, heads, batch = 1) for the collective
+  typename Epilogue::ShapedKV const shape{seqlen, kHeadDim, heads, 1};
+  typename Epilogue::StridedKV const stride{int64_t(heads) * kHeadDim, _1{}, kHeadDim, int64_t(seqlen) * heads * kHeadDim};
+  typename Epilogue::Arguments const args{reinterpret_cast<Element*>(dk.data_ptr()), shape, stride,
+                                          reinterpret_cast<Element*>(dv.data_ptr()), shape, stride,
+                                          /*cu_seqlens=*/nullptr, /*seqused=*/nullptr};
+  char const* why = Epilogue::can_implement(args);
+  TORCH_CHECK(why == nullptr, "CollectiveEpilogueBwd cannot run these arguments: ", why);
+  auto const params = Epilogue::to_underlying_arguments(args);
+
+  int const smem_bytes = sizeof(typename Epilogue::TensorStorage);
+  C10_CUDA_CHECK(cudaFuncSetAttribute(my_backward_tail, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
+  dim3 const grid((seqlen + Config::kBlockN - 1) / Config::kBlockN, heads);
+  my_backward_tail<<<grid, Config::kNumThreads, smem_bytes, c10::cuda::getCurrentCUDAStream().stream()>>>(
+      params, dk_accum.data_ptr<float>(), dv_accum.data_ptr<float>(), seqlen, heads);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace example
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("run", &example::run, "fp32 dK/dV (seqlen, heads, 128) -> bf16, in place"); }

@@ -1,0 +1,57 @@
+"""examples/custom_kernel: a user's own extension that includes the collective. CI compiles it
+(CPU); on an sm_90 GPU it is built with torch's JIT loader and must give `.to(bf16)` bitwise."""
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import flash_epilogue
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "custom_kernel"
+
+
+def _nvcc():
+    cuda_home = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda"))
+    return shutil.which("nvcc") or (str(cuda_home / "bin/nvcc") if (cuda_home / "bin/nvcc").exists() else None)
+
+
+@pytest.mark.skipif(_nvcc() is None, reason="no nvcc")
+def test_example_compiles(tmp_path):
+    import sysconfig
+
+    from torch.utils.cpp_extension import include_paths
+
+    sys.path.insert(0, str(EXAMPLE))
+    try:
+        import build
+    finally:
+        sys.path.pop(0)
+    includes = [*flash_epilogue.get_include(), *include_paths(), sysconfig.get_paths()["include"]]
+    cmd = [_nvcc(), *build.NVCC_FLAGS, "-DTORCH_EXTENSION_NAME=example", "-DTORCH_API_INCLUDE_EXTENSION_H",
+           "-c", str(EXAMPLE / "epilogue_example.cu"), "-o", str(tmp_path / "example.o"),
+           *[f"-I{d}" for d in includes]]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+@pytest.mark.gpu
+def test_example_runs():
+    sys.path.insert(0, str(EXAMPLE))
+    try:
+        import build
+    finally:
+        sys.path.pop(0)
+    ext = build.load()
+    acc_k = torch.randn(1000, 3, 128, device="cuda")
+    acc_v = torch.randn_like(acc_k)
+    dk = torch.empty_like(acc_k, dtype=torch.bfloat16)
+    dv = torch.empty_like(dk)
+    ext.run(acc_k, acc_v, dk, dv)
+    torch.cuda.synchronize()
+    assert torch.equal(dk.view(torch.int16), acc_k.to(torch.bfloat16).view(torch.int16))
+    assert torch.equal(dv.view(torch.int16), acc_v.to(torch.bfloat16).view(torch.int16))
