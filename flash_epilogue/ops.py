@@ -5,6 +5,9 @@ Validation reads tensor metadata only (no host sync). Checks of tensor *contents
 when asked: `check_inputs=True`, or FLASH_EPILOGUE_CHECK_INPUTS=1 in the environment; never while
 a CUDA graph is being captured or under torch.compile. The kernels clamp every row range to the
 tensor's extent, so bad metadata cannot write outside a tensor even unchecked.
+
+FLASH_EPILOGUE_DEBUG=1 turns the content checks on and synchronizes after every launch, so a
+device-side failure is reported by the op that caused it.
 """
 from __future__ import annotations
 
@@ -21,14 +24,32 @@ from .gqa import GQAAccumulator
 __all__ = ["store", "store_zero", "gqa_accumulate", "gqa_postprocess", "gqa_reduce"]
 
 
-def _want_content_checks(check_inputs: Optional[bool]) -> bool:
-    if check_inputs is None:
-        check_inputs = os.environ.get("FLASH_EPILOGUE_CHECK_INPUTS", "0") not in ("", "0")
-    if not check_inputs:
-        return False
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "0") not in ("", "0")
+
+
+def _eager_and_not_capturing() -> bool:
     if torch.compiler.is_compiling():
         return False
     return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
+def _want_content_checks(check_inputs: Optional[bool]) -> bool:
+    """Content checks (a host sync) when asked: check_inputs=True, FLASH_EPILOGUE_CHECK_INPUTS=1 or
+    FLASH_EPILOGUE_DEBUG=1; never under torch.compile or CUDA-graph capture."""
+    if check_inputs is None:
+        check_inputs = _env_flag("FLASH_EPILOGUE_CHECK_INPUTS") or _env_flag("FLASH_EPILOGUE_DEBUG")
+    return bool(check_inputs) and _eager_and_not_capturing()
+
+
+def _debug_sync(op: str, device: torch.device) -> None:
+    """FLASH_EPILOGUE_DEBUG=1: wait for the launch and report a device error against this op."""
+    if not (_env_flag("FLASH_EPILOGUE_DEBUG") and device.type == "cuda" and _eager_and_not_capturing()):
+        return
+    try:
+        torch.cuda.synchronize(device)
+    except Exception as e:  # noqa: BLE001 (re-raised with the op's name)
+        raise RuntimeError(f"flash_epilogue.{op}: the kernel failed on {device}: {e}") from e
 
 
 def store(
@@ -56,6 +77,7 @@ def store(
             cu_seqlens, seqused, total=problem.seqlen,
             seqlen_static=None if problem.varlen else problem.seqlen, op="store")
     torch.ops.flash_epilogue.store(dk_accum, dv_accum, dk, dv, cu_seqlens=cu_seqlens, seqused=seqused, _arch=_arch)
+    _debug_sync("store", dk.device)
 
 
 @torch.library.register_fake("flash_epilogue::store")
@@ -145,6 +167,7 @@ def store_zero(
                                         limit_why="the number of heads")
     torch.ops.flash_epilogue.store_zero(dk, dv, cu_seqlens=cu_seqlens, seqused=seqused, batch_idx=batch_idx,
                                         head_idx=head_idx, row_start=row_start, row_end=row_end, _arch=_arch)
+    _debug_sync(op, dk.device)
 
 
 def _register_fake_if_defined(qualname: str):
@@ -252,6 +275,7 @@ def gqa_accumulate(
     torch.ops.flash_epilogue.gqa_accumulate(dk_partial, dv_partial, acc.dk_accum, acc.dv_accum, semaphores,
                                             cu_seqlens=cu_seqlens, seqused=seqused, deterministic=deterministic,
                                             _arch=acc.arch)
+    _debug_sync("gqa_accumulate", dk_partial.device)
 
 
 def gqa_postprocess(
@@ -282,6 +306,7 @@ def gqa_postprocess(
     torch.ops.flash_epilogue.gqa_postprocess(acc.dk_accum, acc.dv_accum, dk, dv, scale_dk=float(scale_dk),
                                              scale_dv=float(scale_dv), cu_seqlens=cu_seqlens, seqused=seqused,
                                              _arch=acc.arch)
+    _debug_sync("gqa_postprocess", dk.device)
 
 
 def _accum_to_dense(acc: GQAAccumulator, *, cu_seqlens=None, seqused=None,
@@ -388,6 +413,7 @@ def gqa_reduce(
     _content_checks(check_inputs, op, problem, cu_seqlens, seqused)
     torch.ops.flash_epilogue.gqa_reduce(dk_partial, dv_partial, dk, dv, cu_seqlens=cu_seqlens, seqused=seqused,
                                         scale_dk=float(scale_dk), scale_dv=float(scale_dv), _arch=_arch)
+    _debug_sync("gqa_reduce", dk.device)
     return dk if dv_partial is None else (dk, dv)
 
 

@@ -123,3 +123,32 @@ def test_info_and_main_run():
     for module in ("flash_epilogue.info", "flash_epilogue"):
         out = subprocess.run([sys.executable, "-m", module], cwd=ROOT, capture_output=True, text=True)
         assert out.returncode == 0, out.stderr
+
+
+def test_debug_switch_turns_on_content_checks(monkeypatch):
+    from flash_epilogue import ops
+
+    monkeypatch.delenv("FLASH_EPILOGUE_CHECK_INPUTS", raising=False)
+    monkeypatch.delenv("FLASH_EPILOGUE_DEBUG", raising=False)
+    assert not ops._want_content_checks(None)
+    assert ops._want_content_checks(True)
+    monkeypatch.setenv("FLASH_EPILOGUE_DEBUG", "1")
+    assert ops._want_content_checks(None)
+    assert not ops._want_content_checks(False)  # an explicit argument wins
+    ops._debug_sync("store", torch.device("cpu"))  # nothing to wait for off the GPU
+
+
+def test_build_for_another_torch_is_named(monkeypatch):
+    # an extension built against another torch fails with an undefined symbol when loaded; the
+    # versions recorded at build time let the package say so by name instead
+    from flash_epilogue import _extension
+
+    if _extension._build_info is None or not _extension._build_info.CUDA_KERNELS:
+        pytest.skip("no CUDA build here")
+    monkeypatch.setattr(_extension._build_info, "TORCH_VERSION", "1.0.0+other")
+    monkeypatch.setattr(_extension, "_C", None)
+    monkeypatch.setattr(_extension, "UNAVAILABLE_REASON", None)
+    _extension._load()
+    assert _extension._C is None
+    assert "built against torch 1.0.0+other" in _extension.UNAVAILABLE_REASON
+    assert f"torch {torch.__version__} is running" in _extension.UNAVAILABLE_REASON
