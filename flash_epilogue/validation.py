@@ -377,6 +377,14 @@ def _check_devices(op: str, tensors: Sequence[tuple[str, Optional[torch.Tensor]]
 # Op validators
 
 
+def _output_problem(dk, dv, batch, varlen: bool, has_seqused: bool, device) -> StoreProblem:
+    """The StoreProblem of validated outputs dk/dv (store and store_zero)."""
+    d, dv_dim = int(dk.shape[-1]), int(dv.shape[-1])
+    return StoreProblem(batch=int(batch), seqlen=int(dk.shape[0] if varlen else dk.shape[1]),
+                        num_heads=int(dk.shape[-2]), head_dim=d, head_dim_v=dv_dim, dtype=dk.dtype, varlen=varlen,
+                        has_seqused=has_seqused, config=tile_config(d, dv_dim), device=device)
+
+
 def validate_store(dk_accum, dv_accum, dk, dv, cu_seqlens=None, seqused=None, *, op: str = "store") -> StoreProblem:
     """Validate the arguments of ``store`` (metadata only, no sync); returns the problem."""
     outputs = (("dk", dk), ("dv", dv))
@@ -410,18 +418,7 @@ def validate_store(dk_accum, dv_accum, dk, dv, cu_seqlens=None, seqused=None, *,
         _check_no_overlaps(op, outputs, (("cu_seqlens", cu_seqlens), ("seqused", seqused)))
     device = _check_devices(op, four + (("cu_seqlens", cu_seqlens), ("seqused", seqused)))  # k
 
-    return StoreProblem(
-        batch=int(batch),
-        seqlen=int(dk.shape[0] if varlen else dk.shape[1]),
-        num_heads=int(dk.shape[-2]),
-        head_dim=int(d),
-        head_dim_v=int(dv_dim),
-        dtype=dk.dtype,
-        varlen=varlen,
-        has_seqused=seqused is not None,
-        config=tile_config(int(d), int(dv_dim)),
-        device=device,
-    )
+    return _output_problem(dk, dv, batch, varlen, seqused is not None, device)
 
 
 def validate_store_zero(dk, dv, cu_seqlens=None, seqused=None, batch_idx=None, head_idx=None, row_start=0,
@@ -458,10 +455,7 @@ def validate_store_zero(dk, dv, cu_seqlens=None, seqused=None, batch_idx=None, h
     for name, t in selections:
         if t is not None:
             _check_index_tensor(op, name, t, None)
-    for out_name, out in outputs:
-        for in_name, inp in (("cu_seqlens", cu_seqlens), ("seqused", seqused)) + selections:
-            if inp is not None:
-                _check_no_overlap(op, out_name, out, in_name, inp)
+    _check_no_overlaps(op, outputs, (("cu_seqlens", cu_seqlens), ("seqused", seqused)) + selections)
     if not _is_int(row_start):  # k
         _fail(op, "row_start", "an int", type(row_start).__name__)
     if row_start < 0:
@@ -473,18 +467,7 @@ def validate_store_zero(dk, dv, cu_seqlens=None, seqused=None, batch_idx=None, h
             _fail(op, "row_end", f"None or >= row_start = {row_start}", row_end)
     device = _check_devices(op, outputs + (("cu_seqlens", cu_seqlens), ("seqused", seqused)) + selections)  # l
 
-    return StoreProblem(
-        batch=int(batch),
-        seqlen=int(dk.shape[0] if varlen else dk.shape[1]),
-        num_heads=int(dk.shape[-2]),
-        head_dim=int(d),
-        head_dim_v=int(dv_dim),
-        dtype=dk.dtype,
-        varlen=varlen,
-        has_seqused=seqused is not None,
-        config=tile_config(int(d), int(dv_dim)),
-        device=device,
-    )
+    return _output_problem(dk, dv, batch, varlen, seqused is not None, device)
 
 
 def check_seqlens_contents(cu_seqlens, seqused, *, total: int, seqlen_static: Optional[int] = None,
