@@ -4,7 +4,9 @@
 # Stages: build (the extension against the device's torch, MAX_JOBS=16), test (pytest, GPU tests
 # included), bench (benchmarks/bench_store.py: store vs torch .to), bench_ops (benchmarks/bench_ops.py:
 # every op vs torch eager/compile/Triton and the copy roofline -> h200.json/csv/png; give it a call
-# of its own). Logs and results go to $OUT (summary: gpu_tests.json).
+# of its own), pack (the built extension -> $OUT/prebuilt.tgz, to carry as .prebuilt/prebuilt.tgz into a
+# later call that skips `build`: a cold machine then needs no 160 s rebuild). Logs and results go to
+# $OUT (summary: gpu_tests.json).
 # Needs the nvidia-cutlass wheel in .whl/ (carried: the device machine has no registry):
 #   pip download --no-deps nvidia-cutlass==4.2.0.0 -d .whl
 set -uo pipefail
@@ -23,10 +25,20 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "
 status=0
 has() { [[ ",$STAGES," == *",$1,"* ]]; }
 
+if ! has build && [ -f .prebuilt/prebuilt.tgz ]; then
+  tar xzf .prebuilt/prebuilt.tgz
+  echo "using the prebuilt extension of commit $(cat .prebuilt_commit 2>/dev/null) (this run: $COMMIT)"
+fi
+
 if has build; then
   start=$(date +%s)
   MAX_JOBS=${MAX_JOBS:-16} python3 setup.py build_ext --inplace > "$OUT/build.log" 2>&1 || { echo "BUILD FAILED"; tail -50 "$OUT/build.log"; exit 1; }
   echo "build: $(( $(date +%s) - start )) s"
+fi
+
+if has pack; then
+  echo "$COMMIT" > .prebuilt_commit
+  tar czf "$OUT/prebuilt.tgz" flash_epilogue/_C*.so flash_epilogue/_build_info.py .prebuilt_commit
 fi
 
 if has test; then
