@@ -54,20 +54,27 @@ struct GqaAccumulateKernel {
   static constexpr int kBlockN = Config::kBlockN;
   static constexpr int kHeadDim = Config::kHeadDim;
   static constexpr int kNumThreads = Config::kNumThreads;
+  // Two CTAs per SM (one loads while the other stores) where registers allow without spilling;
+  // the 384-thread hdim-192 config keeps one.
+  static constexpr int kMinBlocksPerSm = kNumThreads <= 256 ? 2 : 1;
+
+  struct TensorParams {
+    typename Collective::Params collective;  // this tensor's accumulator as the collective's dK, no dV
+    float const* ptr_partial;
+    ShapeRowsHeadBatch shape;  // (rows, d, h_q, batch_extent)
+    StrideRowsHeadBatch stride;
+  };
 
   struct Params {
-    typename Collective::Params collective;
-    float const* ptr_dK_partial;
-    ShapeRowsHeadBatch shape_dK;  // (rows, d, h_q, batch_extent)
-    StrideRowsHeadBatch stride_dK;
-    float const* ptr_dV_partial;
-    ShapeRowsHeadBatch shape_dV;
-    StrideRowsHeadBatch stride_dV;
+    TensorParams tensors[2];  // dK, dV (split over CTAs: see split_tensor_and_head)
     int batch;
     int num_heads_q;
+    int num_heads_kv;
     int tiles_x;   // grid extent over tiles (per batch z)
     int tiles_z;   // batch extent of the grid
     int* ticket;   // deterministic: work counter (zeroed before launch), else null
+    int num_units;    // deterministic: tiles_x * tiles_z * 2 * h_k
+    int chunk_units;  // deterministic: units per ticket chunk
   };
 
   static constexpr int kSharedStorageSize = sizeof(typename Collective::TensorStorage);
@@ -75,51 +82,58 @@ struct GqaAccumulateKernel {
   CUTLASS_DEVICE void operator()(Params const& params, char* smem) const {
     using namespace cute;
     int const thread_idx = threadIdx.x;
-    int tile_x, q_head, batch_z;
+    int tile_x, q_head, batch_z, tensor;
     if (params.ticket) {
-      // Deterministic: claim work in (tile, kv_head, group member) order. A CTA holding member g of
-      // a tile was handed its ticket after the CTA holding member g-1, which is therefore already
-      // running: the collective's wait for g-1 always ends, whatever order blocks are scheduled in.
+      // Deterministic: claim work from a ticket. A unit is (tile, tensor, kv_head); its group
+      // members add in order 0..g-1. Tickets run over chunks of `chunk_units` units, member-major
+      // inside a chunk: member g of a unit gets a ticket chunk_units after member g-1's, so
+      //  * the CTA it waits on took an earlier ticket and is already running: the collective's wait
+      //    always ends, whatever order blocks are scheduled in;
+      //  * that CTA was handed out about a wave of CTAs earlier, so it has usually finished and the
+      //    wait is short (a (tile, kv_head, member) order makes the members of a tile wait in turn);
+      //  * a chunk's accumulator tiles (sized on the host to a part of L2) stay in L2 between adds.
       __shared__ int claimed;
       if (thread_idx == 0) { claimed = atomicAdd(params.ticket, 1); }
       __syncthreads();
       int const work = claimed;
-      int const num_heads_kv = params.collective.num_heads_kv;
-      int const group = params.num_heads_q / num_heads_kv;
-      int const member = work % group;
-      int const kv_head = (work / group) % num_heads_kv;
-      int const tile_linear = work / params.num_heads_q;
+      int const group = params.num_heads_q / params.num_heads_kv;
+      int const chunk = work / (params.chunk_units * group);
+      int const chunk_begin = chunk * params.chunk_units;
+      int const units_in_chunk = min(params.chunk_units, params.num_units - chunk_begin);
+      int const rest = work - chunk_begin * group;
+      int const member = rest / units_in_chunk;
+      int const unit = chunk_begin + rest % units_in_chunk;
+      int const kv_head = unit % params.num_heads_kv;
+      tensor = (unit / params.num_heads_kv) % 2;
+      int const tile_linear = unit / (2 * params.num_heads_kv);
       q_head = kv_head * group + member;
       tile_x = tile_linear % params.tiles_x;
       batch_z = tile_linear / params.tiles_x;
     } else {
       tile_x = blockIdx.x;
-      q_head = blockIdx.y;
+      auto const [t, h] = split_tensor_and_head(blockIdx.y, params.num_heads_q);
+      tensor = t;
+      q_head = h;
       batch_z = blockIdx.z;
     }
-    auto const [n_block, bidb] = tile_to_block_and_batch<kBlockN>(tile_x, batch_z, params.batch, params.collective.cu_seqlens);
-    int const rows = get<0>(params.shape_dK);
-    SeqlenInfo<kBlockN> const seqlen_info{bidb, rows, params.collective.cu_seqlens, params.collective.seqused};
+    TensorParams const& work = params.tensors[tensor];
+    auto const& coll = work.collective;
+    auto const [n_block, bidb] = tile_to_block_and_batch<kBlockN>(tile_x, batch_z, params.batch, coll.cu_seqlens);
+    int const rows = get<0>(work.shape);
+    SeqlenInfo<kBlockN> const seqlen_info{bidb, rows, coll.cu_seqlens, coll.seqused};
     int const valid_rows = seqlen_info.valid_rows(n_block, rows);
     if (valid_rows <= 0) { return; }  // every member of this tile exits alike: nobody waits on it
 
     typename Traits::TiledMma tiled_mma;
     auto thr_mma = tiled_mma.get_thread_slice(thread_idx);
-    Tensor tdKrdK = partition_fragment_C(tiled_mma, typename Traits::FragmentTileShape{});
-    Tensor tdVrdV = partition_fragment_C(tiled_mma, typename Traits::FragmentTileShape{});
-    int const batch_coord = params.collective.cu_seqlens ? 0 : bidb;
+    Tensor frag = partition_fragment_C(tiled_mma, typename Traits::FragmentTileShape{});
     load_accum_tile<Config::kSwapAB, kBlockN, kHeadDim>(
-        tdVrdV, thr_mma,
-        rows_tile<kBlockN, kHeadDim>(params.ptr_dV_partial, params.shape_dV, params.stride_dV, q_head, batch_coord,
+        frag, thr_mma,
+        rows_tile<kBlockN, kHeadDim>(work.ptr_partial, work.shape, work.stride, q_head, coll.cu_seqlens ? 0 : bidb,
                                      seqlen_info.offset, n_block),
-        valid_rows, get<1>(params.shape_dV));
-    load_accum_tile<Config::kSwapAB, kBlockN, kHeadDim>(
-        tdKrdK, thr_mma,
-        rows_tile<kBlockN, kHeadDim>(params.ptr_dK_partial, params.shape_dK, params.stride_dK, q_head, batch_coord,
-                                     seqlen_info.offset, n_block),
-        valid_rows, get<1>(params.shape_dK));
+        valid_rows, get<1>(work.shape));
     auto& storage = *reinterpret_cast<typename Collective::TensorStorage*>(smem);
-    Collective{}.store(params.collective, tdKrdK, tdVrdV, storage, thread_idx, make_tuple(n_block, q_head, bidb));
+    Collective{}.store(coll, frag, frag, storage, thread_idx, make_tuple(n_block, q_head, bidb));
   }
 };
 
@@ -153,13 +167,19 @@ struct GqaPostprocessKernel {
   using Epilogue = typename Store::Epilogue;
   static constexpr int kBlockN = Config::kBlockN;
   static constexpr int kNumThreads = Config::kNumThreads;
+  // Two CTAs per SM (one loads while the other stores) where registers allow without spilling;
+  // the 384-thread hdim-192 config keeps one.
+  static constexpr int kMinBlocksPerSm = kNumThreads <= 256 ? 2 : 1;
+
+  struct TensorParams {
+    typename Epilogue::Params epilogue;  // this output as the collective's dK, no dV
+    AccumReader<Traits> accum;
+    float scale;
+  };
 
   struct Params {
-    typename Epilogue::Params epilogue;
-    AccumReader<Traits> dk_accum;
-    AccumReader<Traits> dv_accum;
-    float scale_dk;
-    float scale_dv;
+    TensorParams tensors[2];  // dK, dV (split over CTAs: see split_tensor_and_head)
+    int num_heads_kv;
     int batch;
   };
 
@@ -168,29 +188,22 @@ struct GqaPostprocessKernel {
   CUTLASS_DEVICE void operator()(Params const& params, char* smem) const {
     using namespace cute;
     int const thread_idx = threadIdx.x;
-    auto const& ep = params.epilogue;
+    auto const [tensor, kv_head] = split_tensor_and_head(blockIdx.y, params.num_heads_kv);
+    TensorParams const& work = params.tensors[tensor];
+    auto const& ep = work.epilogue;
     if (thread_idx == 0) { Epilogue::prefetch_tma_descriptors(ep); }
     auto const [n_block, bidb] = tile_to_block_and_batch<kBlockN>(blockIdx.x, blockIdx.z, params.batch, ep.cu_seqlens);
-    int const kv_head = blockIdx.y;
     int const rows = get<0>(ep.shape_dK);
     SeqlenInfo<kBlockN> const seqlen_info{bidb, rows, ep.cu_seqlens, ep.seqused};
     if (seqlen_info.valid_rows(n_block, rows) <= 0) { return; }
 
     typename Store::TiledMma tiled_mma;
-    Tensor tdKrdK = partition_fragment_C(tiled_mma, typename Store::TiledMmaConfig::FragmentTileShape{});
-    Tensor tdVrdV = partition_fragment_C(tiled_mma, typename Store::TiledMmaConfig::FragmentTileShape{});
-    bool const varlen = ep.cu_seqlens != nullptr;
-    if (!params.dk_accum.read(tdKrdK, seqlen_info, varlen, n_block, kv_head, bidb, thread_idx) ||
-        !params.dv_accum.read(tdVrdV, seqlen_info, varlen, n_block, kv_head, bidb, thread_idx)) {
-      return;
-    }
+    Tensor frag = partition_fragment_C(tiled_mma, typename Store::TiledMmaConfig::FragmentTileShape{});
+    if (!work.accum.read(frag, seqlen_info, ep.cu_seqlens != nullptr, n_block, kv_head, bidb, thread_idx)) { return; }
 #pragma unroll
-    for (int i = 0; i < size(tdKrdK); ++i) {
-      tdKrdK(i) *= params.scale_dk;
-      tdVrdV(i) *= params.scale_dv;
-    }
+    for (int i = 0; i < size(frag); ++i) { frag(i) *= work.scale; }
     auto& storage = *reinterpret_cast<typename Epilogue::TensorStorage*>(smem);
-    Epilogue{}.store(ep, tdKrdK, tdVrdV, storage, tiled_mma, thread_idx, make_tuple(n_block, kv_head, bidb));
+    Epilogue{}.store(ep, frag, frag, storage, tiled_mma, thread_idx, make_tuple(n_block, kv_head, bidb));
   }
 };
 
@@ -201,6 +214,9 @@ struct GqaDenseKernel {
   using Traits = GqaTraits<Config, ArchTag>;
   static constexpr int kBlockN = Config::kBlockN;
   static constexpr int kNumThreads = Config::kNumThreads;
+  // Two CTAs per SM (one loads while the other stores) where registers allow without spilling;
+  // the 384-thread hdim-192 config keeps one.
+  static constexpr int kMinBlocksPerSm = kNumThreads <= 256 ? 2 : 1;
 
   struct Params {
     AccumReader<Traits> accum;
@@ -247,18 +263,22 @@ struct GqaReduceKernel {
   static constexpr int kBlockN = Config::kBlockN;
   static constexpr int kHeadDim = Config::kHeadDim;
   static constexpr int kNumThreads = Config::kNumThreads;
+  // Two CTAs per SM (one loads while the other stores) where registers allow without spilling;
+  // the 384-thread hdim-192 config keeps one.
+  static constexpr int kMinBlocksPerSm = kNumThreads <= 256 ? 2 : 1;
+
+  struct TensorParams {
+    typename Epilogue::Params epilogue;  // this output (rows, d, h_k, batch) as the collective's dK
+    ElementIn const* ptr_partial;
+    ShapeRowsHeadBatch shape_partial;  // (rows, d, h_q, batch)
+    StrideRowsHeadBatch stride_partial;
+    float scale;
+  };
 
   struct Params {
-    typename Epilogue::Params epilogue;  // outputs: (rows, d, h_k, batch)
-    ElementIn const* ptr_dK_partial;
-    ShapeRowsHeadBatch shape_dK_partial;  // (rows, d, h_q, batch)
-    StrideRowsHeadBatch stride_dK_partial;
-    ElementIn const* ptr_dV_partial;      // null: dK only
-    ShapeRowsHeadBatch shape_dV_partial;
-    StrideRowsHeadBatch stride_dV_partial;
+    TensorParams tensors[2];  // dK, dV (split over CTAs: see split_tensor_and_head); dV unused without dv_partial
     int group;
-    float scale_dk;
-    float scale_dv;
+    int num_heads_kv;
     int batch;
   };
 
@@ -267,10 +287,11 @@ struct GqaReduceKernel {
   CUTLASS_DEVICE void operator()(Params const& params, char* smem) const {
     using namespace cute;
     int const thread_idx = threadIdx.x;
-    auto const& ep = params.epilogue;
+    auto const [tensor, kv_head] = split_tensor_and_head(blockIdx.y, params.num_heads_kv);
+    TensorParams const& work = params.tensors[tensor];
+    auto const& ep = work.epilogue;
     if (thread_idx == 0) { Epilogue::prefetch_tma_descriptors(ep); }
     auto const [n_block, bidb] = tile_to_block_and_batch<kBlockN>(blockIdx.x, blockIdx.z, params.batch, ep.cu_seqlens);
-    int const kv_head = blockIdx.y;
     int const rows = get<0>(ep.shape_dK);
     SeqlenInfo<kBlockN> const seqlen_info{bidb, rows, ep.cu_seqlens, ep.seqused};
     int const valid_rows = seqlen_info.valid_rows(n_block, rows);
@@ -278,34 +299,22 @@ struct GqaReduceKernel {
 
     typename Store::TiledMma tiled_mma;
     auto thr_mma = tiled_mma.get_thread_slice(thread_idx);
-    using FragShape = typename Store::TiledMmaConfig::FragmentTileShape;
-    Tensor tdKrdK = partition_fragment_C(tiled_mma, FragShape{});
-    Tensor tdVrdV = partition_fragment_C(tiled_mma, FragShape{});
-    Tensor partial = partition_fragment_C(tiled_mma, FragShape{});
+    Tensor acc = partition_fragment_C(tiled_mma, typename Store::TiledMmaConfig::FragmentTileShape{});
     int const batch_coord = ep.cu_seqlens ? 0 : bidb;
-    bool const has_dv = params.ptr_dV_partial != nullptr;
-    // 0 + p_0 + p_1 + ... in head order: the same bits whatever the launch order.
-    auto sum_group = [&](auto& acc, ElementIn const* ptr, ShapeRowsHeadBatch const& shape,
-                         StrideRowsHeadBatch const& stride, float scale) {
-      clear(acc);
-      for (int g = 0; g < params.group; ++g) {
-        load_accum_tile<Config::kSwapAB, kBlockN, kHeadDim>(
-            partial, thr_mma,
-            rows_tile<kBlockN, kHeadDim>(ptr, shape, stride, kv_head * params.group + g, batch_coord,
-                                         seqlen_info.offset, n_block),
-            valid_rows, get<1>(shape));
-#pragma unroll
-        for (int i = 0; i < size(acc); ++i) { acc(i) += partial(i); }
-      }
-#pragma unroll
-      for (int i = 0; i < size(acc); ++i) { acc(i) *= scale; }
-    };
-    sum_group(tdKrdK, params.ptr_dK_partial, params.shape_dK_partial, params.stride_dK_partial, params.scale_dk);
-    if (has_dv) {
-      sum_group(tdVrdV, params.ptr_dV_partial, params.shape_dV_partial, params.stride_dV_partial, params.scale_dv);
+    // 0 + p_0 + p_1 + ... in head order: the same bits whatever the launch order. Each partial is
+    // added as it arrives (no second fragment), which keeps two CTAs per SM.
+    clear(acc);
+    for (int g = 0; g < params.group; ++g) {
+      load_accum_tile<Config::kSwapAB, kBlockN, kHeadDim, /*kAdd=*/true>(
+          acc, thr_mma,
+          rows_tile<kBlockN, kHeadDim>(work.ptr_partial, work.shape_partial, work.stride_partial,
+                                       kv_head * params.group + g, batch_coord, seqlen_info.offset, n_block),
+          valid_rows, get<1>(work.shape_partial));
     }
+#pragma unroll
+    for (int i = 0; i < size(acc); ++i) { acc(i) *= work.scale; }
     auto& storage = *reinterpret_cast<typename Epilogue::TensorStorage*>(smem);
-    Epilogue{}.store(ep, tdKrdK, tdVrdV, storage, tiled_mma, thread_idx, make_tuple(n_block, kv_head, bidb));
+    Epilogue{}.store(ep, acc, acc, storage, tiled_mma, thread_idx, make_tuple(n_block, kv_head, bidb));
   }
 };
 

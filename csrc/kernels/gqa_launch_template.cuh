@@ -2,6 +2,8 @@
 
 // Host side of the GQA ops: argument structs -> collective arguments -> checked launches.
 
+#include <algorithm>
+
 #include <cute/tensor.hpp>
 
 #include "gqa_kernels.cuh"
@@ -48,26 +50,38 @@ char const* launch_gqa_accumulate(GqaAccumulateLaunchArgs const& args, cudaStrea
   using Collective = typename Kernel::Collective;
   bool const varlen = args.cu_seqlens != nullptr;
   int const batch_extent = varlen ? 1 : args.batch;
-  typename Collective::Arguments coll_args{args.dk_accum.ptr, args.dv_accum.ptr, args.dk_accum.head_stride,
-                                           args.dk_accum.batch_stride, args.dk_accum.num_tiles, batch_extent,
-                                           args.num_heads_q, args.num_heads_kv, args.rows,
-                                           args.semaphores, args.cu_seqlens, args.seqused};
-  if (char const* why = Collective::can_implement(coll_args)) { return why; }
-  dim3 const tiles = detail::tile_grid<Config::kBlockN>(args.rows, args.num_heads_q, args.batch, varlen);
-  int64_t const counters = 2 * static_cast<int64_t>(batch_extent) * args.dk_accum.num_tiles * args.num_heads_kv;
-  int* const ticket = args.semaphores ? args.semaphores + counters : nullptr;
-  typename Kernel::Params params{Collective::to_underlying_arguments(coll_args),
-                                 static_cast<float const*>(args.dk_partial.ptr),
-                                 detail::shape_of(args.dk_partial, args.rows, args.num_heads_q, batch_extent),
-                                 stride_of(args.dk_partial),
-                                 static_cast<float const*>(args.dv_partial.ptr),
-                                 detail::shape_of(args.dv_partial, args.rows, args.num_heads_q, batch_extent),
-                                 stride_of(args.dv_partial),
-                                 args.batch, args.num_heads_q, static_cast<int>(tiles.x), static_cast<int>(tiles.z), ticket};
+  int64_t const counters = static_cast<int64_t>(batch_extent) * args.dk_accum.num_tiles * args.num_heads_kv;
+  // One collective per accumulator (the driver splits dK and dV over CTAs); dV's counters follow dK's.
+  auto coll_args = [&](AccumDesc const& accum, int* semaphores) {
+    return typename Collective::Arguments{accum.ptr, nullptr, accum.head_stride, accum.batch_stride, accum.num_tiles,
+                                          batch_extent, args.num_heads_q, args.num_heads_kv, args.rows, semaphores,
+                                          args.cu_seqlens, args.seqused};
+  };
+  auto const dk_args = coll_args(args.dk_accum, args.semaphores);
+  auto const dv_args = coll_args(args.dv_accum, args.semaphores ? args.semaphores + counters : nullptr);
+  if (char const* why = Collective::can_implement(dk_args)) { return why; }
+  if (char const* why = Collective::can_implement(dv_args)) { return why; }
+  dim3 tiles = detail::tile_grid<Config::kBlockN>(args.rows, args.num_heads_q, args.batch, varlen);
+  tiles.y *= 2;  // heads of dK, then heads of dV
+  int* const ticket = args.semaphores ? args.semaphores + 2 * counters : nullptr;
+  auto partial = [&](TensorDesc const& t) {
+    return typename Kernel::TensorParams{{}, static_cast<float const*>(t.ptr),
+                                         detail::shape_of(t, args.rows, args.num_heads_q, batch_extent), stride_of(t)};
+  };
+  typename Kernel::Params params{{partial(args.dk_partial), partial(args.dv_partial)},
+                                 args.batch, args.num_heads_q, args.num_heads_kv,
+                                 static_cast<int>(tiles.x), static_cast<int>(tiles.z), ticket, 0, 1};
+  params.tensors[0].collective = Collective::to_underlying_arguments(dk_args);
+  params.tensors[1].collective = Collective::to_underlying_arguments(dv_args);
   if (args.semaphores) {
     // Counters and ticket start at zero on this stream, before every launch (graph-capturable).
-    if (cudaMemsetAsync(args.semaphores, 0, (counters + 1) * sizeof(int), stream) != cudaSuccess) { return nullptr; }
-    // One CTA per work item, in ticket order (see GqaAccumulateKernel).
+    if (cudaMemsetAsync(args.semaphores, 0, (2 * counters + 1) * sizeof(int), stream) != cudaSuccess) { return nullptr; }
+    // One CTA per work item, in ticket order (see GqaAccumulateKernel). A chunk's accumulator tiles
+    // take about 24 MB, well inside the H100/H200 L2 (50/60 MB) beside the streamed partials.
+    int64_t const units = static_cast<int64_t>(tiles.x) * tiles.z * 2 * args.num_heads_kv;
+    int64_t const tile_bytes = static_cast<int64_t>(Kernel::Traits::kAccumTileElems) * sizeof(float);
+    params.num_units = static_cast<int>(units);
+    params.chunk_units = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(units, (int64_t(24) << 20) / tile_bytes)));
     dim3 const grid(tiles.x * tiles.y * tiles.z, 1, 1);
     return detail::launch<Kernel>(grid, params, stream);
   }
@@ -98,14 +112,20 @@ char const* launch_gqa_postprocess_variant(GqaPostprocessLaunchArgs const& args,
   using Epilogue = typename Kernel::Epilogue;
   bool const varlen = args.cu_seqlens != nullptr;
   int const batch_extent = varlen ? 1 : args.batch;
-  auto ep_args = epilogue_arguments<Epilogue, Element>(args.dk, args.dv, args.rows, args.num_heads_kv, batch_extent,
-                                                       args.cu_seqlens, args.seqused);
-  if (char const* why = Epilogue::can_implement(ep_args)) { return why; }
-  typename Kernel::Params params{Epilogue::to_underlying_arguments(ep_args),
-                                 reader_of<typename Kernel::Traits>(args.dk_accum),
-                                 reader_of<typename Kernel::Traits>(args.dv_accum), args.scale_dk, args.scale_dv,
-                                 args.batch};
-  return launch<Kernel>(tile_grid<Config::kBlockN>(args.rows, args.num_heads_kv, args.batch, varlen), params, stream);
+  auto const dk_args = epilogue_arguments<Epilogue, Element>(args.dk, TensorDesc{}, args.rows, args.num_heads_kv,
+                                                             batch_extent, args.cu_seqlens, args.seqused);
+  auto const dv_args = epilogue_arguments<Epilogue, Element>(args.dv, TensorDesc{}, args.rows, args.num_heads_kv,
+                                                             batch_extent, args.cu_seqlens, args.seqused);
+  if (char const* why = Epilogue::can_implement(dk_args)) { return why; }
+  if (char const* why = Epilogue::can_implement(dv_args)) { return why; }
+  typename Kernel::Params params{{{Epilogue::to_underlying_arguments(dk_args), reader_of<typename Kernel::Traits>(args.dk_accum),
+                                   args.scale_dk},
+                                  {Epilogue::to_underlying_arguments(dv_args), reader_of<typename Kernel::Traits>(args.dv_accum),
+                                   args.scale_dv}},
+                                 args.num_heads_kv, args.batch};
+  dim3 grid = tile_grid<Config::kBlockN>(args.rows, args.num_heads_kv, args.batch, varlen);
+  grid.y *= 2;  // heads of dK, then heads of dV
+  return launch<Kernel>(grid, params, stream);
 }
 
 template <class Element, class ElementIn, int kHeadDim, class ArchTag, bool kVarlen>
@@ -118,18 +138,30 @@ char const* launch_gqa_reduce_variant(GqaReduceLaunchArgs const& args, cudaStrea
   if (args.num_heads_kv <= 0 || args.num_heads_q % args.num_heads_kv != 0) {
     return "num_heads_q must be a multiple of num_heads_kv";
   }
-  auto ep_args = epilogue_arguments<Epilogue, Element>(args.dk, args.dv, args.rows, args.num_heads_kv, batch_extent,
-                                                       args.cu_seqlens, args.seqused);
-  if (char const* why = Epilogue::can_implement(ep_args)) { return why; }
-  typename Kernel::Params params{Epilogue::to_underlying_arguments(ep_args),
-                                 static_cast<ElementIn const*>(args.dk_partial.ptr),
-                                 shape_of(args.dk_partial, args.rows, args.num_heads_q, batch_extent),
-                                 stride_of(args.dk_partial),
-                                 static_cast<ElementIn const*>(args.dv_partial.ptr),
-                                 shape_of(args.dv_partial, args.rows, args.num_heads_q, batch_extent),
-                                 stride_of(args.dv_partial),
-                                 args.num_heads_q / args.num_heads_kv, args.scale_dk, args.scale_dv, args.batch};
-  return launch<Kernel>(tile_grid<Config::kBlockN>(args.rows, args.num_heads_kv, args.batch, varlen), params, stream);
+  bool const has_dv = args.dv_partial.ptr != nullptr;
+  auto tensor_params = [&](TensorDesc const& out, TensorDesc const& partial, float scale, char const** why) {
+    auto const ep_args = epilogue_arguments<Epilogue, Element>(out, TensorDesc{}, args.rows, args.num_heads_kv,
+                                                               batch_extent, args.cu_seqlens, args.seqused);
+    *why = Epilogue::can_implement(ep_args);
+    typename Kernel::TensorParams t{{}, static_cast<ElementIn const*>(partial.ptr),
+                                    shape_of(partial, args.rows, args.num_heads_q, batch_extent), stride_of(partial), scale};
+    if (*why == nullptr) { t.epilogue = Epilogue::to_underlying_arguments(ep_args); }  // encodes a TMA descriptor
+    return t;
+  };
+  char const* why = nullptr;
+  typename Kernel::Params params{};
+  params.tensors[0] = tensor_params(args.dk, args.dk_partial, args.scale_dk, &why);
+  if (why) { return why; }
+  if (has_dv) {
+    params.tensors[1] = tensor_params(args.dv, args.dv_partial, args.scale_dv, &why);
+    if (why) { return why; }
+  }
+  params.group = args.num_heads_q / args.num_heads_kv;
+  params.num_heads_kv = args.num_heads_kv;
+  params.batch = args.batch;
+  dim3 grid = tile_grid<Config::kBlockN>(args.rows, args.num_heads_kv, args.batch, varlen);
+  grid.y *= has_dv ? 2 : 1;  // heads of dK, then heads of dV
+  return launch<Kernel>(grid, params, stream);
 }
 
 }  // namespace detail

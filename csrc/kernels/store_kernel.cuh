@@ -60,23 +60,26 @@ CUTLASS_DEVICE void for_each_fragment_element(ThrMma const& thr_mma, GmemTensor 
   }
 }
 
-// Load one (BLK_N, BLK_D) tile (fp32, or 16-bit widened to fp32) into the C fragment `frag`,
-// zero outside [0, valid_rows) x [0, num_cols). Pairs are read as one 8-byte (fp32) or 4-byte
-// (16-bit) access.
-template <bool kSwapAB, int kBlockN, int kHeadDim, class Fragment, class ThrMma, class GmemTensor>
+// Load one (BLK_N, BLK_D) tile (fp32, or 16-bit widened to fp32) into the C fragment `frag`
+// (kAdd: add it to `frag`), as zeros outside [0, valid_rows) x [0, num_cols). Pairs are read as one
+// 8-byte (fp32) or 4-byte (16-bit) access.
+template <bool kSwapAB, int kBlockN, int kHeadDim, bool kAdd = false, class Fragment, class ThrMma, class GmemTensor>
 CUTLASS_DEVICE void load_accum_tile(Fragment& frag, ThrMma const& thr_mma, GmemTensor const& gtile, int valid_rows,
                                     int num_cols) {
   using In = std::remove_cv_t<typename GmemTensor::value_type>;
+  auto put = [&](int i, float v) {
+    if constexpr (kAdd) { frag(i) += v; } else { frag(i) = v; }
+  };
   for_each_fragment_element<kSwapAB, kBlockN, kHeadDim>(thr_mma, gtile, [&](auto width, int i, int row, int col, auto ptr) {
     bool const valid = row < valid_rows && col < num_cols;
     if constexpr (decltype(width)::value == 2) {
       cutlass::Array<In, 2> v;
       v.fill(In(0));
       if (valid) { v = *reinterpret_cast<cutlass::Array<In, 2> const*>(ptr); }
-      frag(i) = static_cast<float>(v[0]);
-      frag(i + 1) = static_cast<float>(v[1]);
+      put(i, static_cast<float>(v[0]));
+      put(i + 1, static_cast<float>(v[1]));
     } else {
-      frag(i) = valid ? static_cast<float>(*ptr) : 0.f;
+      put(i, valid ? static_cast<float>(*ptr) : 0.f);
     }
   });
 }
@@ -96,6 +99,20 @@ CUTLASS_DEVICE void store_fragment_tile(Fragment const& frag, ThrMma const& thr_
   });
 }
 
+// Drivers split the work by output tensor: a CTA handles dK *or* dV of one (n_block, head, batch)
+// tile, grid.y running over heads of dK, then heads of dV. Holding one fp32 fragment instead of two
+// halves the registers, so two CTAs fit on an SM and one streams its loads while the other stores
+// (with both fragments a CTA needs ~150 registers at hdim 128: one CTA per SM, loads and stores
+// never overlap). The collective is called with its optional dV left null.
+struct TensorAndHead {
+  int tensor;  // 0: dK, 1: dV
+  int head;
+};
+CUTLASS_DEVICE TensorAndHead split_tensor_and_head(int grid_y, int num_heads) {
+  int const tensor = grid_y >= num_heads ? 1 : 0;
+  return {tensor, grid_y - tensor * num_heads};
+}
+
 template <class Config_, class Element_, class ArchTag_, bool kVarlen_>
 struct StoreKernel {
   using Config = Config_;
@@ -105,6 +122,7 @@ struct StoreKernel {
   static constexpr int kBlockN = Config::kBlockN;
   static constexpr int kHeadDim = Config::kHeadDim;
   static constexpr int kNumThreads = Config::kNumThreads;
+  static constexpr int kMinBlocksPerSm = 2;
   static constexpr bool kSwapAB = Config::kSwapAB;
   using TiledMmaConfig = BwdTiledMma<Config, Element, ArchTag>;
   using TiledMma = typename TiledMmaConfig::TiledMma;
@@ -115,12 +133,15 @@ struct StoreKernel {
   using ShapeAccum = typename Epilogue::ShapedKV;  // (rows, d, head, batch)
   using StrideAccum = typename Epilogue::StridedKV;
 
+  struct TensorParams {
+    typename Epilogue::Params epilogue;  // this output as the collective's dK, no dV
+    float const* ptr_accum;
+    StrideAccum stride_accum;
+  };
+
   struct Params {
-    typename Epilogue::Params epilogue;
-    float const* ptr_dK_accum;
-    StrideAccum stride_dK_accum;
-    float const* ptr_dV_accum;
-    StrideAccum stride_dV_accum;
+    TensorParams tensors[2];  // dK, dV
+    int num_heads;
     int batch;
   };
 
@@ -129,11 +150,12 @@ struct StoreKernel {
   CUTLASS_DEVICE void operator()(Params const& params, char* smem) const {
     using namespace cute;
     int const thread_idx = threadIdx.x;
-    auto const& ep = params.epilogue;
+    auto const [tensor, bidh] = split_tensor_and_head(blockIdx.y, params.num_heads);
+    TensorParams const& work = params.tensors[tensor];
+    auto const& ep = work.epilogue;
     if (thread_idx == 0) { Epilogue::prefetch_tma_descriptors(ep); }
 
     auto const [n_block, bidb] = tile_to_block_and_batch<kBlockN>(blockIdx.x, blockIdx.z, params.batch, ep.cu_seqlens);
-    int const bidh = blockIdx.y;
     int const rows = get<0>(ep.shape_dK);
     SeqlenInfo<kBlockN> const seqlen_info{bidb, rows, ep.cu_seqlens, ep.seqused};
     int const valid_rows = seqlen_info.valid_rows(n_block, rows);
@@ -141,22 +163,14 @@ struct StoreKernel {
 
     TiledMma tiled_mma;
     auto thr_mma = tiled_mma.get_thread_slice(thread_idx);
-    Tensor tdKrdK = partition_fragment_C(tiled_mma, typename TiledMmaConfig::FragmentTileShape{});
-    Tensor tdVrdV = partition_fragment_C(tiled_mma, typename TiledMmaConfig::FragmentTileShape{});
-
-    int const batch_coord = ep.cu_seqlens ? 0 : bidb;
-    auto accum_tile = [&](float const* ptr, ShapeAccum const& shape, StrideAccum const& stride) {
-      Tensor m = make_tensor(make_gmem_ptr(ptr), shape, stride)(_, _, bidh, batch_coord);  // (rows, d)
-      return local_tile(domain_offset(make_coord(seqlen_info.offset, _0{}), m), Shape<Int<kBlockN>, Int<kHeadDim>>{},
-                        make_coord(n_block, _0{}));  // (BLK_N, BLK_D)
-    };
-    load_accum_tile<kSwapAB, kBlockN, kHeadDim>(tdVrdV, thr_mma, accum_tile(params.ptr_dV_accum, ep.shape_dV, params.stride_dV_accum),
-                                                valid_rows, get<1>(ep.shape_dV));
-    load_accum_tile<kSwapAB, kBlockN, kHeadDim>(tdKrdK, thr_mma, accum_tile(params.ptr_dK_accum, ep.shape_dK, params.stride_dK_accum),
-                                                valid_rows, get<1>(ep.shape_dK));
+    Tensor frag = partition_fragment_C(tiled_mma, typename TiledMmaConfig::FragmentTileShape{});
+    Tensor m = make_tensor(make_gmem_ptr(work.ptr_accum), ep.shape_dK, work.stride_accum)(_, _, bidh, ep.cu_seqlens ? 0 : bidb);  // (rows, d)
+    Tensor gtile = local_tile(domain_offset(make_coord(seqlen_info.offset, _0{}), m), Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                              make_coord(n_block, _0{}));  // (BLK_N, BLK_D)
+    load_accum_tile<kSwapAB, kBlockN, kHeadDim>(frag, thr_mma, gtile, valid_rows, get<1>(ep.shape_dK));
 
     auto& storage = *reinterpret_cast<typename Epilogue::TensorStorage*>(smem);
-    Epilogue{}.store(ep, tdKrdK, tdVrdV, storage, tiled_mma, thread_idx, make_tuple(n_block, bidh, bidb));
+    Epilogue{}.store(ep, frag, frag, storage, tiled_mma, thread_idx, make_tuple(n_block, bidh, bidb));
   }
 };
 
@@ -164,7 +178,7 @@ struct StoreKernel {
 // (FLASH_EPILOGUE_CUDA_ARCHS="80;90a") compiles to an empty body there: it is never launched on
 // such a device, and its TMA/stmatrix code cannot be emitted for sm_80.
 template <class Kernel>
-__global__ void __launch_bounds__(Kernel::kNumThreads, 1) epilogue_device_kernel(CUTE_GRID_CONSTANT typename Kernel::Params const params) {
+__global__ void __launch_bounds__(Kernel::kNumThreads, Kernel::kMinBlocksPerSm) epilogue_device_kernel(CUTE_GRID_CONSTANT typename Kernel::Params const params) {
   extern __shared__ __align__(1024) char smem[];
 #if defined(__CUDA_ARCH__)
   if constexpr (Kernel::ArchTag::kMinComputeCapability >= 90) {

@@ -56,18 +56,23 @@ char const* launch_store_variant(StoreLaunchArgs const& args, cudaStream_t strea
   bool const is_varlen = args.cu_seqlens != nullptr;
   int const batch_extent = is_varlen ? 1 : args.batch;
 
-  auto const ep_args = epilogue_arguments<Epilogue, Element>(args.dk, args.dv, args.rows, args.num_heads, batch_extent,
-                                                             args.cu_seqlens, args.seqused);
-  if (char const* why = Epilogue::can_implement(ep_args)) { return why; }
-
-  typename Kernel::Params params{Epilogue::to_underlying_arguments(ep_args),
-                                 static_cast<float const*>(args.dk_accum.ptr), stride_of(args.dk_accum),
-                                 static_cast<float const*>(args.dv_accum.ptr), stride_of(args.dv_accum), args.batch};
+  // One collective per output (the driver splits dK and dV over CTAs).
+  auto const dk_args = epilogue_arguments<Epilogue, Element>(args.dk, TensorDesc{}, args.rows, args.num_heads,
+                                                             batch_extent, args.cu_seqlens, args.seqused);
+  auto const dv_args = epilogue_arguments<Epilogue, Element>(args.dv, TensorDesc{}, args.rows, args.num_heads,
+                                                             batch_extent, args.cu_seqlens, args.seqused);
+  if (char const* why = Epilogue::can_implement(dk_args)) { return why; }
+  if (char const* why = Epilogue::can_implement(dv_args)) { return why; }
 
   int const num_tiles = is_varlen ? args.rows / Config::kBlockN + args.batch
                                   : (args.rows + Config::kBlockN - 1) / Config::kBlockN;
-  dim3 const grid(num_tiles, args.num_heads, batch_extent);
   if (num_tiles == 0 || args.num_heads == 0 || batch_extent == 0) { return nullptr; }
+  typename Kernel::Params params{{{Epilogue::to_underlying_arguments(dk_args), static_cast<float const*>(args.dk_accum.ptr),
+                                   stride_of(args.dk_accum)},
+                                  {Epilogue::to_underlying_arguments(dv_args), static_cast<float const*>(args.dv_accum.ptr),
+                                   stride_of(args.dv_accum)}},
+                                 args.num_heads, args.batch};
+  dim3 const grid(num_tiles, 2 * args.num_heads, batch_extent);
   auto kernel = epilogue_device_kernel<Kernel>;
   int const smem_bytes = Kernel::kSharedStorageSize;
   if (set_smem_limit_once(kernel, smem_bytes) != cudaSuccess) { return nullptr; }  // reported by cudaGetLastError

@@ -24,6 +24,7 @@ struct StoreZeroKernel {
   static constexpr int kBlockN = Config::kBlockN;
   static constexpr int kHeadDim = Config::kHeadDim;
   static constexpr int kNumThreads = Config::kNumThreads;
+  static constexpr int kMinBlocksPerSm = 1;
   using TileShape_MNK = cute::Shape<cute::_64, cute::Int<kBlockN>, cute::Int<kHeadDim>>;
   using Epilogue = CollectiveEpilogueBwd<TileShape_MNK, Element, ArchTag, kNumThreads, /*Varlen=*/true,
                                          Config::kSwapAB, Config::kAtomLayoutKdKV>;

@@ -242,32 +242,35 @@ struct CollectiveEpilogueBwd {
     auto smem_tiled_copy_dKV = make_tiled_copy_C(SmemCopyAtomdKV{}, tiled_mma);
     auto smem_thr_copy_dKV = smem_tiled_copy_dKV.get_thread_slice(thread_idx);
 
-    Tensor tdKrdK_out = make_tensor_like<Element>(tdKrdK);
-    Tensor tdVrdV_out = make_tensor_like<Element>(tdVrdV);
-    convert_fragment(tdKrdK, tdKrdK_out);
-    convert_fragment(tdVrdV, tdVrdV_out);
-    Tensor taccdKrdK = smem_thr_copy_dKV.retile_S(tdKrdK_out);  // ((Atom,AtomNum), MMA_M, MMA_N)
-    Tensor taccdVrdV = smem_thr_copy_dKV.retile_S(tdVrdV_out);  // ((Atom,AtomNum), MMA_M, MMA_N)
     Tensor taccdKsdK = smem_thr_copy_dKV.partition_D(cute::conditional_return<!dKV_swapAB>(sdK, sdKt));  // ((Atom,AtomNum), PIPE_M, PIPE_N)
     Tensor taccdVsdV = smem_thr_copy_dKV.partition_D(cute::conditional_return<!dKV_swapAB>(sdV, sdVt));  // ((Atom,AtomNum), PIPE_M, PIPE_N)
 
+    // Convert one fragment and copy it to its shared-memory tile. One tensor at a time, so only one
+    // 16-bit copy is live (a driver holding a single fp32 fragment stays small enough for two CTAs
+    // per SM).
+    auto to_smem = [&](FrgTensor const& frag, auto& smem_partition) {
+      Tensor frag_out = make_tensor_like<Element>(frag);
+      convert_fragment(frag, frag_out);
+      Tensor tacc_frag = smem_thr_copy_dKV.retile_S(frag_out);  // ((Atom,AtomNum), MMA_M, MMA_N)
+      if constexpr (decltype(size(tdKrdK))::value * NumEpilogueThreads <= kBlockN * kHeadDim) {
+        cute::copy(smem_tiled_copy_dKV, tacc_frag, smem_partition);
+      } else {
+        // The TiledMma's tile does not divide (kBlockN, kHeadDim) (FA3's sm_80 hdim-192 config: N = 80
+        // in steps of 32), so the fragment has padding elements whose smem address lies outside the
+        // tile. Copy element by element, only those inside.
+        auto tile_shape = cute::conditional_return<!dKV_swapAB>(select<1, 2>(TileShape_MNK{}), select<2, 1>(TileShape_MNK{}));
+        Tensor taccdKVcdKV = smem_thr_copy_dKV.partition_D(make_identity_tensor(tile_shape));
+        Tensor tdKVpdKV = make_tensor<bool>(shape(taccdKVcdKV));
+#pragma unroll
+        for (int i = 0; i < size(tdKVpdKV); ++i) { tdKVpdKV(i) = elem_less(taccdKVcdKV(i), tile_shape); }
+        cute::copy_if(tdKVpdKV, tacc_frag, smem_partition);
+      }
+    };
+
     // Every epilogue warp is done with whatever last lived in this shared memory.
     named_barrier_sync(NumEpilogueThreads, BarrierId);
-    if constexpr (decltype(size(tdKrdK))::value * NumEpilogueThreads <= kBlockN * kHeadDim) {
-      if (has_dv) { cute::copy(smem_tiled_copy_dKV, taccdVrdV, taccdVsdV); }
-      cute::copy(smem_tiled_copy_dKV, taccdKrdK, taccdKsdK);
-    } else {
-      // The TiledMma's tile does not divide (kBlockN, kHeadDim) (FA3's sm_80 hdim-192 config: N = 80
-      // in steps of 32), so the fragment has padding elements whose smem address lies outside the
-      // tile. Copy element by element, only those inside.
-      auto tile_shape = cute::conditional_return<!dKV_swapAB>(select<1, 2>(TileShape_MNK{}), select<2, 1>(TileShape_MNK{}));
-      Tensor taccdKVcdKV = smem_thr_copy_dKV.partition_D(make_identity_tensor(tile_shape));
-      Tensor tdKVpdKV = make_tensor<bool>(shape(taccdKVcdKV));
-#pragma unroll
-      for (int i = 0; i < size(tdKVpdKV); ++i) { tdKVpdKV(i) = elem_less(taccdKVcdKV(i), tile_shape); }
-      if (has_dv) { cute::copy_if(tdKVpdKV, taccdVrdV, taccdVsdV); }
-      cute::copy_if(tdKVpdKV, taccdKrdK, taccdKsdK);
-    }
+    if (has_dv) { to_smem(tdVrdV, taccdVsdV); }
+    to_smem(tdKrdK, taccdKsdK);
 
     if constexpr (Use_TMA) {
       cutlass::arch::fence_view_async_shared();  // generic-proxy smem writes -> visible to TMA

@@ -75,7 +75,7 @@ struct CollectiveEpilogueBwdGQA {
 
   struct Arguments {
     float* ptr_dKaccum;
-    float* ptr_dVaccum;
+    float* ptr_dVaccum;    // may be null: dK only
     int64_t stride_head;   // floats between KV heads of one batch
     int64_t stride_batch;  // floats between batches (unused in varlen)
     int num_tiles;         // tiles per (kv_head, batch): ceil(seqlen / kBlockN), or padded total / kBlockN
@@ -168,7 +168,8 @@ struct CollectiveEpilogueBwdGQA {
     return {offset, semaphore, tile >= 0 && tile < params.num_tiles};
   }
 
-  // block_coord = (n_block, q_head, batch). Adds dV then dK of this tile into the accumulators.
+  // block_coord = (n_block, q_head, batch). Adds dV then dK of this tile into the accumulators; with
+  // ptr_dVaccum null only dK (tdVrdV ignored), e.g. for a driver that gives dK and dV their own CTAs.
   template <class FrgTensor>
   CUTLASS_DEVICE void store(Params const& params, FrgTensor const& tdKrdK, FrgTensor const& tdVrdV,
                             TensorStorage& storage, int thread_idx,
@@ -181,7 +182,7 @@ struct CollectiveEpilogueBwdGQA {
     if (!loc.valid) { return; }  // whole CTA
     int* const sem_dk = params.semaphores ? params.semaphores + loc.semaphore : nullptr;
     int* const sem_dv = params.semaphores ? params.semaphores + params.num_semaphores_per_tensor + loc.semaphore : nullptr;
-    add_tile(tdVrdV, params.ptr_dVaccum + loc.offset, sem_dv, group_idx, storage, thread_idx);
+    if (params.ptr_dVaccum) { add_tile(tdVrdV, params.ptr_dVaccum + loc.offset, sem_dv, group_idx, storage, thread_idx); }
     add_tile(tdKrdK, params.ptr_dKaccum + loc.offset, sem_dk, group_idx, storage, thread_idx);
   }
 
