@@ -252,6 +252,82 @@ struct GqaDenseKernel {
   }
 };
 
+// Sum of a group of (BLK_N, BLK_D) partial tiles, read row-major with 16-byte vectors, into
+// shared memory as fp32, then back in C-fragment order. Used by gqa_reduce where reading the
+// partials straight in fragment order is slow: 16-bit partials (the fragment reads 2- or 4-byte
+// pieces) and the swapAB configs (the fragment runs down columns, 4-byte pieces).
+template <int kBlockN, int kHeadDim, int kNumThreads, bool kSwapAB, class ElementIn>
+struct StagedGroupSum {
+  static constexpr int kVec = 16 / sizeof(ElementIn);            // elements per 16-byte load
+  static_assert(kHeadDim % kVec == 0, "head dim must be a multiple of one 16-byte vector");
+  static constexpr int kThreadsPerRow = cutlass::gcd(kHeadDim / kVec, kNumThreads);
+  static constexpr int kRowsPerPass = kNumThreads / kThreadsPerRow;
+  static constexpr int kColIters = kHeadDim / kVec / kThreadsPerRow;
+  static constexpr int kRowIters = (kBlockN + kRowsPerPass - 1) / kRowsPerPass;
+  static constexpr int kChunkRowIters = cute::max(1, 32 / (kColIters * kVec));
+  // Row pitch in floats. Fragment-order reads are then conflict-free: 8-byte pairs of 8 rows per
+  // half-warp want a pitch of 8 mod 32 words, swapAB's 4-byte reads (rows 2 apart) 4 mod 32.
+  static constexpr int kPitch = kHeadDim + (kSwapAB ? 4 : 8);
+  static constexpr int kSmemBytes = kBlockN * kPitch * sizeof(float);
+
+  // acc(i) in fragment order = scale * sum over g of tile_g, zeros outside the valid rows/cols.
+  template <class Fragment, class ThrMma, class TileOf>
+  CUTLASS_DEVICE static void run(Fragment& frag, ThrMma const& thr_mma, TileOf&& tile_of, int group, int valid_rows,
+                                 int num_cols, float scale, float* smem, int thread_idx, int barrier_id) {
+    using namespace cute;
+    int const row0 = thread_idx / kThreadsPerRow;
+    int const col0 = (thread_idx % kThreadsPerRow) * kVec;
+    // A chunk of row passes at a time: its loads for one head are in flight together, and the
+    // running sums (32 floats) leave registers for two CTAs per SM without spilling.
+#pragma unroll
+    for (int r0 = 0; r0 < kRowIters; r0 += kChunkRowIters) {
+      float sum[kChunkRowIters][kColIters][kVec];
+#pragma unroll
+      for (int r = 0; r < kChunkRowIters; ++r)
+#pragma unroll
+        for (int c = 0; c < kColIters; ++c)
+#pragma unroll
+          for (int v = 0; v < kVec; ++v) { sum[r][c][v] = 0.f; }
+      for (int g = 0; g < group; ++g) {
+        auto const gtile = tile_of(g);  // (BLK_N, BLK_D)
+#pragma unroll
+        for (int r = 0; r < kChunkRowIters; ++r) {
+          int const row = row0 + (r0 + r) * kRowsPerPass;
+#pragma unroll
+          for (int c = 0; c < kColIters; ++c) {
+            int const col = col0 + c * kThreadsPerRow * kVec;
+            if (r0 + r < kRowIters && row < valid_rows && col < num_cols) {  // num_cols: a multiple of 8 >= kVec
+              auto const v = *reinterpret_cast<cutlass::Array<ElementIn, kVec> const*>(&gtile(row, col));
+#pragma unroll
+              for (int k = 0; k < kVec; ++k) { sum[r][c][k] += static_cast<float>(v[k]); }
+            }
+          }
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < kChunkRowIters; ++r) {
+        int const row = row0 + (r0 + r) * kRowsPerPass;
+        if (r0 + r < kRowIters && (kBlockN % kRowsPerPass == 0 || row < kBlockN)) {
+#pragma unroll
+          for (int c = 0; c < kColIters; ++c) {
+            int const col = col0 + c * kThreadsPerRow * kVec;
+#pragma unroll
+            for (int k = 0; k < kVec; k += 4) {
+              *reinterpret_cast<float4*>(smem + row * kPitch + col + k) = make_float4(
+                  sum[r][c][k] * scale, sum[r][c][k + 1] * scale, sum[r][c][k + 2] * scale, sum[r][c][k + 3] * scale);
+            }
+          }
+        }
+      }
+    }
+    named_barrier_sync(kNumThreads, barrier_id);
+    Tensor stile = make_tensor(make_smem_ptr(smem), make_layout(Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                                                               make_stride(Int<kPitch>{}, _1{})));  // (BLK_N, BLK_D)
+    load_accum_tile<kSwapAB, kBlockN, kHeadDim>(frag, thr_mma, stile, kBlockN, kHeadDim);
+    // The collective's store starts with a barrier: nobody overwrites the staging before all read it.
+  }
+};
+
 template <class Config_, class Element_, class ElementIn_, class ArchTag_, bool kVarlen_>
 struct GqaReduceKernel {
   using Config = Config_;
@@ -266,6 +342,10 @@ struct GqaReduceKernel {
   // Two CTAs per SM (one loads while the other stores) where registers allow without spilling;
   // the 384-thread hdim-192 config keeps one.
   static constexpr int kMinBlocksPerSm = kNumThreads <= 256 ? 2 : 1;
+  // fp32 partials of the non-swapAB configs are read straight into the fragment (8-byte pairs
+  // along a row, full 32-byte sectors); everything else goes through StagedGroupSum.
+  static constexpr bool kStaged = Config::kSwapAB || sizeof(ElementIn) == 2;
+  using Staged = StagedGroupSum<kBlockN, kHeadDim, kNumThreads, Config::kSwapAB, ElementIn>;
 
   struct TensorParams {
     typename Epilogue::Params epilogue;  // this output (rows, d, h_k, batch) as the collective's dK
@@ -282,7 +362,9 @@ struct GqaReduceKernel {
     int batch;
   };
 
-  static constexpr int kSharedStorageSize = sizeof(typename Epilogue::TensorStorage);
+  // The staging buffer aliases the collective's shared memory (used one after the other).
+  static constexpr int kSharedStorageSize = cute::max(static_cast<int>(sizeof(typename Epilogue::TensorStorage)),
+                                                      kStaged ? Staged::kSmemBytes : 0);
 
   CUTLASS_DEVICE void operator()(Params const& params, char* smem) const {
     using namespace cute;
@@ -301,18 +383,25 @@ struct GqaReduceKernel {
     auto thr_mma = tiled_mma.get_thread_slice(thread_idx);
     Tensor acc = partition_fragment_C(tiled_mma, typename Store::TiledMmaConfig::FragmentTileShape{});
     int const batch_coord = ep.cu_seqlens ? 0 : bidb;
-    // 0 + p_0 + p_1 + ... in head order: the same bits whatever the launch order. Each partial is
-    // added as it arrives (no second fragment), which keeps two CTAs per SM.
-    clear(acc);
-    for (int g = 0; g < params.group; ++g) {
-      load_accum_tile<Config::kSwapAB, kBlockN, kHeadDim, /*kAdd=*/true>(
-          acc, thr_mma,
-          rows_tile<kBlockN, kHeadDim>(work.ptr_partial, work.shape_partial, work.stride_partial,
-                                       kv_head * params.group + g, batch_coord, seqlen_info.offset, n_block),
-          valid_rows, get<1>(work.shape_partial));
-    }
+    auto tile_of = [&](int g) {
+      return rows_tile<kBlockN, kHeadDim>(work.ptr_partial, work.shape_partial, work.stride_partial,
+                                          kv_head * params.group + g, batch_coord, seqlen_info.offset, n_block);
+    };
+    // 0 + p_0 + p_1 + ... in head order, per element: the same bits whatever the launch order and
+    // whichever path reads the partials.
+    if constexpr (kStaged) {
+      Staged::run(acc, thr_mma, tile_of, params.group, valid_rows, get<1>(work.shape_partial), work.scale,
+                  reinterpret_cast<float*>(smem), thread_idx, Epilogue::BarrierId);
+    } else {
+      clear(acc);
+      for (int g = 0; g < params.group; ++g) {
+        // Added as it arrives (no second fragment), which keeps two CTAs per SM.
+        load_accum_tile<Config::kSwapAB, kBlockN, kHeadDim, /*kAdd=*/true>(acc, thr_mma, tile_of(g), valid_rows,
+                                                                           get<1>(work.shape_partial));
+      }
 #pragma unroll
-    for (int i = 0; i < size(acc); ++i) { acc(i) *= work.scale; }
+      for (int i = 0; i < size(acc); ++i) { acc(i) *= work.scale; }
+    }
     auto& storage = *reinterpret_cast<typename Epilogue::TensorStorage*>(smem);
     Epilogue{}.store(ep, acc, acc, storage, tiled_mma, thread_idx, make_tuple(n_block, kv_head, bidb));
   }
