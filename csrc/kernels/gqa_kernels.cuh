@@ -45,10 +45,11 @@ CUTLASS_DEVICE auto rows_tile(T* ptr, ShapeRowsHeadBatch const& shape, StrideRow
                     make_coord(n_block, _0{}));
 }
 
-template <class Config_, class ArchTag_>
+template <class Config_, class ArchTag_, bool kStagedLoads_ = false>
 struct GqaAccumulateKernel {
   using Config = Config_;
   using ArchTag = ArchTag_;
+  static constexpr bool kStagedLoads = kStagedLoads_;  // read the fp32 partial through StagedTileSum
   using Traits = GqaTraits<Config, ArchTag>;
   using Collective = typename Traits::Collective;
   static constexpr int kBlockN = Config::kBlockN;
@@ -77,7 +78,9 @@ struct GqaAccumulateKernel {
     int chunk_units;  // deterministic: units per ticket chunk
   };
 
-  static constexpr int kSharedStorageSize = sizeof(typename Collective::TensorStorage);
+  using Staged = StagedTileSum<kBlockN, kHeadDim, kNumThreads, Config::kSwapAB, float>;
+  static constexpr int kSharedStorageSize = cute::max(static_cast<int>(sizeof(typename Collective::TensorStorage)),
+                                                      kStagedLoads ? Staged::kSmemBytes : 0);
 
   CUTLASS_DEVICE void operator()(Params const& params, char* smem) const {
     using namespace cute;
@@ -127,11 +130,14 @@ struct GqaAccumulateKernel {
     typename Traits::TiledMma tiled_mma;
     auto thr_mma = tiled_mma.get_thread_slice(thread_idx);
     Tensor frag = partition_fragment_C(tiled_mma, typename Traits::FragmentTileShape{});
-    load_accum_tile<Config::kSwapAB, kBlockN, kHeadDim>(
-        frag, thr_mma,
-        rows_tile<kBlockN, kHeadDim>(work.ptr_partial, work.shape, work.stride, q_head, coll.cu_seqlens ? 0 : bidb,
-                                     seqlen_info.offset, n_block),
-        valid_rows, get<1>(work.shape));
+    auto const gtile = rows_tile<kBlockN, kHeadDim>(work.ptr_partial, work.shape, work.stride, q_head,
+                                                    coll.cu_seqlens ? 0 : bidb, seqlen_info.offset, n_block);
+    if constexpr (kStagedLoads) {
+      Staged::run(frag, thr_mma, [&](int) { return gtile; }, 1, valid_rows, get<1>(work.shape), 1.f,
+                  reinterpret_cast<float*>(smem), thread_idx, Collective::BarrierId);
+    } else {
+      load_accum_tile<Config::kSwapAB, kBlockN, kHeadDim>(frag, thr_mma, gtile, valid_rows, get<1>(work.shape));
+    }
     auto& storage = *reinterpret_cast<typename Collective::TensorStorage*>(smem);
     Collective{}.store(coll, frag, frag, storage, thread_idx, make_tuple(n_block, q_head, bidb));
   }
@@ -252,82 +258,6 @@ struct GqaDenseKernel {
   }
 };
 
-// Sum of a group of (BLK_N, BLK_D) partial tiles, read row-major with 16-byte vectors, into
-// shared memory as fp32, then back in C-fragment order. Used by gqa_reduce where reading the
-// partials straight in fragment order is slow: 16-bit partials (the fragment reads 2- or 4-byte
-// pieces) and the swapAB configs (the fragment runs down columns, 4-byte pieces).
-template <int kBlockN, int kHeadDim, int kNumThreads, bool kSwapAB, class ElementIn>
-struct StagedGroupSum {
-  static constexpr int kVec = 16 / sizeof(ElementIn);            // elements per 16-byte load
-  static_assert(kHeadDim % kVec == 0, "head dim must be a multiple of one 16-byte vector");
-  static constexpr int kThreadsPerRow = cutlass::gcd(kHeadDim / kVec, kNumThreads);
-  static constexpr int kRowsPerPass = kNumThreads / kThreadsPerRow;
-  static constexpr int kColIters = kHeadDim / kVec / kThreadsPerRow;
-  static constexpr int kRowIters = (kBlockN + kRowsPerPass - 1) / kRowsPerPass;
-  static constexpr int kChunkRowIters = cute::max(1, 32 / (kColIters * kVec));
-  // Row pitch in floats. Fragment-order reads are then conflict-free: 8-byte pairs of 8 rows per
-  // half-warp want a pitch of 8 mod 32 words, swapAB's 4-byte reads (rows 2 apart) 4 mod 32.
-  static constexpr int kPitch = kHeadDim + (kSwapAB ? 4 : 8);
-  static constexpr int kSmemBytes = kBlockN * kPitch * sizeof(float);
-
-  // acc(i) in fragment order = scale * sum over g of tile_g, zeros outside the valid rows/cols.
-  template <class Fragment, class ThrMma, class TileOf>
-  CUTLASS_DEVICE static void run(Fragment& frag, ThrMma const& thr_mma, TileOf&& tile_of, int group, int valid_rows,
-                                 int num_cols, float scale, float* smem, int thread_idx, int barrier_id) {
-    using namespace cute;
-    int const row0 = thread_idx / kThreadsPerRow;
-    int const col0 = (thread_idx % kThreadsPerRow) * kVec;
-    // A chunk of row passes at a time: its loads for one head are in flight together, and the
-    // running sums (32 floats) leave registers for two CTAs per SM without spilling.
-#pragma unroll
-    for (int r0 = 0; r0 < kRowIters; r0 += kChunkRowIters) {
-      float sum[kChunkRowIters][kColIters][kVec];
-#pragma unroll
-      for (int r = 0; r < kChunkRowIters; ++r)
-#pragma unroll
-        for (int c = 0; c < kColIters; ++c)
-#pragma unroll
-          for (int v = 0; v < kVec; ++v) { sum[r][c][v] = 0.f; }
-      for (int g = 0; g < group; ++g) {
-        auto const gtile = tile_of(g);  // (BLK_N, BLK_D)
-#pragma unroll
-        for (int r = 0; r < kChunkRowIters; ++r) {
-          int const row = row0 + (r0 + r) * kRowsPerPass;
-#pragma unroll
-          for (int c = 0; c < kColIters; ++c) {
-            int const col = col0 + c * kThreadsPerRow * kVec;
-            if (r0 + r < kRowIters && row < valid_rows && col < num_cols) {  // num_cols: a multiple of 8 >= kVec
-              auto const v = *reinterpret_cast<cutlass::Array<ElementIn, kVec> const*>(&gtile(row, col));
-#pragma unroll
-              for (int k = 0; k < kVec; ++k) { sum[r][c][k] += static_cast<float>(v[k]); }
-            }
-          }
-        }
-      }
-#pragma unroll
-      for (int r = 0; r < kChunkRowIters; ++r) {
-        int const row = row0 + (r0 + r) * kRowsPerPass;
-        if (r0 + r < kRowIters && (kBlockN % kRowsPerPass == 0 || row < kBlockN)) {
-#pragma unroll
-          for (int c = 0; c < kColIters; ++c) {
-            int const col = col0 + c * kThreadsPerRow * kVec;
-#pragma unroll
-            for (int k = 0; k < kVec; k += 4) {
-              *reinterpret_cast<float4*>(smem + row * kPitch + col + k) = make_float4(
-                  sum[r][c][k] * scale, sum[r][c][k + 1] * scale, sum[r][c][k + 2] * scale, sum[r][c][k + 3] * scale);
-            }
-          }
-        }
-      }
-    }
-    named_barrier_sync(kNumThreads, barrier_id);
-    Tensor stile = make_tensor(make_smem_ptr(smem), make_layout(Shape<Int<kBlockN>, Int<kHeadDim>>{},
-                                                               make_stride(Int<kPitch>{}, _1{})));  // (BLK_N, BLK_D)
-    load_accum_tile<kSwapAB, kBlockN, kHeadDim>(frag, thr_mma, stile, kBlockN, kHeadDim);
-    // The collective's store starts with a barrier: nobody overwrites the staging before all read it.
-  }
-};
-
 template <class Config_, class Element_, class ElementIn_, class ArchTag_, bool kVarlen_>
 struct GqaReduceKernel {
   using Config = Config_;
@@ -343,9 +273,9 @@ struct GqaReduceKernel {
   // the 384-thread hdim-192 config keeps one.
   static constexpr int kMinBlocksPerSm = kNumThreads <= 256 ? 2 : 1;
   // fp32 partials of the non-swapAB configs are read straight into the fragment (8-byte pairs
-  // along a row, full 32-byte sectors); everything else goes through StagedGroupSum.
+  // along a row, full 32-byte sectors); everything else goes through StagedTileSum.
   static constexpr bool kStaged = Config::kSwapAB || sizeof(ElementIn) == 2;
-  using Staged = StagedGroupSum<kBlockN, kHeadDim, kNumThreads, Config::kSwapAB, ElementIn>;
+  using Staged = StagedTileSum<kBlockN, kHeadDim, kNumThreads, Config::kSwapAB, ElementIn>;
 
   struct TensorParams {
     typename Epilogue::Params epilogue;  // this output (rows, d, h_k, batch) as the collective's dK

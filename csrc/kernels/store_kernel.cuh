@@ -9,6 +9,7 @@
 
 #include "flash_epilogue/bwd_config.h"
 #include "flash_epilogue/epilogue_bwd.h"
+#include "flash_epilogue/named_barrier.h"
 #include "flash_epilogue/seqlen_info.h"
 
 namespace flash_epilogue {
@@ -84,6 +85,85 @@ CUTLASS_DEVICE void load_accum_tile(Fragment& frag, ThrMma const& thr_mma, GmemT
   });
 }
 
+// The sum of `group` (BLK_N, BLK_D) tiles (group 1: one tile), read row-major with 16-byte
+// vectors, staged in shared memory as fp32 and read back in C-fragment order. gqa_reduce uses it
+// where reading straight in fragment order is slow: 16-bit partials (the fragment reads 2- or
+// 4-byte pieces) and the swapAB configs (the fragment runs down columns, 4-byte pieces); store and
+// gqa_accumulate use it on request (FLASH_EPILOGUE_STAGED_LOADS=1, sm_90 path: an experiment,
+// see benchmarks/NOTES.md). `smem` needs kSmemBytes and may alias the collective's storage: the
+// collectives start with a barrier before writing theirs.
+template <int kBlockN, int kHeadDim, int kNumThreads, bool kSwapAB, class ElementIn>
+struct StagedTileSum {
+  static constexpr int kVec = 16 / sizeof(ElementIn);            // elements per 16-byte load
+  static_assert(kHeadDim % kVec == 0, "head dim must be a multiple of one 16-byte vector");
+  static constexpr int kThreadsPerRow = cutlass::gcd(kHeadDim / kVec, kNumThreads);
+  static constexpr int kRowsPerPass = kNumThreads / kThreadsPerRow;
+  static constexpr int kColIters = kHeadDim / kVec / kThreadsPerRow;
+  static constexpr int kRowIters = (kBlockN + kRowsPerPass - 1) / kRowsPerPass;
+  static constexpr int kChunkRowIters = cute::max(1, 32 / (kColIters * kVec));
+  // Row pitch in floats. Fragment-order reads are then conflict-free: 8-byte pairs of 8 rows per
+  // half-warp want a pitch of 8 mod 32 words, swapAB's 4-byte reads (rows 2 apart) 4 mod 32.
+  static constexpr int kPitch = kHeadDim + (kSwapAB ? 4 : 8);
+  static constexpr int kSmemBytes = kBlockN * kPitch * sizeof(float);
+
+  // acc(i) in fragment order = scale * sum over g of tile_g, zeros outside the valid rows/cols.
+  template <class Fragment, class ThrMma, class TileOf>
+  CUTLASS_DEVICE static void run(Fragment& frag, ThrMma const& thr_mma, TileOf&& tile_of, int group, int valid_rows,
+                                 int num_cols, float scale, float* smem, int thread_idx, int barrier_id) {
+    using namespace cute;
+    int const row0 = thread_idx / kThreadsPerRow;
+    int const col0 = (thread_idx % kThreadsPerRow) * kVec;
+    // A chunk of row passes at a time: its loads for one head are in flight together, and the
+    // running sums (32 floats) leave registers for two CTAs per SM without spilling.
+#pragma unroll
+    for (int r0 = 0; r0 < kRowIters; r0 += kChunkRowIters) {
+      float sum[kChunkRowIters][kColIters][kVec];
+#pragma unroll
+      for (int r = 0; r < kChunkRowIters; ++r)
+#pragma unroll
+        for (int c = 0; c < kColIters; ++c)
+#pragma unroll
+          for (int v = 0; v < kVec; ++v) { sum[r][c][v] = 0.f; }
+      for (int g = 0; g < group; ++g) {
+        auto const gtile = tile_of(g);  // (BLK_N, BLK_D)
+#pragma unroll
+        for (int r = 0; r < kChunkRowIters; ++r) {
+          int const row = row0 + (r0 + r) * kRowsPerPass;
+#pragma unroll
+          for (int c = 0; c < kColIters; ++c) {
+            int const col = col0 + c * kThreadsPerRow * kVec;
+            if (r0 + r < kRowIters && row < valid_rows && col < num_cols) {  // num_cols: a multiple of 8 >= kVec
+              auto const v = *reinterpret_cast<cutlass::Array<ElementIn, kVec> const*>(&gtile(row, col));
+#pragma unroll
+              for (int k = 0; k < kVec; ++k) { sum[r][c][k] += static_cast<float>(v[k]); }
+            }
+          }
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < kChunkRowIters; ++r) {
+        int const row = row0 + (r0 + r) * kRowsPerPass;
+        if (r0 + r < kRowIters && (kBlockN % kRowsPerPass == 0 || row < kBlockN)) {
+#pragma unroll
+          for (int c = 0; c < kColIters; ++c) {
+            int const col = col0 + c * kThreadsPerRow * kVec;
+#pragma unroll
+            for (int k = 0; k < kVec; k += 4) {
+              *reinterpret_cast<float4*>(smem + row * kPitch + col + k) = make_float4(
+                  sum[r][c][k] * scale, sum[r][c][k + 1] * scale, sum[r][c][k + 2] * scale, sum[r][c][k + 3] * scale);
+            }
+          }
+        }
+      }
+    }
+    named_barrier_sync(kNumThreads, barrier_id);
+    Tensor stile = make_tensor(make_smem_ptr(smem), make_layout(Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                                                               make_stride(Int<kPitch>{}, _1{})));  // (BLK_N, BLK_D)
+    load_accum_tile<kSwapAB, kBlockN, kHeadDim>(frag, thr_mma, stile, kBlockN, kHeadDim);
+    // The collective's store starts with a barrier: nobody overwrites the staging before all read it.
+  }
+};
+
 // The inverse for fp32 outputs: write the fragment's elements inside [0, valid_rows) x [0, num_cols).
 template <bool kSwapAB, int kBlockN, int kHeadDim, class Fragment, class ThrMma, class GmemTensor>
 CUTLASS_DEVICE void store_fragment_tile(Fragment const& frag, ThrMma const& thr_mma, GmemTensor const& gtile,
@@ -113,12 +193,13 @@ CUTLASS_DEVICE TensorAndHead split_tensor_and_head(int grid_y, int num_heads) {
   return {tensor, grid_y - tensor * num_heads};
 }
 
-template <class Config_, class Element_, class ArchTag_, bool kVarlen_>
+template <class Config_, class Element_, class ArchTag_, bool kVarlen_, bool kStagedLoads_ = false>
 struct StoreKernel {
   using Config = Config_;
   using Element = Element_;
   using ArchTag = ArchTag_;
   static constexpr bool kVarlen = kVarlen_;  // the predicated path (cu_seqlens and/or seqused)
+  static constexpr bool kStagedLoads = kStagedLoads_;  // read the fp32 tile through StagedTileSum
   static constexpr int kBlockN = Config::kBlockN;
   static constexpr int kHeadDim = Config::kHeadDim;
   static constexpr int kNumThreads = Config::kNumThreads;
@@ -145,7 +226,9 @@ struct StoreKernel {
     int batch;
   };
 
-  static constexpr int kSharedStorageSize = sizeof(typename Epilogue::TensorStorage);
+  using Staged = StagedTileSum<kBlockN, kHeadDim, kNumThreads, kSwapAB, float>;
+  static constexpr int kSharedStorageSize = cute::max(static_cast<int>(sizeof(typename Epilogue::TensorStorage)),
+                                                      kStagedLoads ? Staged::kSmemBytes : 0);
 
   CUTLASS_DEVICE void operator()(Params const& params, char* smem) const {
     using namespace cute;
@@ -167,7 +250,12 @@ struct StoreKernel {
     Tensor m = make_tensor(make_gmem_ptr(work.ptr_accum), ep.shape_dK, work.stride_accum)(_, _, bidh, ep.cu_seqlens ? 0 : bidb);  // (rows, d)
     Tensor gtile = local_tile(domain_offset(make_coord(seqlen_info.offset, _0{}), m), Shape<Int<kBlockN>, Int<kHeadDim>>{},
                               make_coord(n_block, _0{}));  // (BLK_N, BLK_D)
-    load_accum_tile<kSwapAB, kBlockN, kHeadDim>(frag, thr_mma, gtile, valid_rows, get<1>(ep.shape_dK));
+    if constexpr (kStagedLoads) {
+      Staged::run(frag, thr_mma, [&](int) { return gtile; }, 1, valid_rows, get<1>(ep.shape_dK), 1.f,
+                  reinterpret_cast<float*>(smem), thread_idx, Epilogue::BarrierId);
+    } else {
+      load_accum_tile<kSwapAB, kBlockN, kHeadDim>(frag, thr_mma, gtile, valid_rows, get<1>(ep.shape_dK));
+    }
 
     auto& storage = *reinterpret_cast<typename Epilogue::TensorStorage*>(smem);
     Epilogue{}.store(ep, frag, frag, storage, tiled_mma, thread_idx, make_tuple(n_block, bidh, bidb));
