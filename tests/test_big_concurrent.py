@@ -327,7 +327,7 @@ def test_two_streams_mixed_ops():
 def test_host_threads_with_own_streams():
     # four host threads, each with its own stream and tensors, validating and launching at once
     errors, results = [], {}
-    barrier = threading.Barrier(4)
+    barrier = threading.Barrier(4, timeout=60)
 
     def worker(k):
         try:
