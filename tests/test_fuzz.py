@@ -485,7 +485,7 @@ def test_fuzz_gqa_reduce(p):
 def test_fuzz_cases_validate_on_cpu(check, cases):
     # no GPU: the drawn arguments are valid inputs (they get through every check but the device
     # one) and the references accept them; a few cases each, for CI
-    @settings(max_examples=6, deadline=None, database=None, derandomize=True,
+    @settings(max_examples=10, deadline=None, database=None, derandomize=True,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(p=cases())
     def run(p):
