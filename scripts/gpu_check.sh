@@ -5,7 +5,9 @@
 # included), bench (benchmarks/bench_store.py: store vs torch .to), bench_ops (benchmarks/bench_ops.py:
 # every op vs torch eager/compile/Triton and the copy roofline -> h200.json/csv/png; give it a call
 # of its own), pack (the built extension -> $OUT/prebuilt.tgz, to carry as .prebuilt/prebuilt.tgz into a
-# later call that skips `build`: a cold machine then needs no 160 s rebuild). Logs and results go to
+# later call that skips `build`: a cold machine then needs no 160 s rebuild), sanitize
+# (scripts/sanitize.sh: compute-sanitizer memcheck/synccheck/racecheck/initcheck over every op ->
+# sanitize.json + sanitize_logs.tgz; about 5 minutes, budget SANITIZE_BUDGET_S). Logs and results go to
 # $OUT (summary: gpu_tests.json).
 # Needs the nvidia-cutlass wheel in .whl/ (carried: the device machine has no registry):
 #   pip download --no-deps nvidia-cutlass==4.2.0.0 -d .whl
@@ -60,6 +62,10 @@ summary = {"commit": commit, "date": datetime.date.today().isoformat(), "gpu": t
 json.dump(summary, open(f"{out}/gpu_tests.json", "w"), indent=1)
 print(summary)
 PY
+fi
+
+if has sanitize; then
+  bash scripts/sanitize.sh "$OUT" "$COMMIT" || status=1
 fi
 
 if has bench; then

@@ -1,0 +1,368 @@
+"""GPU tests of problems whose tensors exceed 2^31 elements (32-bit offsets would wrap) and of ops
+running concurrently on several CUDA streams and host threads.
+
+Big: every op is run once on tensors of more than 2^31 elements (store batched in (b, s, h, d)
+and heads-major storage on both code paths, store varlen + seqused, store_zero, gqa_reduce with
+big inputs and with big outputs, deterministic and non-deterministic gqa_accumulate into
+accumulators of more than 2^31 floats + gqa_postprocess). The outputs are canary-filled; the check
+walks the whole output in chunks of rows: valid rows bitwise against the reference computed on
+that chunk, all other rows still the canary (the last rows, past 2^31 elements, are checked too).
+Peak GPU memory: about 50 GB (the accumulate test); a test skips when the device has less free.
+GPU time: about 10-20 s for the file on an H200 (mostly filling 100+ GB of tensors).
+
+Concurrent: two streams each running deterministic gqa_accumulate into their own accumulators
+(reading the same partials), interleaved launch by launch, repeatedly: bitwise equal to the
+sequential reference every time; store/store_zero on one stream against gqa_reduce and
+non-deterministic accumulate + postprocess on another; four host threads with a stream each.
+"""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import flash_epilogue as fe
+from flash_epilogue.reference import (
+    gqa_accumulate_reference,
+    gqa_reduce_reference,
+    gqa_reduce_sequential_fp32,
+    sequence_bounds,
+    store_zero_reference,
+)
+
+pytestmark = pytest.mark.gpu
+
+DEV = "cuda"
+I32 = torch.int32
+CANARY_BITS = 0x7FBF  # a NaN payload no conversion produces
+INT32_ELEMS = 2**31
+CHUNK_ELEMS = 2**28  # elements compared at a time
+
+
+def need_gib(gib: float):
+    free, _ = torch.cuda.mem_get_info()
+    if free < gib * 2**30:
+        pytest.skip(f"needs {gib:.0f} GiB of free GPU memory, {free / 2**30:.0f} GiB free")
+
+
+@pytest.fixture(autouse=True)
+def _release_memory():
+    yield
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
+def bits(t):
+    return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
+
+
+def canary(shape, dtype=torch.bfloat16):
+    return torch.full(shape, CANARY_BITS, dtype=torch.int16, device=DEV).view(dtype)
+
+
+def row_mask(rows: int, bounds) -> torch.Tensor:
+    """bool (rows,): True on the valid rows [start, start + length) of every sequence."""
+    mask = torch.zeros(rows, dtype=torch.bool, device=DEV)
+    for start, length in bounds:
+        mask[start : start + length] = True
+    return mask
+
+
+def check_rows(name, out, expected_rows, mask, row_dim, row_elems=None):
+    """Walk `out` in chunks along `row_dim`: rows where `mask` holds equal expected_rows(a, b)
+    bitwise, the others are still the canary. `row_elems`: elements per row that expected_rows
+    reads (sets the chunk size; default out's)."""
+    rows = out.shape[row_dim]
+    row_elems = row_elems or max(1, out.numel() // max(rows, 1))
+    step = max(1, CHUNK_ELEMS // row_elems)
+    for a in range(0, rows, step):
+        b = min(rows, a + step)
+        got = bits(out.narrow(row_dim, a, b - a))
+        want = bits(expected_rows(a, b))
+        m = mask[a:b].view([-1 if i == row_dim else 1 for i in range(got.dim())])
+        want = torch.where(m, want, torch.full_like(want, CANARY_BITS))
+        if not torch.equal(got, want):
+            bad = (got != want).nonzero()
+            first = bad[0].tolist()
+            first[row_dim] += a
+            raise AssertionError(f"{name}: {bad.shape[0]} elements differ in rows [{a}, {b}), first at {first}")
+
+
+# ---------------------------------------------------------------------------------------------
+# beyond 2^31 elements
+
+S_BIG, H_BIG, D_BIG = 2**20 + 77, 16, 128  # S * H * D = 2^31 + 157696 elements per tensor
+S_ACC = 2**23 + 129  # accumulate: (1, 2, 65538, 128 * 128) floats per accumulator
+
+
+@pytest.mark.parametrize("arch", (0, 80), ids=("native", "sm80"))
+def test_store_beyond_int32_batched(arch):
+    # dk in (b, s, h, d) and dv in heads-major (b, h, s, d) storage: the last head starts past 2^31
+    need_gib(30)
+    shape = (1, S_BIG, H_BIG, D_BIG)
+    assert S_BIG * H_BIG * D_BIG > INT32_ELEMS
+    acc_k = torch.randn(shape, device=DEV)
+    acc_v = torch.randn((1, H_BIG, S_BIG, D_BIG), device=DEV).transpose(1, 2)
+    dk = canary(shape)
+    dv = canary((1, H_BIG, S_BIG, D_BIG)).transpose(1, 2)
+    fe.store(acc_k, acc_v, dk, dv, _arch=arch)
+    torch.cuda.synchronize()
+    mask = torch.ones(S_BIG, dtype=torch.bool, device=DEV)
+    check_rows("dk", dk, lambda a, b: acc_k[:, a:b].to(torch.bfloat16), mask, 1)
+    check_rows("dv", dv, lambda a, b: acc_v[:, a:b].to(torch.bfloat16), mask, 1)
+    # and the very last element of each, explicitly
+    assert bits(dk[0, -1, -1, -1]) == bits(acc_k[0, -1, -1, -1].to(torch.bfloat16))
+    assert bits(dv[0, -1, -1, -1]) == bits(acc_v[0, -1, -1, -1].to(torch.bfloat16))
+
+
+def varlen_big(total):
+    """cu_seqlens and seqused over `total` rows: a short first sequence, two long ones, the last
+    five rows a sequence of their own (the rows past 2^31 elements); seqused cuts two of them."""
+    first = min(1000, total // 8)
+    cu = [0, first, total // 2, total - 5, total]
+    used = [first, total // 2 - first - 3, (total - 5 - total // 2) - 77, 5]
+    return torch.tensor(cu, dtype=I32, device=DEV), torch.tensor(used, dtype=I32, device=DEV)
+
+
+def test_store_beyond_int32_varlen_seqused():
+    need_gib(30)
+    total, h, d, dv_dim = S_BIG, H_BIG, D_BIG, 64
+    cu, used = varlen_big(total)
+    acc_k = torch.randn(total, h, d, device=DEV)
+    acc_v = torch.randn(total, h, dv_dim, device=DEV)
+    dk, dv = canary((total, h, d)), canary((total, h, dv_dim))
+    fe.store(acc_k, acc_v, dk, dv, cu_seqlens=cu, seqused=used, check_inputs=True)
+    torch.cuda.synchronize()
+    mask = row_mask(total, sequence_bounds(4, total, cu, used))
+    assert mask[-5:].all() and not mask[-6]
+    check_rows("dk", dk, lambda a, b: acc_k[a:b].to(torch.bfloat16), mask, 0)
+    check_rows("dv", dv, lambda a, b: acc_v[a:b].to(torch.bfloat16), mask, 0)
+
+
+@pytest.mark.parametrize("layout", ("varlen", "batched"))
+def test_store_zero_beyond_int32(layout):
+    need_gib(25)
+    h, d, dv_dim = H_BIG, D_BIG, 64
+    if layout == "varlen":
+        cu, used = varlen_big(S_BIG)
+        lead, seq, row_dim = (S_BIG,), {"cu_seqlens": cu, "seqused": used}, 0
+        kw = {"head_idx": [0, h - 1], "row_start": 3}
+    else:  # zero the last rows of the batch only: they sit past 2^31 elements
+        lead, seq, row_dim = (1, S_BIG), {}, 1
+        kw = {"row_start": S_BIG - 100, "row_end": S_BIG + 7}
+    dk = torch.full(lead + (h, d), 1.0, dtype=torch.bfloat16, device=DEV)
+    dv = torch.full(lead + (h, dv_dim), 1.0, dtype=torch.bfloat16, device=DEV)
+    ref_k, ref_v = dk.clone(), dv.clone()
+    store_zero_reference(ref_k, ref_v, **seq, **kw)
+    fe.store_zero(dk, dv, **seq, **kw)
+    torch.cuda.synchronize()
+    for name, got, want in (("dk", dk, ref_k), ("dv", dv, ref_v)):
+        rows = got.shape[row_dim]
+        step = CHUNK_ELEMS // (got.numel() // rows)
+        for a in range(0, rows, step):
+            n = min(step, rows - a)
+            assert torch.equal(bits(got.narrow(row_dim, a, n)), bits(want.narrow(row_dim, a, n))), f"{name} rows {a}+"
+        zeroed = (want == 0).sum().item()
+        assert zeroed > 0 and (got == 0).sum().item() == zeroed
+        # the last row (past 2^31 elements) explicitly
+        last = got.narrow(row_dim, rows - 1, 1)
+        if layout == "batched":
+            assert (last == 0).all() and (got.narrow(row_dim, rows - 101, 1) == 1).all()
+        else:  # sequence 3 is the last 5 rows; rows 3 and 4 of it are zeroed in heads 0 and h - 1
+            assert (last[:, 0] == 0).all() and (last[:, -1] == 0).all() and (last[:, 1:-1] == 1).all()
+
+
+@pytest.mark.parametrize("g,partial_dtype", [(8, torch.float32), (1, torch.bfloat16)],
+                         ids=("big-partials-fp32", "big-partials-and-output-bf16"))
+def test_gqa_reduce_beyond_int32(g, partial_dtype):
+    # g = 8: 2^31+ fp32 partial elements reduced into 2 KV heads; g = 1: partials and output both
+    # past 2^31 elements
+    need_gib(30)
+    total, h_q, d = S_BIG, H_BIG, D_BIG
+    h_k = h_q // g
+    cu, used = varlen_big(total)
+    pk = torch.randn(total, h_q, d, device=DEV).to(partial_dtype)
+    out = canary((total, h_k, d))
+    scale = 0.125
+    ret = fe.gqa_reduce(pk, num_heads_kv=h_k, out=out, cu_seqlens=cu, seqused=used, scale_dk=scale)
+    torch.cuda.synchronize()
+    assert ret is out
+    mask = row_mask(total, sequence_bounds(4, total, cu, used))
+    check_rows("dk", out, lambda a, b: gqa_reduce_sequential_fp32(pk[a:b], h_k, scale).to(torch.bfloat16), mask, 0,
+               row_elems=h_q * d)
+
+
+@pytest.mark.parametrize("deterministic", (True, False), ids=("deterministic", "atomic"))
+def test_gqa_accumulate_beyond_int32(deterministic):
+    # accumulators of more than 2^31 floats each: (1, 2 KV heads, 65538 tiles, 128 x 128 floats);
+    # two query heads per KV head, one call, so both modes give the same bits (0 + p0 + p1 in any
+    # order rounds once, commutatively); then postprocess to canary-filled bf16 outputs
+    need_gib(60)
+    s, h_k, g, d, dv_dim = S_ACC, 2, 2, 128, 64
+    pk = torch.randn(1, s, h_k * g, d, device=DEV)
+    pv = torch.randn(1, s, h_k * g, dv_dim, device=DEV)
+    used = torch.tensor([s - 3], dtype=I32, device=DEV)
+    acc = fe.gqa_accumulator(h_k, d, dv_dim, batch=1, seqlen=s, deterministic=deterministic, device=DEV)
+    assert acc.dk_accum.numel() > INT32_ELEMS
+    fe.gqa_accumulate(pk, pv, acc, deterministic=deterministic, seqused=used)
+    dk, dv = canary((1, s, h_k, d)), canary((1, s, h_k, dv_dim))
+    fe.gqa_postprocess(acc, dk, dv)  # every row: the accumulator holds zeros past seqused
+    torch.cuda.synchronize()
+    del acc
+    mask = torch.ones(s, dtype=torch.bool, device=DEV)
+    limit = s - 3
+
+    def expected(p):
+        def rows(a, b):
+            r = gqa_reduce_sequential_fp32(p[:, a:b], h_k)
+            if b > limit:
+                r[:, max(a, limit) - a :] = 0  # rows past seqused added nothing
+            return r.to(torch.bfloat16)
+        return rows
+
+    check_rows("dk", dk, expected(pk), mask, 1, row_elems=h_k * g * d)
+    check_rows("dv", dv, expected(pv), mask, 1, row_elems=h_k * g * dv_dim)
+
+
+# ---------------------------------------------------------------------------------------------
+# concurrency: streams and threads
+
+
+def rand(shape, gen, dtype=torch.float32):
+    x = torch.randn(shape, device=DEV, generator=gen)
+    return (x * torch.exp2(torch.randint(-8, 9, shape, device=DEV, generator=gen).float())).to(dtype)
+
+
+def test_two_streams_deterministic_accumulations():
+    # acc_a and acc_b (same problem, same partials) on two streams, acc_c (another head dim, varlen)
+    # with them; launches interleaved; three rounds must give identical, reference-exact bits
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    b, s, h_k, g, d = 2, 8192, 2, 8, 128
+    chunks = [(rand((b, s, h_k * g, d), gen), rand((b, s, h_k * g, d), gen)) for _ in range(3)]
+    lens = [4000, 0, 5000, 7000]
+    cu = torch.tensor([0] + lens, dtype=I32).cumsum(0, dtype=I32).to(DEV)
+    total = sum(lens) + 11
+    chunks_c = [(rand((total, 16, 64), gen), rand((total, 16, 64), gen)) for _ in range(3)]
+    acc_a = fe.gqa_accumulator(h_k, d, batch=b, seqlen=s, deterministic=True, device=DEV)
+    acc_b = fe.gqa_accumulator(h_k, d, batch=b, seqlen=s, deterministic=True, device=DEV)
+    acc_c = fe.gqa_accumulator(4, 64, cu_seqlens=cu, total_tokens=total, deterministic=True, device=DEV)
+    ref = [torch.zeros(b, s, h_k, d, device=DEV) for _ in range(2)]
+    for pk, pv in chunks:
+        gqa_accumulate_reference(pk, pv, *ref, num_heads_kv=h_k)
+    ref_c = [torch.zeros(total, 4, 64, device=DEV) for _ in range(2)]
+    for pk, pv in chunks_c:
+        gqa_accumulate_reference(pk, pv, *ref_c, num_heads_kv=4, cu_seqlens=cu)
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    first = None
+    for _ in range(3):
+        for st in (s1, s2):
+            st.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s1):
+            acc_a.reset()
+            acc_c.reset()
+        with torch.cuda.stream(s2):
+            acc_b.reset()
+        for (pk, pv), (ck, cv) in zip(chunks, chunks_c):
+            with torch.cuda.stream(s1):
+                fe.gqa_accumulate(pk, pv, acc_a)
+            with torch.cuda.stream(s2):
+                fe.gqa_accumulate(pk, pv, acc_b)
+            with torch.cuda.stream(s1):
+                fe.gqa_accumulate(ck, cv, acc_c, cu_seqlens=cu)
+        torch.cuda.current_stream().wait_stream(s1)
+        torch.cuda.current_stream().wait_stream(s2)
+        got = [t.clone() for t in (acc_a.dk_accum, acc_a.dv_accum, acc_b.dk_accum, acc_b.dv_accum, acc_c.dk_accum)]
+        torch.cuda.synchronize()
+        assert torch.equal(bits(got[0]), bits(got[2])) and torch.equal(bits(got[1]), bits(got[3]))
+        if first is None:
+            first = got
+            for acc, r, seq in ((acc_a, ref, {}), (acc_b, ref, {}), (acc_c, ref_c, {"cu_seqlens": cu})):
+                for x, w in zip(acc.to_dense(**seq), r):
+                    assert torch.equal(bits(x), bits(w))
+        else:
+            for x, w in zip(got, first):
+                assert torch.equal(bits(x), bits(w))
+
+
+def test_two_streams_mixed_ops():
+    # stream 1: store + store_zero; stream 2: gqa_reduce + non-deterministic accumulate +
+    # postprocess; five rounds each, launches interleaved, then everything against the reference
+    gen = torch.Generator(device=DEV).manual_seed(1)
+    b, s, h, d = 2, 4096, 8, 128
+    accs = [(rand((b, s, h, d), gen), rand((b, s, h, d), gen)) for _ in range(5)]
+    parts = [rand((b, s, 2 * h, d), gen) for _ in range(5)]
+    outs_store = [[canary((b, s, h, d)) for _ in range(2)] for _ in range(5)]
+    outs_reduce = [canary((b, s, h, d), torch.float16) for _ in range(5)]
+    outs_post = [[canary((b, s, h, d)) for _ in range(2)] for _ in range(5)]
+    acc = fe.gqa_accumulator(h, d, batch=b, seqlen=s, device=DEV)
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    s1.wait_stream(torch.cuda.current_stream())
+    s2.wait_stream(torch.cuda.current_stream())
+    for i in range(5):
+        with torch.cuda.stream(s1):
+            fe.store(*accs[i], *outs_store[i])
+            fe.store_zero(*outs_store[i], head_idx=[i % h], row_start=100, row_end=1000)
+        with torch.cuda.stream(s2):
+            fe.gqa_reduce(parts[i], num_heads_kv=h, out=outs_reduce[i], scale_dk=0.5)
+            acc.reset()
+            fe.gqa_accumulate(parts[i], parts[i], acc, deterministic=False)
+            fe.gqa_postprocess(acc, *outs_post[i], scale_dv=2.0)
+    torch.cuda.current_stream().wait_stream(s1)
+    torch.cuda.current_stream().wait_stream(s2)
+    torch.cuda.synchronize()
+    for i in range(5):
+        for out, a in zip(outs_store[i], accs[i]):
+            want = a.to(torch.bfloat16)
+            want[:, 100:1000, i % h] = 0
+            assert torch.equal(bits(out), bits(want)), f"store round {i}"
+        want = gqa_reduce_reference(parts[i], h, out_dtype=torch.float16, scale=0.5, sequential=True)
+        assert torch.equal(bits(outs_reduce[i]), bits(want)), f"reduce round {i}"
+        # two query heads per KV head, one call: the atomic sum is exact regardless of order
+        summed = gqa_reduce_sequential_fp32(parts[i], h)
+        assert torch.equal(bits(outs_post[i][0]), bits(summed.to(torch.bfloat16))), f"postprocess dk round {i}"
+        assert torch.equal(bits(outs_post[i][1]), bits((summed * 2.0).to(torch.bfloat16))), f"postprocess dv round {i}"
+
+
+def test_host_threads_with_own_streams():
+    # four host threads, each with its own stream and tensors, validating and launching at once
+    errors, results = [], {}
+    barrier = threading.Barrier(4, timeout=60)
+
+    def worker(k):
+        try:
+            torch.cuda.set_device(0)
+            gen = torch.Generator(device=DEV).manual_seed(100 + k)
+            stream = torch.cuda.Stream()
+            d = (64, 96, 128, 256)[k]
+            with torch.cuda.stream(stream):
+                a = rand((2, 1000, 4, d), gen)
+                p = rand((2, 1000, 8, d), gen)
+                acc = fe.gqa_accumulator(4, d, batch=2, seqlen=1000, deterministic=True, device=DEV)
+                barrier.wait()
+                for _ in range(10):
+                    out = canary((2, 1000, 4, d))
+                    fe.store(a, a, out, canary((2, 1000, 4, d)))
+                    red = fe.gqa_reduce(p, num_heads_kv=4, out_dtype=torch.bfloat16)
+                    acc.reset()
+                    fe.gqa_accumulate(p, p, acc)
+                    dk = canary((2, 1000, 4, d))
+                    fe.gqa_postprocess(acc, dk, canary((2, 1000, 4, d)))
+                stream.synchronize()
+                results[k] = (a, p, out, red, dk)
+        except Exception as e:  # noqa: BLE001 (reported by the main thread)
+            errors.append((k, repr(e)))
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    assert sorted(results) == [0, 1, 2, 3]
+    torch.cuda.synchronize()
+    for k, (a, p, out, red, dk) in results.items():
+        assert torch.equal(bits(out), bits(a.to(torch.bfloat16))), k
+        want = gqa_reduce_sequential_fp32(p, 4).to(torch.bfloat16)
+        assert torch.equal(bits(red), bits(want)), k
+        assert torch.equal(bits(dk), bits(want)), k
