@@ -18,6 +18,17 @@ _HAVE_SM90, _WHY_NOT = _sm90_kernels()
 requires_sm90 = pytest.mark.skipif(not _HAVE_SM90, reason=_WHY_NOT)
 
 
+@pytest.fixture(autouse=True)
+def _env_flags_follow_the_environment():
+    """flash_epilogue reads FLASH_EPILOGUE_DEBUG / FLASH_EPILOGUE_CHECK_INPUTS once, at import; a test
+    that sets them calls flash_epilogue.refresh_env_flags(). Re-read before each test, when the
+    previous test's monkeypatch has restored the environment."""
+    from flash_epilogue import ops
+
+    ops.refresh_env_flags()
+    yield
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not _HAVE_SM90:
