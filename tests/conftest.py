@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 
@@ -26,6 +28,26 @@ def _env_flags_follow_the_environment():
     from flash_epilogue import ops
 
     ops.refresh_env_flags()
+    yield
+
+
+@pytest.fixture(autouse=True)
+def _cpp_parity(request, monkeypatch):
+    """FLASH_EPILOGUE_TEST_CPP_PARITY=<file>: every Python validator call also runs the C++ op and
+    compares (tests/cpp_parity.py; tests/test_cpp_parity.py sets it)."""
+    path = os.environ.get("FLASH_EPILOGUE_TEST_CPP_PARITY")
+    if not path:
+        yield
+        return
+    import cpp_parity
+    import flash_epilogue.validation as V
+
+    comparer = cpp_parity.Comparer(path, request.node.nodeid)
+    for name in cpp_parity.SPECS:
+        wrapped = comparer.wrap(name)
+        monkeypatch.setattr(V, name, wrapped)
+        if request.module is not None and getattr(request.module, name, None) is cpp_parity.REAL[name]:
+            monkeypatch.setattr(request.module, name, wrapped)
     yield
 
 
