@@ -1,10 +1,15 @@
-// The only translation unit that includes torch: op schemas (TORCH_LIBRARY), the CUDA
-// implementations (argument checks, device guard, current stream, dispatch to the generated
-// instantiations) and the pybind11 module flash_epilogue._C (build info, compiled configs).
+// The only translation unit that includes torch: op schemas (TORCH_LIBRARY), the implementations
+// (argument checks, device guard, current stream, dispatch to the generated instantiations) and the
+// pybind11 module flash_epilogue._C (build info, compiled configs).
 //
-// The Python wrappers validate everything first with messages meant for users
-// (flash_epilogue/validation.py); the TORCH_CHECKs here are the backstop for callers that go
-// through torch.ops directly, and they never let a bad argument reach a kernel.
+// Argument checks. Every op checks its arguments here with the same checks, in the same order and
+// with the same messages as flash_epilogue/validation.py (tests/test_cpp_parity.py runs the Python
+// validation suites against the ops): the Python wrappers call the op first and run the Python
+// validation only when the op raises (host time), so whatever the Python validation rejects must be
+// rejected here too, before anything reaches a kernel. Bad values raise ValueError in Python (a
+// wrong dtype TypeError), a launch the kernel refuses RuntimeError. The device checks come last,
+// as in Python; the ops are also registered for CPU tensors, where every metadata check runs and
+// the device check then says that a CUDA tensor is needed. Messages are built only on failure.
 
 #include <torch/extension.h>
 #include <torch/library.h>
@@ -18,6 +23,8 @@
 #include <algorithm>
 #include <array>
 #include <cstdio>
+#include <cstdlib>
+#include <map>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -38,28 +45,39 @@ constexpr std::array<int, 5> kCompiledHeadDims = {64, 96, 128, 192, 256};
 // some toolchains (the H200 image: GCC 13 with -Bsymbolic-functions from Python's LDSHARED) an
 // extension's own copy of ostream's integer insertion crashes. std::to_string has no locale.
 std::string num(int64_t v) { return std::to_string(v); }
-std::string num(c10::IntArrayRef sizes) {
+std::string num(c10::IntArrayRef sizes) {  // as Python prints a tuple: (), (3,), (2, 3)
   std::string s = "(";
   for (size_t i = 0; i < sizes.size(); ++i) { s += (i ? ", " : "") + std::to_string(sizes[i]); }
   return s + (sizes.size() == 1 ? ",)" : ")");
 }
-std::string num(void const* p) {
+std::string hex_str(int64_t v) {  // as Python's f"{v:#x}"
   char buf[32];
-  std::snprintf(buf, sizeof(buf), "%p", p);
+  std::snprintf(buf, sizeof(buf), "0x%llx", static_cast<unsigned long long>(v));
   return buf;
 }
 
-std::vector<std::string> compiled_archs() {
-  std::vector<std::string> archs;
-  std::string const all = FLASH_EPILOGUE_COMPILED_ARCHS;
-  size_t start = 0;
-  while (start < all.size()) {
-    size_t const end = all.find(',', start);
-    archs.push_back(all.substr(start, end == std::string::npos ? std::string::npos : end - start));
-    if (end == std::string::npos) { break; }
-    start = end + 1;
-  }
+// The archs of the build ("sm_90a", or "sm_80" and "sm_90a"), parsed once.
+std::vector<std::string> const& compiled_archs() {
+  static std::vector<std::string> const archs = [] {
+    std::vector<std::string> out;
+    std::string const all = FLASH_EPILOGUE_COMPILED_ARCHS;
+    size_t start = 0;
+    while (start < all.size()) {
+      size_t const end = all.find(',', start);
+      out.push_back(all.substr(start, end == std::string::npos ? std::string::npos : end - start));
+      if (end == std::string::npos) { break; }
+      start = end + 1;
+    }
+    return out;
+  }();
   return archs;
+}
+
+bool compiled_for(char const* arch) {
+  for (auto const& a : compiled_archs()) {
+    if (a == arch) { return true; }
+  }
+  return false;
 }
 
 // (major, minor) per device, read once (op calls stay free of driver queries).
@@ -77,64 +95,346 @@ std::pair<int, int> device_capability(int device) {
   return cache[device];
 }
 
-bool compiled_for(char const* arch) {
-  for (auto const& a : compiled_archs()) {
-    if (a == arch) { return true; }
+// ---- Argument checks (flash_epilogue/validation.py, function by function)
+
+using OptTensor = std::optional<at::Tensor>;
+
+// A tensor argument and its name; t null: the argument is None.
+struct Named {
+  char const* name;
+  at::Tensor const* t;
+};
+Named named(char const* name, OptTensor const& t) { return {name, t.has_value() ? &*t : nullptr}; }
+
+[[noreturn]] void fail(char const* op, std::string const& arg, std::string const& expected, std::string const& got) {
+  C10_THROW_ERROR(ValueError, "flash_epilogue." + std::string(op) + ": " + arg + ": expected " + expected + ", got " + got);
+}
+[[noreturn]] void fail_dtype(char const* op, std::string const& name, std::string const& expected, at::ScalarType got);
+
+std::string dtype_name(at::ScalarType t) {  // as Python prints a torch.dtype
+  switch (t) {
+    case at::kFloat: return "torch.float32";
+    case at::kHalf: return "torch.float16";
+    case at::kBFloat16: return "torch.bfloat16";
+    case at::kDouble: return "torch.float64";
+    case at::kInt: return "torch.int32";
+    case at::kLong: return "torch.int64";
+    case at::kShort: return "torch.int16";
+    case at::kChar: return "torch.int8";
+    case at::kByte: return "torch.uint8";
+    case at::kBool: return "torch.bool";
+    case at::kComplexHalf: return "torch.complex32";
+    case at::kComplexFloat: return "torch.complex64";
+    case at::kComplexDouble: return "torch.complex128";
+    default: return std::string("torch.") + c10::toString(t);
   }
-  return false;
+}
+
+void fail_dtype(char const* op, std::string const& name, std::string const& expected, at::ScalarType got) {
+  C10_THROW_ERROR(TypeError, "flash_epilogue." + std::string(op) + ": " + name + ": dtype: expected " + expected +
+                                 ", got " + dtype_name(got));
+}
+
+// The schema lets None through for a Tensor argument as an undefined tensor.
+void check_defined(char const* op, std::initializer_list<Named> tensors) {
+  for (auto const& n : tensors) {
+    if (!n.t->defined()) { C10_THROW_ERROR(TypeError, "flash_epilogue." + std::string(op) + ": " + n.name + ": expected a torch.Tensor, got NoneType"); }
+  }
+}
+
+std::string rank_got(at::Tensor const& t) { return num(t.dim()) + " dims, shape " + num(t.sizes()); }
+
+// A shape as Python prints a tuple with '*' at `star`: (2, 16, '*', 64).
+std::string shape_with_star(c10::IntArrayRef sizes, size_t star) {
+  std::string s = "(";
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    s += (i ? ", " : "") + (i == star ? std::string("'*'") : std::to_string(sizes[i]));
+  }
+  return s + (sizes.size() == 1 ? ",)" : ")");
+}
+
+void check_float32(char const* op, char const* name, at::Tensor const& t) {
+  if (t.scalar_type() != at::kFloat) { fail_dtype(op, name, "torch.float32", t.scalar_type()); }
+}
+
+void check_half(char const* op, char const* name, at::Tensor const& t) {
+  if (t.scalar_type() != at::kHalf && t.scalar_type() != at::kBFloat16) {
+    fail_dtype(op, name, "torch.float16 or torch.bfloat16", t.scalar_type());
+  }
+}
+
+void check_same_dtype(char const* op, char const* name, at::Tensor const& t, char const* ref_name, at::Tensor const& ref) {
+  if (t.scalar_type() != ref.scalar_type()) {
+    fail_dtype(op, name, dtype_name(ref.scalar_type()) + " (the dtype of " + ref_name + ")", t.scalar_type());
+  }
+}
+
+void check_rank(char const* op, char const* name, at::Tensor const& t, bool varlen) {
+  if (t.dim() != (varlen ? 3 : 4)) {
+    fail(op, std::string(name) + ": rank",
+         varlen ? "3 dims (total_tokens, heads, headdim) because cu_seqlens is given"
+                : "4 dims (batch, seqlen, heads, headdim) because cu_seqlens is None",
+         rank_got(t));
+  }
+}
+
+void check_same_shape(char const* op, char const* name, at::Tensor const& t, char const* ref_name, at::Tensor const& ref) {
+  if (t.sizes() != ref.sizes()) {
+    fail(op, std::string(name) + ": shape", num(ref.sizes()) + " (the shape of " + ref_name + ")", num(t.sizes()));
+  }
+}
+
+// t and ref agree on every dim but the last (dv may have its own head dim).
+void check_same_leading_shape(char const* op, char const* name, at::Tensor const& t, char const* ref_name,
+                              at::Tensor const& ref) {
+  if (t.sizes().slice(0, t.dim() - 1) != ref.sizes().slice(0, ref.dim() - 1)) {
+    fail(op, std::string(name) + ": shape",
+         shape_with_star(ref.sizes(), ref.dim() - 1) + " (" + ref_name + "'s shape but the last dim)", num(t.sizes()));
+  }
+}
+
+// t is ref with another number of heads (dim -2): (..., h_k, d) against (..., h_q, d).
+void check_reduced_shape(char const* op, char const* name, at::Tensor const& t, char const* ref_name,
+                         at::Tensor const& ref) {
+  if (t.sizes().slice(0, t.dim() - 2) != ref.sizes().slice(0, ref.dim() - 2) || t.size(-1) != ref.size(-1)) {
+    fail(op, std::string(name) + ": shape",
+         shape_with_star(ref.sizes(), ref.dim() - 2) + " (" + ref_name + "'s shape but the heads dim)", num(t.sizes()));
+  }
+}
+
+void check_head_dim(char const* op, std::string const& name, int64_t d) {
+  if (d <= 0 || d % 8 != 0 || d > 256) { fail(op, name + ": head dim", "a multiple of 8 in [8, 256]", num(d)); }
+}
+
+void check_last_stride(char const* op, char const* name, at::Tensor const& t) {
+  if (t.dim() > 0 && t.stride(-1) != 1) {
+    fail(op, std::string(name) + ": stride(-1)", "1 (last dim contiguous)",
+         num(t.stride(-1)) + " (strides " + num(t.strides()) + ")");
+  }
+}
+
+int64_t stride_multiple(at::Tensor const& t) { return std::max<int64_t>(16 / t.element_size(), 1); }
+
+// Every stride but the last: a non-negative multiple of 16 bytes; dims of size <= 1 ignored.
+void check_strides(char const* op, char const* name, at::Tensor const& t) {
+  if (t.numel() == 0) { return; }  // no memory is touched: the kernels return early
+  int64_t const multiple = stride_multiple(t);
+  for (int64_t i = 0; i + 1 < t.dim(); ++i) {
+    int64_t const s = t.stride(i);
+    if (t.size(i) > 1 && (s < 0 || s % multiple != 0)) {
+      fail(op, std::string(name) + ": stride(" + num(i) + ")",
+           "a non-negative multiple of " + num(multiple) + " elements (16 bytes)",
+           num(s) + " (shape " + num(t.sizes()) + ", strides " + num(t.strides()) + ")");
+    }
+  }
+}
+
+int64_t address(at::Tensor const& t) { return static_cast<int64_t>(reinterpret_cast<uintptr_t>(t.const_data_ptr())); }
+
+void check_alignment(char const* op, char const* name, at::Tensor const& t) {
+  if (t.numel() == 0) { return; }
+  int64_t const ptr = address(t);
+  if (ptr % 16 != 0) {
+    fail(op, std::string(name) + ": data_ptr", "a 16-byte aligned address",
+         hex_str(ptr) + " (address % 16 = " + num(ptr % 16) + ")");
+  }
+}
+
+std::string contiguous_strides_str(c10::IntArrayRef sizes) {
+  std::vector<int64_t> strides(sizes.size());
+  int64_t acc = 1;
+  for (size_t i = sizes.size(); i-- > 0;) {
+    strides[i] = acc;
+    acc *= std::max<int64_t>(sizes[i], 1);
+  }
+  return num(strides);
+}
+
+void check_contiguous(char const* op, char const* name, at::Tensor const& t) {
+  if (t.numel() > 0 && !t.is_contiguous()) {
+    fail(op, std::string(name) + ": strides", contiguous_strides_str(t.sizes()) + " (contiguous)", num(t.strides()));
+  }
+}
+
+// ---- Overlaps (validation._byte_range, _elements_coincide, _check_no_overlap)
+
+struct ByteRange {
+  at::Device device;
+  int64_t begin, end;
+};
+
+ByteRange byte_range(at::Tensor const& t) {
+  int64_t extent = 1;
+  for (int64_t i = 0; i < t.dim(); ++i) { extent += (t.size(i) - 1) * t.stride(i); }
+  int64_t const begin = address(t);
+  return {t.device(), begin, begin + extent * t.element_size()};
+}
+
+int64_t floor_div(int64_t a, int64_t b) {  // Python's a // b (b > 0)
+  int64_t const q = a / b;
+  return (a % b != 0 && a < 0) ? q - 1 : q;
+}
+
+// Whether some element of `t` and one of `other` (which starts delta_bytes after t) share memory:
+// exact for equal element sizes (a bounded search over the strides, so packed layouts such as
+// dk = kv[:, :, 0], dv = kv[:, :, 1] are told apart), conservative (true) otherwise.
+bool elements_coincide(at::Tensor const& t, at::Tensor const& other, int64_t delta_bytes) {
+  int64_t const size = t.element_size();
+  if (other.element_size() != size || delta_bytes % size != 0) { return true; }
+  // sum over dims of x_d * stride_d == delta, x_d in [0, n-1] for t and [-(n-1), 0] for other
+  std::map<int64_t, std::array<int64_t, 2>> terms;  // |stride| -> (lo, hi)
+  auto add = [&](at::Tensor const& x, int sign) {
+    for (int64_t d = 0; d < x.dim(); ++d) {
+      int64_t const n = x.size(d), s = x.stride(d);
+      if (n > 1 && s != 0) {
+        auto& lo_hi = terms[std::abs(s)];
+        int64_t const reach = (n - 1) * (((sign > 0) == (s > 0)) ? 1 : -1);
+        lo_hi[reach < 0 ? 0 : 1] += reach;
+      }
+    }
+  };
+  add(t, 1);
+  add(other, -1);
+  std::vector<std::array<int64_t, 3>> items;  // (stride, lo, hi), largest stride first
+  for (auto it = terms.rbegin(); it != terms.rend(); ++it) { items.push_back({it->first, it->second[0], it->second[1]}); }
+  size_t const k_end = items.size();
+  std::vector<int64_t> suffix_lo(k_end + 1, 0), suffix_hi(k_end + 1, 0);
+  for (size_t k = k_end; k-- > 0;) {
+    suffix_lo[k] = suffix_lo[k + 1] + items[k][1] * items[k][0];
+    suffix_hi[k] = suffix_hi[k + 1] + items[k][2] * items[k][0];
+  }
+  int64_t budget = 100000;
+  auto reachable = [&](auto&& self, size_t k, int64_t rem) -> bool {
+    if (k == k_end) { return rem == 0; }
+    if (--budget < 0) { return true; }  // too many candidates to rule out: assume they coincide
+    auto const [s, lo, hi] = items[k];
+    int64_t const first = std::max(lo, -floor_div(suffix_hi[k + 1] - rem, s));
+    int64_t const last = std::min(hi, floor_div(rem - suffix_lo[k + 1], s));
+    for (int64_t x = first; x <= last; ++x) {
+      if (self(self, k + 1, rem - x * s)) { return true; }
+    }
+    return false;
+  };
+  return reachable(reachable, 0, delta_bytes / size);
+}
+
+// `t` (written) shares no element with `other`.
+void check_no_overlap(char const* op, Named t, Named other) {
+  if (!t.t || !other.t || t.t->numel() == 0 || other.t->numel() == 0) { return; }
+  ByteRange const a = byte_range(*t.t), b = byte_range(*other.t);
+  if (a.device == b.device && a.begin < b.end && b.begin < a.end && elements_coincide(*t.t, *other.t, b.begin - a.begin)) {
+    fail(op, std::string(t.name) + ": memory", std::string("no overlap with ") + other.name,
+         "bytes [" + hex_str(a.begin) + ", " + hex_str(a.end) + ") overlapping " + other.name + "'s [" + hex_str(b.begin) + ", " +
+             hex_str(b.end) + ")");
+  }
+}
+
+// No written tensor shares an element with another written one or with a read one.
+void check_no_overlaps(char const* op, std::initializer_list<Named> written, std::initializer_list<Named> read) {
+  for (auto i = written.begin(); i != written.end(); ++i) {
+    for (auto j = written.begin(); j != i; ++j) { check_no_overlap(op, *i, *j); }
+  }
+  for (auto const& w : written) {
+    for (auto const& r : read) { check_no_overlap(op, w, r); }
+  }
+}
+
+// ---- cu_seqlens, seqused and the other int32 vectors
+
+// An int32, 1-D, contiguous tensor of `numel` elements (any number when numel < 0).
+void check_index_tensor(char const* op, char const* name, at::Tensor const& t, int64_t numel,
+                        std::string const& numel_why) {
+  if (t.scalar_type() != at::kInt) { fail_dtype(op, name, "torch.int32", t.scalar_type()); }
+  if (t.dim() != 1) { fail(op, std::string(name) + ": rank", "1 dim", rank_got(t)); }
+  if (t.numel() > 1 && t.stride(0) != 1) { fail(op, std::string(name) + ": stride(0)", "1 (contiguous)", num(t.stride(0))); }
+  if (numel >= 0 && t.numel() != numel) {
+    fail(op, std::string(name) + ": numel", num(numel) + " (" + numel_why + ")", num(t.numel()));
+  }
+}
+
+// Metadata of cu_seqlens/seqused; returns the batch size (batch_dim, batch_name's shape[0], in the
+// batched layout; cu_seqlens.numel() - 1 >= 1 in varlen).
+int64_t check_seqlens_meta(char const* op, OptTensor const& cu_seqlens, OptTensor const& seqused, int64_t batch_dim,
+                           char const* batch_name) {
+  int64_t batch = batch_dim;
+  std::string why;
+  if (cu_seqlens.has_value()) {
+    at::Tensor const& cu = *cu_seqlens;
+    if (cu.scalar_type() != at::kInt) { fail_dtype(op, "cu_seqlens", "torch.int32", cu.scalar_type()); }
+    if (cu.dim() != 1) { fail(op, "cu_seqlens: rank", "1 dim (batch + 1,)", rank_got(cu)); }
+    if (cu.numel() > 1 && cu.stride(0) != 1) { fail(op, "cu_seqlens: stride(0)", "1 (contiguous)", num(cu.stride(0))); }
+    if (cu.numel() < 2) { fail(op, "cu_seqlens: numel", "batch + 1 >= 2 (at least one sequence)", num(cu.numel())); }
+    batch = cu.numel() - 1;
+    why = "batch = cu_seqlens.numel() - 1";
+  } else {
+    why = std::string("batch = ") + batch_name + ".shape[0]";
+  }
+  if (seqused.has_value()) { check_index_tensor(op, "seqused", *seqused, batch, why); }
+  return batch;
+}
+
+// What the kernels index with 32-bit ints (the grid's y and z with 16 bits). Not a check of the
+// Python validation: inputs past these limits raise this op's message through the wrappers.
+void check_limits(char const* op, char const* name, at::Tensor const& t, int64_t rows, int64_t heads, int64_t batch) {
+  if (!(rows < (int64_t(1) << 31) && heads < 65536 && batch < 65536)) {
+    fail(op, std::string(name) + ": shape", "rows < 2^31 and heads, batch < 65536", num(t.sizes()));
+  }
+}
+
+// ---- Devices (last): every tensor on one CUDA device, a GPU this build has kernels for
+
+at::Device check_devices(char const* op, std::initializer_list<Named> tensors) {
+  Named const* ref = nullptr;
+  for (auto const& n : tensors) {
+    if (n.t && !n.t->is_cuda()) {
+      fail(op, std::string(n.name) + ": device", "a CUDA tensor", "a tensor on " + n.t->device().str());
+    }
+  }
+  for (auto const& n : tensors) {
+    if (!n.t) { continue; }
+    if (!ref) {
+      ref = &n;
+    } else if (n.t->device() != ref->t->device()) {
+      fail(op, std::string(n.name) + ": device", ref->t->device().str() + " (the device of " + ref->name + ")",
+           n.t->device().str());
+    }
+  }
+  return ref->t->device();
+}
+
+void check_arch_value(char const* op, int64_t requested) {
+  if (requested != 0 && requested != 80 && requested != 90) {
+    fail(op, "_arch", "0 (the device's path), 80 or 90", num(requested));
+  }
 }
 
 // The code path an op runs: 90 on an sm_90 GPU (sm_90a kernels), 80 on an sm_8x GPU when the build
 // has sm_80 code; `requested` = 80 forces the sm_80 path on an sm_90 GPU (a testing knob: the
-// sm_80 collectives are compiled for every arch of the build).
+// sm_80 collectives are compiled for every arch of the build). After check_devices.
 int resolve_arch(char const* op, at::Device device, int64_t requested) {
-  TORCH_CHECK(requested == 0 || requested == 80 || requested == 90, "flash_epilogue.", op,
-              ": _arch: expected 0 (auto), 80 or 90, got ", num(requested));
+  check_arch_value(op, requested);
   auto const [major, minor] = device_capability(device.index());
-  bool const hopper = major == 9 && minor == 0 && compiled_for("sm_90a");
+  std::string const capability = "sm_" + num(major) + num(minor);
+  bool const sm90 = major == 9 && minor == 0;
+  bool const hopper = sm90 && compiled_for("sm_90a");
   bool const ampere = major == 8 && compiled_for("sm_80");
-  TORCH_CHECK(hopper || ampere, "flash_epilogue.", op, ": device: expected a GPU this build has kernels for (",
-              FLASH_EPILOGUE_COMPILED_ARCHS, "), got ", device.str(), " with compute capability sm_",
-              num(major * 10 + minor));
-  TORCH_CHECK(requested != 90 || hopper, "flash_epilogue.", op, ": _arch: expected 0 or 80 on ", device.str(),
-              ", got 90");
+  if (!(hopper || ampere)) {
+    std::string archs;
+    for (auto const& a : compiled_archs()) { archs += (archs.empty() ? "" : ", ") + a; }
+    fail(op, "device", "a GPU of compute capability sm_90 (compiled for " + archs + ")",
+         device.str() + " with compute capability " + capability);
+  }
+  if (requested == 90 && !sm90) {
+    fail(op, "_arch", "0 or 80 on " + device.str() + " (compute capability " + capability + ")", num(requested));
+  }
   return hopper && requested != 80 ? 90 : 80;
 }
 
-void check_tensor(char const* op, char const* name, at::Tensor const& t, at::ScalarType dtype, int rank,
-                  at::Device device) {
-  TORCH_CHECK(t.scalar_type() == dtype, "flash_epilogue.", op, ": ", name, ": expected dtype ", dtype, ", got ",
-              t.scalar_type());
-  TORCH_CHECK(t.dim() == rank, "flash_epilogue.", op, ": ", name, ": expected rank ", num(rank), ", got ", num(t.dim()));
-  TORCH_CHECK(t.device() == device, "flash_epilogue.", op, ": ", name, ": expected device ", device.str(), ", got ",
-              t.device().str());
-  TORCH_CHECK(t.numel() == 0 || t.stride(-1) == 1, "flash_epilogue.", op, ": ", name,
-              ": expected last-dim stride 1, got ", num(t.stride(-1)));
-  int const elems_per_16b = 16 / static_cast<int>(t.element_size());
-  for (int i = 0; i + 1 < t.dim() && t.numel() > 0; ++i) {
-    TORCH_CHECK(t.size(i) == 1 || t.stride(i) % elems_per_16b == 0, "flash_epilogue.", op, ": ", name,
-                ": expected stride(", num(i), ") to be a multiple of ", num(elems_per_16b),
-                " elements (16 bytes), got ", num(t.stride(i)));
-  }
-  TORCH_CHECK(t.numel() == 0 || reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, "flash_epilogue.", op, ": ", name,
-              ": expected a 16-byte aligned data pointer, got ", num(t.data_ptr()));
-}
-
-void check_head_dim(char const* op, char const* name, int64_t d) {
-  TORCH_CHECK(d > 0 && d % 8 == 0 && d <= 256, "flash_epilogue.", op, ": ", name,
-              ": expected a head dim that is a positive multiple of 8 and <= 256, got ", num(d));
-}
-
-void check_seqlens(char const* op, std::optional<at::Tensor> const& t, char const* name, int64_t numel,
-                   at::Device device) {
-  if (!t.has_value()) { return; }
-  TORCH_CHECK(t->scalar_type() == at::kInt, "flash_epilogue.", op, ": ", name, ": expected dtype torch.int32, got ",
-              t->scalar_type());
-  TORCH_CHECK(t->dim() == 1 && t->numel() == numel, "flash_epilogue.", op, ": ", name, ": expected shape (", num(numel),
-              ",), got ", num(t->sizes()));
-  TORCH_CHECK(t->is_contiguous(), "flash_epilogue.", op, ": ", name, ": expected a contiguous tensor");
-  TORCH_CHECK(t->device() == device, "flash_epilogue.", op, ": ", name, ": expected device ", device.str(), ", got ",
-              t->device().str());
+// The path whose accumulator layout a GQA call expects, before the device checks (validation's
+// resolve_arch): `requested`, else the device's own (80 on sm_8x, otherwise 90).
+int accum_path(at::Device device, int64_t requested) {
+  if (requested != 0) { return static_cast<int>(requested); }
+  return device.is_cuda() && device_capability(device.index()).first == 8 ? 80 : 90;
 }
 
 // (rows, d, heads, batch) view of a batched (batch, seqlen, heads, d) or varlen (total, heads, d)
@@ -236,40 +536,17 @@ int compiled_head_dim_for(int width) {
   return -1;
 }
 
-// What store and store_zero share: dk/dv (16-bit, batched or varlen), cu_seqlens and seqused.
+
+// What store, store_zero, gqa_postprocess and gqa_reduce launch for: dk/dv (16-bit, batched or varlen).
 struct OutputProblem {
   bool varlen;
   int64_t rows, heads, batch;
   int head_dim;  // the compiled head dim serving max(d, dv)
 };
 
-OutputProblem check_outputs(char const* op, at::Tensor const& dk, at::Tensor const& dv,
-                            std::optional<at::Tensor> const& cu_seqlens, std::optional<at::Tensor> const& seqused) {
-  bool const varlen = cu_seqlens.has_value();
-  int const rank = varlen ? 3 : 4;
-  at::Device const device = dk.device();
-  TORCH_CHECK(device.is_cuda(), "flash_epilogue.", op, ": dk: expected a CUDA tensor, got device ", device.str());
-  TORCH_CHECK(dk.scalar_type() == at::kBFloat16 || dk.scalar_type() == at::kHalf, "flash_epilogue.", op,
-              ": dk: expected dtype torch.bfloat16 or torch.float16, got ", dk.scalar_type());
-  TORCH_CHECK(dk.dim() == rank && dv.dim() == rank, "flash_epilogue.", op, ": dk, dv: expected rank ", num(rank),
-              ", got ", num(dk.dim()), " and ", num(dv.dim()));
-  check_head_dim(op, "dk", dk.size(-1));
-  check_head_dim(op, "dv", dv.size(-1));
-  check_tensor(op, "dk", dk, dk.scalar_type(), rank, device);
-  check_tensor(op, "dv", dv, dk.scalar_type(), rank, device);
-  TORCH_CHECK(dk.sizes().slice(0, rank - 1) == dv.sizes().slice(0, rank - 1), "flash_epilogue.", op,
-              ": dv: expected leading dims ", num(dk.sizes().slice(0, rank - 1)), " (dk's), got ",
-              num(dv.sizes().slice(0, rank - 1)));
-  int64_t const batch = varlen ? cu_seqlens->numel() - 1 : dk.size(0);
-  TORCH_CHECK(!varlen || batch >= 1, "flash_epilogue.", op, ": cu_seqlens: expected at least 2 entries, got ",
-              num(cu_seqlens->numel()));
-  check_seqlens(op, cu_seqlens, "cu_seqlens", batch + 1, device);
-  check_seqlens(op, seqused, "seqused", batch, device);
-  int64_t const rows = varlen ? dk.size(0) : dk.size(1);
-  int64_t const heads = varlen ? dk.size(1) : dk.size(2);
-  TORCH_CHECK(rows < (int64_t(1) << 31) && heads < 65536 && batch < 65536, "flash_epilogue.", op,
-              ": dk: expected rows < 2^31 and heads, batch < 65536, got ", num(dk.sizes()));
-  return {varlen, rows, heads, batch, compiled_head_dim_for(static_cast<int>(std::max(dk.size(-1), dv.size(-1))))};
+OutputProblem output_problem(at::Tensor const& dk, at::Tensor const& dv, bool varlen, int64_t batch) {
+  return {varlen, varlen ? dk.size(0) : dk.size(1), dk.size(-2), batch,
+          compiled_head_dim_for(static_cast<int>(std::max(dk.size(-1), dv.size(-1))))};
 }
 
 void finish_launch(char const* op, char const* why) {
@@ -277,20 +554,37 @@ void finish_launch(char const* op, char const* why) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// validation.validate_store
 void store_cuda(at::Tensor const& dk_accum, at::Tensor const& dv_accum, at::Tensor const& dk, at::Tensor const& dv,
-                std::optional<at::Tensor> const& cu_seqlens, std::optional<at::Tensor> const& seqused, int64_t arch) {
+                OptTensor const& cu_seqlens, OptTensor const& seqused, int64_t arch) {
   constexpr char const* op = "store";
-  OutputProblem const p = check_outputs(op, dk, dv, cu_seqlens, seqused);
-  check_tensor(op, "dk_accum", dk_accum, at::kFloat, p.varlen ? 3 : 4, dk.device());
-  check_tensor(op, "dv_accum", dv_accum, at::kFloat, p.varlen ? 3 : 4, dk.device());
-  TORCH_CHECK(dk_accum.sizes() == dk.sizes(), "flash_epilogue.store: dk_accum: expected shape ", num(dk.sizes()),
-              " (dk's), got ", num(dk_accum.sizes()));
-  TORCH_CHECK(dv_accum.sizes() == dv.sizes(), "flash_epilogue.store: dv_accum: expected shape ", num(dv.sizes()),
-              " (dv's), got ", num(dv_accum.sizes()));
+  bool const varlen = cu_seqlens.has_value();
+  Named const four[] = {{"dk_accum", &dk_accum}, {"dv_accum", &dv_accum}, {"dk", &dk}, {"dv", &dv}};
+  check_defined(op, {four[0], four[1], four[2], four[3]});  // a
+  check_float32(op, "dk_accum", dk_accum);  // b
+  check_float32(op, "dv_accum", dv_accum);
+  check_half(op, "dk", dk);
+  check_same_dtype(op, "dv", dv, "dk", dk);
+  for (auto const& n : four) { check_rank(op, n.name, *n.t, varlen); }  // c
+  check_same_shape(op, "dk_accum", dk_accum, "dk", dk);  // d
+  check_same_shape(op, "dv_accum", dv_accum, "dv", dv);
+  check_same_leading_shape(op, "dv", dv, "dk", dk);
+  check_head_dim(op, "dk", dk.size(-1));  // e
+  check_head_dim(op, "dv", dv.size(-1));
+  for (auto const& n : four) { check_last_stride(op, n.name, *n.t); }  // f
+  for (auto const& n : four) { check_strides(op, n.name, *n.t); }  // g
+  for (auto const& n : four) { check_alignment(op, n.name, *n.t); }  // h
+  check_no_overlaps(op, {four[2], four[3]}, {four[0], four[1]});  // i
+  int64_t const batch = check_seqlens_meta(op, cu_seqlens, seqused, dk.size(0), "dk");  // j
+  check_no_overlaps(op, {four[2], four[3]}, {named("cu_seqlens", cu_seqlens), named("seqused", seqused)});
+  OutputProblem const p = output_problem(dk, dv, varlen, batch);
+  check_limits(op, "dk", dk, p.rows, p.heads, p.batch);
+  at::Device const device = check_devices(op, {four[0], four[1], four[2], four[3], named("cu_seqlens", cu_seqlens),
+                                               named("seqused", seqused)});  // k
+  int const path = resolve_arch(op, device, arch);
   if (dk.numel() == 0) { return; }  // batch 0, seqlen 0, heads 0: nothing to launch
-  int const path = resolve_arch(op, dk.device(), arch);
 
-  c10::cuda::CUDAGuard const guard(dk.device());
+  c10::cuda::CUDAGuard const guard(device);
   StoreLaunchArgs args;
   args.dk_accum = describe(dk_accum, p.varlen);
   args.dv_accum = describe(dv_accum, p.varlen);
@@ -302,39 +596,55 @@ void store_cuda(at::Tensor const& dk_accum, at::Tensor const& dv_accum, at::Tens
   args.cu_seqlens = p.varlen ? cu_seqlens->data_ptr<int>() : nullptr;
   args.seqused = seqused.has_value() ? seqused->data_ptr<int>() : nullptr;
   args.use_tma = !p.varlen && !seqused.has_value();
-  cudaStream_t const stream = c10::cuda::getCurrentCUDAStream(dk.device().index()).stream();
+  cudaStream_t const stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
   finish_launch(op, dispatch<StoreLauncher>(dk.scalar_type(), p.head_dim, path, args, stream));
 }
 
-void store_zero_cuda(at::Tensor const& dk, at::Tensor const& dv, std::optional<at::Tensor> const& cu_seqlens,
-                     std::optional<at::Tensor> const& seqused, std::optional<at::Tensor> const& batch_idx,
-                     std::optional<at::Tensor> const& head_idx, int64_t row_start, std::optional<int64_t> row_end,
-                     int64_t arch) {
+// validation.validate_store_zero
+void store_zero_cuda(at::Tensor const& dk, at::Tensor const& dv, OptTensor const& cu_seqlens, OptTensor const& seqused,
+                     OptTensor const& batch_idx, OptTensor const& head_idx, int64_t row_start,
+                     std::optional<int64_t> row_end, int64_t arch) {
   constexpr char const* op = "store_zero";
-  OutputProblem const p = check_outputs(op, dk, dv, cu_seqlens, seqused);
-  for (auto const* idx : {&batch_idx, &head_idx}) {
-    if (!idx->has_value()) { continue; }
-    char const* name = idx == &batch_idx ? "batch_idx" : "head_idx";
-    at::Tensor const& t = idx->value();
-    TORCH_CHECK(t.scalar_type() == at::kInt, "flash_epilogue.store_zero: ", name, ": expected dtype torch.int32, got ",
-                t.scalar_type());
-    TORCH_CHECK(t.dim() == 1 && (t.numel() <= 1 || t.stride(0) == 1), "flash_epilogue.store_zero: ", name,
-                ": expected a contiguous 1-D tensor, got shape ", num(t.sizes()));
-    TORCH_CHECK(t.device() == dk.device(), "flash_epilogue.store_zero: ", name, ": expected device ", dk.device().str(),
-                ", got ", t.device().str());
-    TORCH_CHECK(t.numel() < 65536, "flash_epilogue.store_zero: ", name, ": expected fewer than 65536 entries, got ",
-                num(t.numel()));
+  bool const varlen = cu_seqlens.has_value();
+  Named const outputs[] = {{"dk", &dk}, {"dv", &dv}};
+  check_defined(op, {outputs[0], outputs[1]});  // a
+  check_half(op, "dk", dk);  // b
+  check_same_dtype(op, "dv", dv, "dk", dk);
+  for (auto const& n : outputs) { check_rank(op, n.name, *n.t, varlen); }  // c
+  check_same_leading_shape(op, "dv", dv, "dk", dk);  // d
+  check_head_dim(op, "dk", dk.size(-1));  // e
+  check_head_dim(op, "dv", dv.size(-1));
+  for (auto const& n : outputs) { check_last_stride(op, n.name, *n.t); }  // f
+  for (auto const& n : outputs) { check_strides(op, n.name, *n.t); }  // g
+  for (auto const& n : outputs) { check_alignment(op, n.name, *n.t); }  // h
+  check_no_overlap(op, outputs[1], outputs[0]);  // i
+  int64_t const batch = check_seqlens_meta(op, cu_seqlens, seqused, dk.size(0), "dk");  // j
+  Named const selections[] = {named("batch_idx", batch_idx), named("head_idx", head_idx)};
+  for (auto const& n : selections) {
+    if (n.t) { check_index_tensor(op, n.name, *n.t, -1, ""); }
   }
-  TORCH_CHECK(row_start >= 0, "flash_epilogue.store_zero: row_start: expected >= 0, got ", num(row_start));
-  TORCH_CHECK(!row_end.has_value() || *row_end >= row_start, "flash_epilogue.store_zero: row_end: expected None or >= ",
-              "row_start = ", num(row_start), ", got ", num(row_end.value_or(0)));
+  check_no_overlaps(op, {outputs[0], outputs[1]},
+                    {named("cu_seqlens", cu_seqlens), named("seqused", seqused), selections[0], selections[1]});
+  for (auto const& n : selections) {  // the kernel reads the selections with 16-bit grid dims
+    if (n.t && n.t->numel() >= 65536) {
+      fail(op, std::string(n.name) + ": numel", "fewer than 65536 entries", num(n.t->numel()));
+    }
+  }
+  if (row_start < 0) { fail(op, "row_start", ">= 0", num(row_start)); }  // k
+  if (row_end.has_value() && *row_end < row_start) {
+    fail(op, "row_end", "None or >= row_start = " + num(row_start), num(*row_end));
+  }
+  OutputProblem const p = output_problem(dk, dv, varlen, batch);
+  check_limits(op, "dk", dk, p.rows, p.heads, p.batch);
+  at::Device const device = check_devices(op, {outputs[0], outputs[1], named("cu_seqlens", cu_seqlens),
+                                               named("seqused", seqused), selections[0], selections[1]});  // l
+  int const path = resolve_arch(op, device, arch);
   int64_t const end = std::min<int64_t>(row_end.value_or(p.rows), p.rows);
   bool const empty_selection = (batch_idx.has_value() && batch_idx->numel() == 0) ||
                                (head_idx.has_value() && head_idx->numel() == 0);
   if (dk.numel() == 0 || empty_selection || row_start >= end) { return; }
-  int const path = resolve_arch(op, dk.device(), arch);
 
-  c10::cuda::CUDAGuard const guard(dk.device());
+  c10::cuda::CUDAGuard const guard(device);
   StoreZeroLaunchArgs args;
   args.dk = describe(dk, p.varlen);
   args.dv = describe(dv, p.varlen);
@@ -349,7 +659,7 @@ void store_zero_cuda(at::Tensor const& dk, at::Tensor const& dv, std::optional<a
   args.num_head_idx = head_idx.has_value() ? static_cast<int>(head_idx->numel()) : 0;
   args.row_begin = static_cast<int>(row_start);
   args.row_end = static_cast<int>(end);
-  cudaStream_t const stream = c10::cuda::getCurrentCUDAStream(dk.device().index()).stream();
+  cudaStream_t const stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
   finish_launch(op, dispatch<StoreZeroLauncher>(dk.scalar_type(), p.head_dim, path, args, stream));
 }
 
@@ -359,116 +669,162 @@ void store_zero_cuda(at::Tensor const& dk, at::Tensor const& dv, std::optional<a
 // The accumulator's expected geometry for a problem: (batch_extent, h_k, num_tiles, tile_elems).
 struct AccumGeometry {
   int64_t batch_extent, heads, num_tiles, tile_elems;
+  std::string why;  // for messages (validation._accum_why)
+
+  std::vector<int64_t> shape() const { return {batch_extent, heads, num_tiles, tile_elems}; }
 };
 
-AccumGeometry accum_geometry(int head_dim, int path, bool varlen, int64_t rows, int64_t heads_kv, int64_t batch) {
+// validation._check_accum_geometry's shape: gqa_accum_shape(batch, rows, h_k, d, dv, arch, varlen).
+AccumGeometry accum_geometry(int path, bool varlen, int64_t batch, int64_t rows, int64_t heads_kv, int64_t d,
+                             int64_t dv) {
+  int const head_dim = compiled_head_dim_for(static_cast<int>(std::max(d, dv)));
   int64_t const block_n = gqa_block_n(head_dim, path);
   int64_t const tiles = varlen ? (rows + batch * block_n) / block_n : (rows + block_n - 1) / block_n;
-  return {varlen ? 1 : batch, heads_kv, tiles, gqa_accum_tile_elems(head_dim, path)};
+  std::string const what = varlen ? num(batch) + " sequences of " + num(rows) + " total tokens"
+                                  : "batch " + num(batch) + ", seqlen " + num(rows);
+  return {varlen ? 1 : batch, heads_kv, tiles, gqa_accum_tile_elems(head_dim, path),
+          "the accumulator of " + what + ", " + num(heads_kv) + " KV heads, head dims (" + num(d) + ", " + num(dv) +
+              ") on the sm_" + num(path) + " path: allocate it with flash_epilogue.gqa_accumulator"};
 }
 
-AccumDesc check_accum(char const* op, char const* name, at::Tensor const& t, AccumGeometry const& g,
-                      at::Device device) {
-  TORCH_CHECK(t.scalar_type() == at::kFloat, "flash_epilogue.", op, ": ", name, ": expected dtype torch.float32, got ",
-              t.scalar_type());
-  std::vector<int64_t> const expected = {g.batch_extent, g.heads, g.num_tiles, g.tile_elems};
-  TORCH_CHECK(t.sizes() == c10::IntArrayRef(expected), "flash_epilogue.", op, ": ", name, ": expected shape ",
-              num(c10::IntArrayRef(expected)), " (an accumulator of this problem's config), got ", num(t.sizes()));
-  TORCH_CHECK(t.is_contiguous(), "flash_epilogue.", op, ": ", name, ": expected a contiguous tensor");
-  TORCH_CHECK(t.device() == device, "flash_epilogue.", op, ": ", name, ": expected device ", device.str(), ", got ",
-              t.device().str());
-  TORCH_CHECK(t.numel() == 0 || reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, "flash_epilogue.", op, ": ", name,
-              ": expected a 16-byte aligned data pointer");
+void check_accum_rank(char const* op, char const* name, at::Tensor const& t) {
+  if (t.dim() != 4) { fail(op, std::string(name) + ": rank", "4 dims (batch_extent, heads_kv, num_tiles, tile_elems)", rank_got(t)); }
+}
+
+void check_accum_shape(char const* op, char const* name, at::Tensor const& t, AccumGeometry const& g) {
+  std::vector<int64_t> const expected = g.shape();
+  if (t.sizes() != c10::IntArrayRef(expected)) {
+    fail(op, std::string(name) + ": shape", num(expected) + " (" + g.why + ")", num(t.sizes()));
+  }
+}
+
+// h_k >= 1 and h_q a positive multiple of h_k (query head j belongs to KV head j // (h_q / h_k)).
+void check_group(char const* op, char const* q_name, int64_t h_q, char const* kv_name, int64_t h_k, char const* kv_src) {
+  if (h_k < 1) { fail(op, std::string(kv_name) + ": heads", ">= 1 (" + std::string(kv_src) + ", the number of KV heads)", num(h_k)); }
+  if (h_q < 1 || h_q % h_k != 0) {
+    fail(op, std::string(q_name) + ": heads",
+         "a positive multiple of the " + num(h_k) + " KV heads (" + kv_src +
+             "): every KV head serves h_q / h_k query heads",
+         num(h_q) + " query heads (" + q_name + ".shape[-2])");
+  }
+}
+
+AccumDesc accum_desc(at::Tensor const& t, AccumGeometry const& g) {
   return {t.data_ptr<float>(), t.stride(1), t.stride(0), static_cast<int>(g.num_tiles)};
 }
 
-// Partials (batch, seqlen, h_q, d) / varlen (total, h_q, d): same rows and batch as `like`.
-void check_partial(char const* op, char const* name, at::Tensor const& t, at::ScalarType dtype, at::Tensor const& like,
-                   bool varlen) {
-  int const rank = varlen ? 3 : 4;
-  check_head_dim(op, name, t.dim() == rank ? t.size(-1) : 8);
-  check_tensor(op, name, t, dtype, rank, like.device());
-  bool const same_rows = varlen ? t.size(0) == like.size(0) : (t.size(0) == like.size(0) && t.size(1) == like.size(1));
-  TORCH_CHECK(same_rows, "flash_epilogue.", op, ": ", name, ": expected the rows of ", num(like.sizes()), ", got ",
-              num(t.sizes()));
-}
-
-int64_t check_group(char const* op, int64_t heads_q, int64_t heads_kv) {
-  TORCH_CHECK(heads_kv > 0 && heads_q % heads_kv == 0, "flash_epilogue.", op,
-              ": num_heads_q: expected a multiple of num_heads_kv = ", num(heads_kv), ", got ", num(heads_q));
-  return heads_q / heads_kv;
-}
-
+// validation.validate_gqa_accumulate
 void gqa_accumulate_cuda(at::Tensor const& dk_partial, at::Tensor const& dv_partial, at::Tensor const& dk_accum,
-                         at::Tensor const& dv_accum, std::optional<at::Tensor> const& semaphores,
-                         std::optional<at::Tensor> const& cu_seqlens, std::optional<at::Tensor> const& seqused,
-                         bool deterministic, int64_t arch) {
+                         at::Tensor const& dv_accum, OptTensor const& semaphores, OptTensor const& cu_seqlens,
+                         OptTensor const& seqused, bool deterministic, int64_t arch) {
   constexpr char const* op = "gqa_accumulate";
   bool const varlen = cu_seqlens.has_value();
-  int const rank = varlen ? 3 : 4;
-  at::Device const device = dk_partial.device();
-  TORCH_CHECK(device.is_cuda(), "flash_epilogue.gqa_accumulate: dk_partial: expected a CUDA tensor, got device ",
-              device.str());
-  check_partial(op, "dk_partial", dk_partial, at::kFloat, dk_partial, varlen);
-  check_partial(op, "dv_partial", dv_partial, at::kFloat, dk_partial, varlen);
-  TORCH_CHECK(dv_partial.size(rank - 2) == dk_partial.size(rank - 2), "flash_epilogue.gqa_accumulate: dv_partial: ",
-              "expected ", num(dk_partial.size(rank - 2)), " heads (dk_partial's), got ", num(dv_partial.size(rank - 2)));
-  TORCH_CHECK(dk_accum.dim() == 4, "flash_epilogue.gqa_accumulate: dk_accum: expected rank 4, got ", num(dk_accum.dim()));
-  int64_t const batch = varlen ? cu_seqlens->numel() - 1 : dk_partial.size(0);
-  TORCH_CHECK(!varlen || batch >= 1, "flash_epilogue.gqa_accumulate: cu_seqlens: expected at least 2 entries");
-  check_seqlens(op, cu_seqlens, "cu_seqlens", batch + 1, device);
-  check_seqlens(op, seqused, "seqused", batch, device);
+  Named const partials[] = {{"dk_partial", &dk_partial}, {"dv_partial", &dv_partial}};
+  Named const accums[] = {{"dk_accum", &dk_accum}, {"dv_accum", &dv_accum}};
+  Named const four[] = {partials[0], partials[1], accums[0], accums[1]};
+  check_defined(op, {four[0], four[1], four[2], four[3]});  // a
+  check_arch_value(op, arch);
+  for (auto const& n : four) { check_float32(op, n.name, *n.t); }  // b
+  for (auto const& n : partials) { check_rank(op, n.name, *n.t, varlen); }  // c
+  for (auto const& n : accums) { check_accum_rank(op, n.name, *n.t); }
+  check_same_leading_shape(op, "dv_partial", dv_partial, "dk_partial", dk_partial);  // d
+  int64_t const d = dk_partial.size(-1), dv_dim = dv_partial.size(-1);
+  check_head_dim(op, "dk_partial", d);
+  check_head_dim(op, "dv_partial", dv_dim);
+  int64_t const h_q = dk_partial.size(-2), h_k = dk_accum.size(1);
+  check_group(op, "dk_partial", h_q, "dk_accum", h_k, "dk_accum.shape[1]");
+  int64_t const batch = check_seqlens_meta(op, cu_seqlens, seqused, dk_partial.size(0), "dk_partial");  // j
   int64_t const rows = varlen ? dk_partial.size(0) : dk_partial.size(1);
-  int64_t const heads_q = dk_partial.size(rank - 2);
-  int64_t const heads_kv = dk_accum.size(1);
-  check_group(op, heads_q, heads_kv);
-  TORCH_CHECK(rows < (int64_t(1) << 31) && heads_q < 65536 && batch < 65536, "flash_epilogue.gqa_accumulate: ",
-              "dk_partial: expected rows < 2^31 and heads, batch < 65536, got ", num(dk_partial.sizes()));
-  int const path = resolve_arch(op, device, arch);
-  int const head_dim = compiled_head_dim_for(static_cast<int>(std::max(dk_partial.size(-1), dv_partial.size(-1))));
-  AccumGeometry const geo = accum_geometry(head_dim, path, varlen, rows, heads_kv, batch);
-  GqaAccumulateLaunchArgs args;
-  args.dk_accum = check_accum(op, "dk_accum", dk_accum, geo, device);
-  args.dv_accum = check_accum(op, "dv_accum", dv_accum, geo, device);
+  AccumGeometry const geo = accum_geometry(accum_path(dk_partial.device(), arch), varlen, batch, rows, h_k, d, dv_dim);
+  for (auto const& n : accums) { check_accum_shape(op, n.name, *n.t, geo); }
+  for (auto const& n : partials) { check_last_stride(op, n.name, *n.t); }  // f, g
+  for (auto const& n : partials) { check_strides(op, n.name, *n.t); }
+  for (auto const& n : accums) { check_contiguous(op, n.name, *n.t); }
+  for (auto const& n : four) { check_alignment(op, n.name, *n.t); }  // h
   int64_t const counters = 2 * geo.batch_extent * geo.num_tiles * geo.heads + 1;
-  if (deterministic) {
-    TORCH_CHECK(semaphores.has_value(), "flash_epilogue.gqa_accumulate: semaphores: expected an int32 workspace of ",
-                num(counters), " entries for deterministic=True, got None");
-    TORCH_CHECK(semaphores->scalar_type() == at::kInt && semaphores->is_contiguous() &&
-                    semaphores->numel() >= counters && semaphores->device() == device,
-                "flash_epilogue.gqa_accumulate: semaphores: expected a contiguous int32 tensor of at least ", num(counters),
-                " entries on ", device.str(), ", got ", semaphores->scalar_type(), " ", num(semaphores->sizes()), " on ",
-                semaphores->device().str());
+  if (!semaphores.has_value() && deterministic) {
+    fail(op, "semaphores",
+         "an int32 tensor of >= " + num(counters) + " entries because deterministic=True (allocate the accumulator "
+             "with flash_epilogue.gqa_accumulator(..., deterministic=True))",
+         "None");
   }
+  if (semaphores.has_value()) {
+    check_index_tensor(op, "semaphores", *semaphores, -1, "");
+    if (semaphores->numel() < counters) {
+      fail(op, "semaphores: numel",
+           ">= " + num(counters) + " (2 * batch_extent * num_tiles * heads_kv + 1 for accumulators of shape " +
+               num(geo.shape()) + ")",
+           num(semaphores->numel()));
+    }
+  }
+  Named const sem = named("semaphores", semaphores), cu = named("cu_seqlens", cu_seqlens), used = named("seqused", seqused);
+  check_no_overlaps(op, {accums[0], accums[1], sem}, {partials[0], partials[1], cu, used});  // i
+  check_limits(op, "dk_partial", dk_partial, rows, h_q, batch);
+  at::Device const device = check_devices(op, {four[0], four[1], four[2], four[3], sem, cu, used});  // k
+  int const path = resolve_arch(op, device, arch);
+  TORCH_CHECK(path == accum_path(device, arch), "flash_epilogue.gqa_accumulate: internal: arch paths disagree");
   if (dk_partial.numel() == 0 || dk_accum.numel() == 0) { return; }
 
   c10::cuda::CUDAGuard const guard(device);
+  GqaAccumulateLaunchArgs args;
+  args.dk_accum = accum_desc(dk_accum, geo);
+  args.dv_accum = accum_desc(dv_accum, geo);
   args.dk_partial = describe(dk_partial, varlen);
   args.dv_partial = describe(dv_partial, varlen);
   args.rows = static_cast<int>(rows);
-  args.num_heads_q = static_cast<int>(heads_q);
-  args.num_heads_kv = static_cast<int>(heads_kv);
+  args.num_heads_q = static_cast<int>(h_q);
+  args.num_heads_kv = static_cast<int>(h_k);
   args.batch = static_cast<int>(batch);
   args.cu_seqlens = varlen ? cu_seqlens->data_ptr<int>() : nullptr;
   args.seqused = seqused.has_value() ? seqused->data_ptr<int>() : nullptr;
   args.semaphores = deterministic ? semaphores->data_ptr<int>() : nullptr;
+  int const head_dim = compiled_head_dim_for(static_cast<int>(std::max(d, dv_dim)));
   cudaStream_t const stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
   finish_launch(op, dispatch_no_dtype<GqaAccumulateLauncher>(head_dim, path, args, stream));
 }
 
+// validation.validate_gqa_postprocess
 void gqa_postprocess_cuda(at::Tensor const& dk_accum, at::Tensor const& dv_accum, at::Tensor const& dk,
-                          at::Tensor const& dv, double scale_dk, double scale_dv,
-                          std::optional<at::Tensor> const& cu_seqlens, std::optional<at::Tensor> const& seqused,
-                          int64_t arch) {
+                          at::Tensor const& dv, double scale_dk, double scale_dv, OptTensor const& cu_seqlens,
+                          OptTensor const& seqused, int64_t arch) {
   constexpr char const* op = "gqa_postprocess";
-  OutputProblem const p = check_outputs(op, dk, dv, cu_seqlens, seqused);
-  int const path = resolve_arch(op, dk.device(), arch);
-  AccumGeometry const geo = accum_geometry(p.head_dim, path, p.varlen, p.rows, p.heads, p.batch);
-  GqaPostprocessLaunchArgs args;
-  args.dk_accum = check_accum(op, "dk_accum", dk_accum, geo, dk.device());
-  args.dv_accum = check_accum(op, "dv_accum", dv_accum, geo, dk.device());
+  bool const varlen = cu_seqlens.has_value();
+  Named const accums[] = {{"dk_accum", &dk_accum}, {"dv_accum", &dv_accum}};
+  Named const outputs[] = {{"dk", &dk}, {"dv", &dv}};
+  Named const four[] = {accums[0], accums[1], outputs[0], outputs[1]};
+  check_defined(op, {four[0], four[1], four[2], four[3]});  // a
+  check_arch_value(op, arch);
+  for (auto const& n : accums) { check_float32(op, n.name, *n.t); }  // b
+  check_half(op, "dk", dk);
+  check_same_dtype(op, "dv", dv, "dk", dk);
+  for (auto const& n : accums) { check_accum_rank(op, n.name, *n.t); }  // c
+  for (auto const& n : outputs) { check_rank(op, n.name, *n.t, varlen); }
+  check_same_leading_shape(op, "dv", dv, "dk", dk);  // d
+  int64_t const d = dk.size(-1), dv_dim = dv.size(-1);
+  check_head_dim(op, "dk", d);
+  check_head_dim(op, "dv", dv_dim);
+  int64_t const h_k = dk.size(-2);
+  int64_t const batch = check_seqlens_meta(op, cu_seqlens, seqused, dk.size(0), "dk");  // j
+  int64_t const rows = varlen ? dk.size(0) : dk.size(1);
+  AccumGeometry const geo = accum_geometry(accum_path(dk.device(), arch), varlen, batch, rows, h_k, d, dv_dim);
+  for (auto const& n : accums) { check_accum_shape(op, n.name, *n.t, geo); }
+  for (auto const& n : outputs) { check_last_stride(op, n.name, *n.t); }  // f, g
+  for (auto const& n : outputs) { check_strides(op, n.name, *n.t); }
+  for (auto const& n : accums) { check_contiguous(op, n.name, *n.t); }
+  for (auto const& n : four) { check_alignment(op, n.name, *n.t); }  // h
+  Named const cu = named("cu_seqlens", cu_seqlens), used = named("seqused", seqused);
+  check_no_overlaps(op, {outputs[0], outputs[1]}, {accums[0], accums[1], cu, used});  // i
+  OutputProblem const p = output_problem(dk, dv, varlen, batch);
+  check_limits(op, "dk", dk, p.rows, p.heads, p.batch);
+  at::Device const device = check_devices(op, {four[0], four[1], four[2], four[3], cu, used});  // k
+  int const path = resolve_arch(op, device, arch);
+  TORCH_CHECK(path == accum_path(device, arch), "flash_epilogue.gqa_postprocess: internal: arch paths disagree");
   if (dk.numel() == 0) { return; }
-  c10::cuda::CUDAGuard const guard(dk.device());
+
+  c10::cuda::CUDAGuard const guard(device);
+  GqaPostprocessLaunchArgs args;
+  args.dk_accum = accum_desc(dk_accum, geo);
+  args.dv_accum = accum_desc(dv_accum, geo);
   args.dk = describe(dk, p.varlen);
   args.dv = describe(dv, p.varlen);
   args.rows = static_cast<int>(p.rows);
@@ -479,84 +835,123 @@ void gqa_postprocess_cuda(at::Tensor const& dk_accum, at::Tensor const& dv_accum
   args.scale_dk = static_cast<float>(scale_dk);
   args.scale_dv = static_cast<float>(scale_dv);
   args.use_tma = !p.varlen && !seqused.has_value();
-  cudaStream_t const stream = c10::cuda::getCurrentCUDAStream(dk.device().index()).stream();
+  cudaStream_t const stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
   finish_launch(op, dispatch<GqaPostprocessLauncher>(dk.scalar_type(), p.head_dim, path, args, stream));
 }
 
-void gqa_accum_to_dense_cuda(at::Tensor const& accum, at::Tensor const& out, int64_t head_dim,
-                             std::optional<at::Tensor> const& cu_seqlens, std::optional<at::Tensor> const& seqused,
-                             int64_t arch) {
+// validation.validate_gqa_accum_to_dense
+void gqa_accum_to_dense_cuda(at::Tensor const& accum, at::Tensor const& out, int64_t head_dim, OptTensor const& cu_seqlens,
+                             OptTensor const& seqused, int64_t arch) {
   constexpr char const* op = "gqa_accum_to_dense";
   bool const varlen = cu_seqlens.has_value();
-  int const rank = varlen ? 3 : 4;
-  at::Device const device = out.device();
-  TORCH_CHECK(device.is_cuda(), "flash_epilogue.gqa_accum_to_dense: out: expected a CUDA tensor, got device ",
-              device.str());
-  check_head_dim(op, "head_dim", head_dim);
-  check_tensor(op, "out", out, at::kFloat, rank, device);
-  TORCH_CHECK(out.size(-1) <= head_dim, "flash_epilogue.gqa_accum_to_dense: out: expected a last dim <= head_dim = ",
-              num(head_dim), ", got ", num(out.size(-1)));
-  int64_t const batch = varlen ? cu_seqlens->numel() - 1 : out.size(0);
-  TORCH_CHECK(!varlen || batch >= 1, "flash_epilogue.gqa_accum_to_dense: cu_seqlens: expected at least 2 entries");
-  check_seqlens(op, cu_seqlens, "cu_seqlens", batch + 1, device);
-  check_seqlens(op, seqused, "seqused", batch, device);
+  Named const both[] = {{"accum", &accum}, {"out", &out}};
+  check_defined(op, {both[0], both[1]});  // a
+  check_arch_value(op, arch);
+  for (auto const& n : both) { check_float32(op, n.name, *n.t); }  // b
+  check_accum_rank(op, "accum", accum);  // c
+  check_rank(op, "out", out, varlen);
+  check_head_dim(op, "head_dim", head_dim);  // d
+  int64_t const w = out.size(-1);
+  check_head_dim(op, "out", w);
+  if (w > head_dim) { fail(op, "out: head dim", "<= head_dim = " + num(head_dim), num(w)); }
+  int64_t const h_k = out.size(-2);
+  int64_t const batch = check_seqlens_meta(op, cu_seqlens, seqused, out.size(0), "out");  // j
   int64_t const rows = varlen ? out.size(0) : out.size(1);
-  int64_t const heads = out.size(rank - 2);
+  AccumGeometry const geo = accum_geometry(accum_path(out.device(), arch), varlen, batch, rows, h_k, head_dim, head_dim);
+  check_accum_shape(op, "accum", accum, geo);
+  check_last_stride(op, "out", out);  // f, g
+  check_strides(op, "out", out);
+  check_contiguous(op, "accum", accum);
+  for (auto const& n : both) { check_alignment(op, n.name, *n.t); }  // h
+  Named const cu = named("cu_seqlens", cu_seqlens), used = named("seqused", seqused);
+  check_no_overlaps(op, {both[1]}, {both[0], cu, used});  // i
+  check_limits(op, "out", out, rows, h_k, batch);
+  at::Device const device = check_devices(op, {both[0], both[1], cu, used});  // k
   int const path = resolve_arch(op, device, arch);
-  int const config = compiled_head_dim_for(static_cast<int>(head_dim));
-  AccumGeometry const geo = accum_geometry(config, path, varlen, rows, heads, batch);
-  GqaDenseLaunchArgs args;
-  args.accum = check_accum(op, "accum", accum, geo, device);
+  TORCH_CHECK(path == accum_path(device, arch), "flash_epilogue.gqa_accum_to_dense: internal: arch paths disagree");
   if (out.numel() == 0) { return; }
+
   c10::cuda::CUDAGuard const guard(device);
+  GqaDenseLaunchArgs args;
+  args.accum = accum_desc(accum, geo);
   args.out = describe(out, varlen);
   args.rows = static_cast<int>(rows);
-  args.num_heads_kv = static_cast<int>(heads);
+  args.num_heads_kv = static_cast<int>(h_k);
   args.batch = static_cast<int>(batch);
   args.cu_seqlens = varlen ? cu_seqlens->data_ptr<int>() : nullptr;
   args.seqused = seqused.has_value() ? seqused->data_ptr<int>() : nullptr;
+  int const config = compiled_head_dim_for(static_cast<int>(head_dim));
   cudaStream_t const stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
   finish_launch(op, dispatch_no_dtype<GqaDenseLauncher>(config, path, args, stream));
 }
 
-void gqa_reduce_cuda(at::Tensor const& dk_partial, std::optional<at::Tensor> const& dv_partial, at::Tensor const& dk,
-                     std::optional<at::Tensor> const& dv, std::optional<at::Tensor> const& cu_seqlens,
-                     std::optional<at::Tensor> const& seqused, double scale_dk, double scale_dv, int64_t arch) {
+// validation.validate_gqa_reduce
+void gqa_reduce_cuda(at::Tensor const& dk_partial, OptTensor const& dv_partial, at::Tensor const& dk, OptTensor const& dv,
+                     OptTensor const& cu_seqlens, OptTensor const& seqused, double scale_dk, double scale_dv,
+                     int64_t arch) {
   constexpr char const* op = "gqa_reduce";
-  TORCH_CHECK(dv_partial.has_value() == dv.has_value(), "flash_epilogue.gqa_reduce: dv: expected a tensor exactly ",
-              "when dv_partial is given, got dv_partial ", dv_partial.has_value() ? "given" : "None", " and dv ",
-              dv.has_value() ? "given" : "None");
-  bool const has_dv = dv.has_value();
-  OutputProblem const p = check_outputs(op, dk, has_dv ? *dv : dk, cu_seqlens, seqused);
-  at::ScalarType const in_dtype = dk_partial.scalar_type();
-  TORCH_CHECK(in_dtype == at::kFloat || in_dtype == dk.scalar_type(), "flash_epilogue.gqa_reduce: dk_partial: expected ",
-              "dtype torch.float32 or dk's ", dk.scalar_type(), ", got ", in_dtype);
-  check_partial(op, "dk_partial", dk_partial, in_dtype, dk, p.varlen);
-  TORCH_CHECK(dk_partial.size(-1) == dk.size(-1), "flash_epilogue.gqa_reduce: dk_partial: expected head dim ",
-              num(dk.size(-1)), " (dk's), got ", num(dk_partial.size(-1)));
-  int const rank = p.varlen ? 3 : 4;
-  int64_t const heads_q = dk_partial.size(rank - 2);
-  check_group(op, heads_q, p.heads);
+  bool const varlen = cu_seqlens.has_value();
+  bool const has_dv = dv_partial.has_value();
+  check_defined(op, {{"dk_partial", &dk_partial}, {"dk", &dk}});  // a
+  if (!has_dv && dv.has_value()) { fail(op, "dv", "None because dv_partial is None", "Tensor"); }  // a
+  if (has_dv && !dv.has_value()) { fail(op, "dv", "a torch.Tensor because dv_partial is given", "NoneType"); }
+  check_arch_value(op, arch);
+  // partials and outputs, without dv_partial/dv when not given
+  std::vector<Named> partials = {{"dk_partial", &dk_partial}}, outputs = {{"dk", &dk}};
   if (has_dv) {
-    check_partial(op, "dv_partial", *dv_partial, in_dtype, dk, p.varlen);
-    TORCH_CHECK(dv_partial->size(-1) == dv->size(-1) && dv_partial->size(rank - 2) == heads_q,
-                "flash_epilogue.gqa_reduce: dv_partial: expected ", num(heads_q), " heads of dim ", num(dv->size(-1)),
-                ", got ", num(dv_partial->sizes()));
+    partials.push_back({"dv_partial", &*dv_partial});
+    outputs.push_back({"dv", &*dv});
   }
-  TORCH_CHECK(heads_q < 65536, "flash_epilogue.gqa_reduce: dk_partial: expected fewer than 65536 heads");
+  std::vector<Named> all = partials;
+  all.insert(all.end(), outputs.begin(), outputs.end());
+  check_half(op, "dk", dk);  // b
+  if (has_dv) { check_same_dtype(op, "dv", *dv, "dk", dk); }
+  if (dk_partial.scalar_type() != at::kFloat && dk_partial.scalar_type() != dk.scalar_type()) {
+    fail_dtype(op, "dk_partial", "torch.float32 or " + dtype_name(dk.scalar_type()) + " (the dtype of dk)",
+               dk_partial.scalar_type());
+  }
+  if (has_dv) { check_same_dtype(op, "dv_partial", *dv_partial, "dk_partial", dk_partial); }
+  for (auto const& n : all) { check_rank(op, n.name, *n.t, varlen); }  // c
+  if (has_dv) { check_same_leading_shape(op, "dv_partial", *dv_partial, "dk_partial", dk_partial); }  // d
+  check_reduced_shape(op, "dk", dk, "dk_partial", dk_partial);
+  if (has_dv) {
+    check_reduced_shape(op, "dv", *dv, "dv_partial", *dv_partial);
+    check_same_leading_shape(op, "dv", *dv, "dk", dk);
+  }
+  int64_t const d = dk.size(-1), dv_dim = has_dv ? dv->size(-1) : d;
+  check_head_dim(op, "dk", d);
+  if (has_dv) { check_head_dim(op, "dv", dv_dim); }
+  int64_t const h_q = dk_partial.size(-2), h_k = dk.size(-2);
+  check_group(op, "dk_partial", h_q, "dk", h_k, "dk.shape[-2]");
+  for (auto const& n : all) { check_last_stride(op, n.name, *n.t); }  // f, g, h
+  for (auto const& n : all) { check_strides(op, n.name, *n.t); }
+  for (auto const& n : all) { check_alignment(op, n.name, *n.t); }
+  Named const none{"", nullptr};
+  Named const out_dk = outputs[0], out_dv = has_dv ? outputs[1] : none;
+  Named const in_dk = partials[0], in_dv = has_dv ? partials[1] : none;
+  check_no_overlaps(op, {out_dk, out_dv}, {in_dk, in_dv});  // i
+  int64_t const batch = check_seqlens_meta(op, cu_seqlens, seqused, dk_partial.size(0), "dk_partial");  // j
+  Named const cu = named("cu_seqlens", cu_seqlens), used = named("seqused", seqused);
+  for (Named const& out : {out_dk, out_dv}) {
+    for (Named const& in : {cu, used}) { check_no_overlap(op, out, in); }
+  }
+  OutputProblem const p = output_problem(dk, has_dv ? *dv : dk, varlen, batch);
+  check_limits(op, "dk_partial", dk_partial, p.rows, h_q, p.batch);
+  at::Device const device = check_devices(op, {in_dk, in_dv, out_dk, out_dv, cu, used});  // k
+  int const path = resolve_arch(op, device, arch);
   if (dk.numel() == 0) { return; }
-  int const path = resolve_arch(op, dk.device(), arch);
-  c10::cuda::CUDAGuard const guard(dk.device());
+
+  c10::cuda::CUDAGuard const guard(device);
   GqaReduceLaunchArgs args;
   args.dk_partial = describe(dk_partial, p.varlen);
   if (has_dv) {
     args.dv_partial = describe(*dv_partial, p.varlen);
     args.dv = describe(*dv, p.varlen);
   }
-  args.partial_fp32 = in_dtype == at::kFloat;
+  args.partial_fp32 = dk_partial.scalar_type() == at::kFloat;
   args.dk = describe(dk, p.varlen);
   args.rows = static_cast<int>(p.rows);
-  args.num_heads_q = static_cast<int>(heads_q);
+  args.num_heads_q = static_cast<int>(h_q);
   args.num_heads_kv = static_cast<int>(p.heads);
   args.batch = static_cast<int>(p.batch);
   args.cu_seqlens = p.varlen ? cu_seqlens->data_ptr<int>() : nullptr;
@@ -564,7 +959,7 @@ void gqa_reduce_cuda(at::Tensor const& dk_partial, std::optional<at::Tensor> con
   args.scale_dk = static_cast<float>(scale_dk);
   args.scale_dv = static_cast<float>(scale_dv);
   args.use_tma = !p.varlen && !seqused.has_value();
-  cudaStream_t const stream = c10::cuda::getCurrentCUDAStream(dk.device().index()).stream();
+  cudaStream_t const stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
   finish_launch(op, dispatch<GqaReduceLauncher>(dk.scalar_type(), p.head_dim, path, args, stream));
 }
 
@@ -588,7 +983,10 @@ TORCH_LIBRARY(flash_epilogue, m) {
         "Tensor? seqused=None, float scale_dk=1.0, float scale_dv=1.0, int _arch=0) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(flash_epilogue, CUDA, m) {
+// One registration per backend: CUDA tensors run the kernels; CPU tensors get every metadata check
+// and then the device check's message (instead of "could not run ... with arguments from the 'CPU'
+// backend"), which also lets the CPU tests run the checks.
+static void register_impls(torch::Library& m) {
   m.impl("store", &flash_epilogue::store_cuda);
   m.impl("store_zero", &flash_epilogue::store_zero_cuda);
   m.impl("gqa_accumulate", &flash_epilogue::gqa_accumulate_cuda);
@@ -597,9 +995,12 @@ TORCH_LIBRARY_IMPL(flash_epilogue, CUDA, m) {
   m.impl("gqa_reduce", &flash_epilogue::gqa_reduce_cuda);
 }
 
+TORCH_LIBRARY_IMPL(flash_epilogue, CUDA, m) { register_impls(m); }
+TORCH_LIBRARY_IMPL(flash_epilogue, CPU, m) { register_impls(m); }
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "flash_epilogue CUDA kernels; the ops are registered as torch.ops.flash_epilogue.*";
-  m.def("compiled_archs", &flash_epilogue::compiled_archs, "GPU architectures this build has kernels for");
+  m.def("compiled_archs", [] { return flash_epilogue::compiled_archs(); }, "GPU architectures this build has kernels for");
   m.def(
       "compiled_configs",
       [] {

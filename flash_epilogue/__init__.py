@@ -20,7 +20,7 @@ from . import reference
 from ._config import COMPILED_HEAD_DIMS, TileConfig, tile_config
 from ._extension import UNAVAILABLE_REASON, compiled_archs
 from .gqa import GQAAccumulator, gqa_accumulator
-from .ops import gqa_accumulate, gqa_postprocess, gqa_reduce, store, store_zero
+from .ops import gqa_accumulate, gqa_postprocess, gqa_reduce, refresh_env_flags, store, store_zero
 from .validation import FlashEpilogueBuildError, FlashEpilogueInputError
 
 
@@ -50,6 +50,7 @@ __all__ = [
     "gqa_accumulate",
     "gqa_postprocess",
     "gqa_reduce",
+    "refresh_env_flags",
     "reference",
     "tile_config",
     "TileConfig",

@@ -1,4 +1,12 @@
-"""The Python API: thin wrappers over torch.ops.flash_epilogue.* that validate first.
+"""The Python API: thin wrappers over torch.ops.flash_epilogue.*.
+
+Host time. The C++ ops check every argument themselves (the same checks as validation.py, with the
+same messages), so on the hot path a wrapper calls the op first and runs the Python validation
+only when the op raises: the validation then raises FlashEpilogueInputError naming the bad
+argument, or, when it finds nothing wrong, the op's own error is re-raised. The Python validation
+runs first, as before, under torch.compile, for anything but a plain CUDA tensor (meta and fake
+tensors reach the fake kernels, which do not validate), when content checks are asked for, and
+for Python scalars of unusual types (numpy ints, ...; the op's schema would coerce them).
 
 Validation reads tensor metadata only (no host sync). Checks of tensor *contents*
 (cu_seqlens monotonic and in range, seqused within its segment) need a host sync and run only
@@ -8,6 +16,9 @@ tensor's extent, so bad metadata cannot write outside a tensor even unchecked.
 
 FLASH_EPILOGUE_DEBUG=1 turns the content checks on and synchronizes after every launch, so a
 device-side failure is reported by the op that caused it.
+
+Both variables are read once, at import (an environment lookup on every call costs host time);
+after changing them in a running process call :func:`refresh_env_flags`.
 """
 from __future__ import annotations
 
@@ -21,11 +32,30 @@ from . import _extension  # noqa: F401 (defines the ops, or their fallbacks)
 from . import validation
 from .gqa import GQAAccumulator
 
-__all__ = ["store", "store_zero", "gqa_accumulate", "gqa_postprocess", "gqa_reduce"]
+__all__ = ["store", "store_zero", "gqa_accumulate", "gqa_postprocess", "gqa_reduce", "refresh_env_flags"]
 
 
 def _env_flag(name: str) -> bool:
     return os.environ.get(name, "0") not in ("", "0")
+
+
+_DEBUG = False  # FLASH_EPILOGUE_DEBUG
+_CHECK_INPUTS = False  # FLASH_EPILOGUE_CHECK_INPUTS or FLASH_EPILOGUE_DEBUG: content checks by default
+
+
+def refresh_env_flags() -> None:
+    """Re-read FLASH_EPILOGUE_CHECK_INPUTS and FLASH_EPILOGUE_DEBUG from the environment.
+
+    They are read once, when the package is imported; call this after changing them in a running
+    process (``os.environ[...] = "1"``, pytest's ``monkeypatch.setenv``)."""
+    global _DEBUG, _CHECK_INPUTS
+    _DEBUG = _env_flag("FLASH_EPILOGUE_DEBUG")
+    _CHECK_INPUTS = _env_flag("FLASH_EPILOGUE_CHECK_INPUTS") or _DEBUG
+
+
+refresh_env_flags()
+
+_NUMBER_TYPES = (int, float)  # scalars the fast path passes to an op as they are (bool is not one)
 
 
 def _eager_and_not_capturing() -> bool:
@@ -38,18 +68,50 @@ def _want_content_checks(check_inputs: Optional[bool]) -> bool:
     """Content checks (a host sync) when asked: check_inputs=True, FLASH_EPILOGUE_CHECK_INPUTS=1 or
     FLASH_EPILOGUE_DEBUG=1; never under torch.compile or CUDA-graph capture."""
     if check_inputs is None:
-        check_inputs = _env_flag("FLASH_EPILOGUE_CHECK_INPUTS") or _env_flag("FLASH_EPILOGUE_DEBUG")
+        check_inputs = _CHECK_INPUTS
     return bool(check_inputs) and _eager_and_not_capturing()
 
 
 def _debug_sync(op: str, device: torch.device) -> None:
     """FLASH_EPILOGUE_DEBUG=1: wait for the launch and report a device error against this op."""
-    if not (_env_flag("FLASH_EPILOGUE_DEBUG") and device.type == "cuda" and _eager_and_not_capturing()):
+    if not (_DEBUG and device.type == "cuda" and _eager_and_not_capturing()):
         return
     try:
         torch.cuda.synchronize(device)
     except Exception as e:  # noqa: BLE001 (re-raised with the op's name)
         raise RuntimeError(f"flash_epilogue.{op}: the kernel failed on {device}: {e}") from e
+
+
+def _op_checks_first(t, check_inputs: Optional[bool]) -> bool:
+    """Whether a call may go straight to the op (which checks its arguments; the Python validation
+    runs only if it raises): eager, `t` (the op's first tensor) a plain CUDA tensor, so the call
+    reaches the C++ kernel, and no content checks asked for (they run before the launch)."""
+    if check_inputs is None:
+        check_inputs = _CHECK_INPUTS
+    return not check_inputs and not torch.compiler.is_compiling() and type(t) is torch.Tensor and t.is_cuda
+
+
+def _explain(validate, *args, **kwargs) -> None:
+    """The op raised: run the Python validation, whose FlashEpilogueInputError names the bad
+    argument (raised in place of the op's error). Returns when it finds nothing wrong; the caller
+    then re-raises the op's own error."""
+    try:
+        validate(*args, **kwargs)
+    except (validation.FlashEpilogueInputError, validation.FlashEpilogueBuildError) as e:
+        raise e from None
+
+
+def _check_fake_devices(op: str, tensors) -> None:
+    """Fake kernels: every tensor on one device. A call mixing meta (or fake) tensors with real ones
+    is dispatched to the fake kernel, which must not accept what the op would refuse."""
+    ref_name, ref = None, None
+    for name, t in tensors:
+        if t is None:
+            continue
+        if ref is None:
+            ref_name, ref = name, t
+        elif t.device != ref.device:
+            validation._fail(op, f"{name}: device", f"{ref.device} (the device of {ref_name})", t.device)
 
 
 def store(
@@ -71,18 +133,29 @@ def store(
     each sequence to its first seqused[b] rows. Only valid rows of dk/dv are written; dv may have
     its own head dim. The fp32 inputs have the shapes of dk and dv.
     """
-    problem = validation.validate_store(dk_accum, dv_accum, dk, dv, cu_seqlens, seqused)
-    if _want_content_checks(check_inputs):
-        validation.check_seqlens_contents(
-            cu_seqlens, seqused, total=problem.seqlen,
-            seqlen_static=None if problem.varlen else problem.seqlen, op="store")
-    torch.ops.flash_epilogue.store(dk_accum, dv_accum, dk, dv, cu_seqlens=cu_seqlens, seqused=seqused, _arch=_arch)
-    _debug_sync("store", dk.device)
+    if _op_checks_first(dk, check_inputs):
+        try:
+            torch.ops.flash_epilogue.store(dk_accum, dv_accum, dk, dv, cu_seqlens=cu_seqlens, seqused=seqused,
+                                           _arch=_arch)
+        except Exception:
+            _explain(validation.validate_store, dk_accum, dv_accum, dk, dv, cu_seqlens, seqused)
+            raise
+    else:
+        problem = validation.validate_store(dk_accum, dv_accum, dk, dv, cu_seqlens, seqused)
+        if _want_content_checks(check_inputs):
+            validation.check_seqlens_contents(
+                cu_seqlens, seqused, total=problem.seqlen,
+                seqlen_static=None if problem.varlen else problem.seqlen, op="store")
+        torch.ops.flash_epilogue.store(dk_accum, dv_accum, dk, dv, cu_seqlens=cu_seqlens, seqused=seqused,
+                                       _arch=_arch)
+    if _DEBUG:
+        _debug_sync("store", dk.device)
 
 
 @torch.library.register_fake("flash_epilogue::store")
 def _store_fake(dk_accum, dv_accum, dk, dv, *, cu_seqlens=None, seqused=None, _arch=0) -> None:
-    return None
+    _check_fake_devices("store", (("dk_accum", dk_accum), ("dv_accum", dv_accum), ("dk", dk), ("dv", dv),
+                                  ("cu_seqlens", cu_seqlens), ("seqused", seqused)))
 
 
 IndexArg = Union[None, int, Sequence[int], torch.Tensor]
@@ -153,21 +226,32 @@ def store_zero(
     raise instead, together with the cu_seqlens/seqused content checks.
     """
     op = "store_zero"
-    device = dk.device if isinstance(dk, torch.Tensor) else None
-    if device is not None:
-        batch_idx = _index_tensor(op, "batch_idx", batch_idx, device)
-        head_idx = _index_tensor(op, "head_idx", head_idx, device)
-    problem = validation.validate_store_zero(dk, dv, cu_seqlens, seqused, batch_idx, head_idx, row_start, row_end)
-    if _want_content_checks(check_inputs):
-        validation.check_seqlens_contents(
-            cu_seqlens, seqused, total=problem.seqlen,
-            seqlen_static=None if problem.varlen else problem.seqlen, op=op)
-        validation.check_index_contents(op, "batch_idx", batch_idx, problem.batch, limit_why="the batch size")
-        validation.check_index_contents(op, "head_idx", head_idx, problem.num_heads,
-                                        limit_why="the number of heads")
-    torch.ops.flash_epilogue.store_zero(dk, dv, cu_seqlens=cu_seqlens, seqused=seqused, batch_idx=batch_idx,
-                                        head_idx=head_idx, row_start=row_start, row_end=row_end, _arch=_arch)
-    _debug_sync(op, dk.device)
+    if (batch_idx is not None or head_idx is not None) and isinstance(dk, torch.Tensor):
+        batch_idx = _index_tensor(op, "batch_idx", batch_idx, dk.device)
+        head_idx = _index_tensor(op, "head_idx", head_idx, dk.device)
+    if (_op_checks_first(dk, check_inputs) and type(row_start) is int
+            and (row_end is None or type(row_end) is int)):
+        try:
+            torch.ops.flash_epilogue.store_zero(dk, dv, cu_seqlens=cu_seqlens, seqused=seqused, batch_idx=batch_idx,
+                                                head_idx=head_idx, row_start=row_start, row_end=row_end, _arch=_arch)
+        except Exception:
+            _explain(validation.validate_store_zero, dk, dv, cu_seqlens, seqused, batch_idx, head_idx, row_start,
+                     row_end)
+            raise
+    else:
+        problem = validation.validate_store_zero(dk, dv, cu_seqlens, seqused, batch_idx, head_idx, row_start,
+                                                 row_end)
+        if _want_content_checks(check_inputs):
+            validation.check_seqlens_contents(
+                cu_seqlens, seqused, total=problem.seqlen,
+                seqlen_static=None if problem.varlen else problem.seqlen, op=op)
+            validation.check_index_contents(op, "batch_idx", batch_idx, problem.batch, limit_why="the batch size")
+            validation.check_index_contents(op, "head_idx", head_idx, problem.num_heads,
+                                            limit_why="the number of heads")
+        torch.ops.flash_epilogue.store_zero(dk, dv, cu_seqlens=cu_seqlens, seqused=seqused, batch_idx=batch_idx,
+                                            head_idx=head_idx, row_start=row_start, row_end=row_end, _arch=_arch)
+    if _DEBUG:
+        _debug_sync(op, dk.device)
 
 
 def _register_fake_if_defined(qualname: str):
@@ -190,7 +274,8 @@ def _register_fake_if_defined(qualname: str):
 @_register_fake_if_defined("flash_epilogue::store_zero")
 def _store_zero_fake(dk, dv, *, cu_seqlens=None, seqused=None, batch_idx=None, head_idx=None, row_start=0,
                      row_end=None, _arch=0) -> None:
-    return None
+    _check_fake_devices("store_zero", (("dk", dk), ("dv", dv), ("cu_seqlens", cu_seqlens), ("seqused", seqused),
+                                       ("batch_idx", batch_idx), ("head_idx", head_idx)))
 
 
 # --------------------------------------------------------------------------------------------
@@ -220,6 +305,43 @@ def _check_acc_matches(op: str, acc: GQAAccumulator, problem: validation.GQAProb
         validation._fail(op, "acc.head_dim", f"{problem.head_dim} ({k_name}.shape[-1])", acc.head_dim)
     if v_name is not None and acc.head_dim_v != problem.head_dim_v:
         validation._fail(op, "acc.head_dim_v", f"{problem.head_dim_v} ({v_name}.shape[-1])", acc.head_dim_v)
+
+
+def _acc_fits(acc: GQAAccumulator, k, v, cu_seqlens) -> bool:
+    """_check_acc_matches without messages, from shapes alone (the fast path); False also when the
+    arguments are too malformed to tell (the Python validation then says what is wrong)."""
+    try:
+        varlen = cu_seqlens is not None
+        shape = k.shape
+        batch, rows = (cu_seqlens.numel() - 1, shape[0]) if varlen else (shape[0], shape[1])
+        return (acc.varlen == varlen and acc.batch == batch and acc.rows == rows and acc.head_dim == shape[-1]
+                and acc.head_dim_v == v.shape[-1])
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _validate_accumulate(op, acc, dk_partial, dv_partial, semaphores, cu_seqlens, seqused, deterministic):
+    problem = validation.validate_gqa_accumulate(dk_partial, dv_partial, acc.dk_accum, acc.dv_accum, semaphores,
+                                                 cu_seqlens, seqused, deterministic=deterministic, _arch=acc.arch,
+                                                 op=op)
+    _check_acc_matches(op, acc, problem, k_name="dk_partial", v_name="dv_partial")
+    return problem
+
+
+def _validate_postprocess(op, acc, dk, dv, cu_seqlens, seqused, scale_dk, scale_dv):
+    problem = validation.validate_gqa_postprocess(acc.dk_accum, acc.dv_accum, dk, dv, cu_seqlens, seqused,
+                                                  scale_dk=scale_dk, scale_dv=scale_dv, _arch=acc.arch, op=op)
+    _check_acc_matches(op, acc, problem, k_name="dk", v_name="dv")
+    return problem
+
+
+def _validate_reduce(op, dk_partial, dv_partial, dk, dv, cu_seqlens, seqused, scale_dk, scale_dv, _arch,
+                     num_heads_kv):
+    problem = validation.validate_gqa_reduce(dk_partial, dv_partial, dk, dv, cu_seqlens, seqused, scale_dk=scale_dk,
+                                             scale_dv=scale_dv, _arch=_arch, op=op)
+    if problem.num_heads_kv != num_heads_kv:
+        validation._fail(op, "num_heads_kv", f"{problem.num_heads_kv} (the heads of out: dk.shape[-2])", num_heads_kv)
+    return problem
 
 
 def _content_checks(check_inputs, op: str, problem, cu_seqlens, seqused) -> None:
@@ -267,15 +389,24 @@ def gqa_accumulate(
                          "flash_epilogue.gqa_accumulator(..., deterministic=True) (or pass deterministic=False)",
                          "None (allocated with deterministic=False)")
     semaphores = acc.semaphores if deterministic is True else None
-    problem = validation.validate_gqa_accumulate(dk_partial, dv_partial, acc.dk_accum, acc.dv_accum, semaphores,
-                                                 cu_seqlens, seqused, deterministic=deterministic, _arch=acc.arch,
-                                                 op=op)
-    _check_acc_matches(op, acc, problem, k_name="dk_partial", v_name="dv_partial")
-    _content_checks(check_inputs, op, problem, cu_seqlens, seqused)
-    torch.ops.flash_epilogue.gqa_accumulate(dk_partial, dv_partial, acc.dk_accum, acc.dv_accum, semaphores,
-                                            cu_seqlens=cu_seqlens, seqused=seqused, deterministic=deterministic,
-                                            _arch=acc.arch)
-    _debug_sync("gqa_accumulate", dk_partial.device)
+    if (_op_checks_first(dk_partial, check_inputs) and type(deterministic) is bool
+            and _acc_fits(acc, dk_partial, dv_partial, cu_seqlens)):
+        try:
+            torch.ops.flash_epilogue.gqa_accumulate(dk_partial, dv_partial, acc.dk_accum, acc.dv_accum, semaphores,
+                                                    cu_seqlens=cu_seqlens, seqused=seqused,
+                                                    deterministic=deterministic, _arch=acc.arch)
+        except Exception:
+            _explain(_validate_accumulate, op, acc, dk_partial, dv_partial, semaphores, cu_seqlens, seqused,
+                     deterministic)
+            raise
+    else:
+        problem = _validate_accumulate(op, acc, dk_partial, dv_partial, semaphores, cu_seqlens, seqused, deterministic)
+        _content_checks(check_inputs, op, problem, cu_seqlens, seqused)
+        torch.ops.flash_epilogue.gqa_accumulate(dk_partial, dv_partial, acc.dk_accum, acc.dv_accum, semaphores,
+                                                cu_seqlens=cu_seqlens, seqused=seqused, deterministic=deterministic,
+                                                _arch=acc.arch)
+    if _DEBUG:
+        _debug_sync(op, dk_partial.device)
 
 
 def gqa_postprocess(
@@ -299,14 +430,23 @@ def gqa_postprocess(
     """
     op = "gqa_postprocess"
     _check_acc(op, acc)
-    problem = validation.validate_gqa_postprocess(acc.dk_accum, acc.dv_accum, dk, dv, cu_seqlens, seqused,
-                                                  scale_dk=scale_dk, scale_dv=scale_dv, _arch=acc.arch, op=op)
-    _check_acc_matches(op, acc, problem, k_name="dk", v_name="dv")
-    _content_checks(check_inputs, op, problem, cu_seqlens, seqused)
-    torch.ops.flash_epilogue.gqa_postprocess(acc.dk_accum, acc.dv_accum, dk, dv, scale_dk=float(scale_dk),
-                                             scale_dv=float(scale_dv), cu_seqlens=cu_seqlens, seqused=seqused,
-                                             _arch=acc.arch)
-    _debug_sync("gqa_postprocess", dk.device)
+    if (_op_checks_first(dk, check_inputs) and type(scale_dk) in _NUMBER_TYPES and type(scale_dv) in _NUMBER_TYPES
+            and _acc_fits(acc, dk, dv, cu_seqlens)):
+        try:
+            torch.ops.flash_epilogue.gqa_postprocess(acc.dk_accum, acc.dv_accum, dk, dv, scale_dk=float(scale_dk),
+                                                     scale_dv=float(scale_dv), cu_seqlens=cu_seqlens, seqused=seqused,
+                                                     _arch=acc.arch)
+        except Exception:
+            _explain(_validate_postprocess, op, acc, dk, dv, cu_seqlens, seqused, scale_dk, scale_dv)
+            raise
+    else:
+        problem = _validate_postprocess(op, acc, dk, dv, cu_seqlens, seqused, scale_dk, scale_dv)
+        _content_checks(check_inputs, op, problem, cu_seqlens, seqused)
+        torch.ops.flash_epilogue.gqa_postprocess(acc.dk_accum, acc.dv_accum, dk, dv, scale_dk=float(scale_dk),
+                                                 scale_dv=float(scale_dv), cu_seqlens=cu_seqlens, seqused=seqused,
+                                                 _arch=acc.arch)
+    if _DEBUG:
+        _debug_sync(op, dk.device)
 
 
 def _accum_to_dense(acc: GQAAccumulator, *, cu_seqlens=None, seqused=None,
@@ -406,35 +546,54 @@ def gqa_reduce(
     op = "gqa_reduce"
     varlen = cu_seqlens is not None
     dk, dv = _reduce_outputs(op, dk_partial, dv_partial, num_heads_kv, varlen, out, out_dtype)
-    problem = validation.validate_gqa_reduce(dk_partial, dv_partial, dk, dv, cu_seqlens, seqused, scale_dk=scale_dk,
-                                             scale_dv=scale_dv, _arch=_arch, op=op)
-    if problem.num_heads_kv != num_heads_kv:
-        validation._fail(op, "num_heads_kv", f"{problem.num_heads_kv} (the heads of out: dk.shape[-2])", num_heads_kv)
-    _content_checks(check_inputs, op, problem, cu_seqlens, seqused)
-    torch.ops.flash_epilogue.gqa_reduce(dk_partial, dv_partial, dk, dv, cu_seqlens=cu_seqlens, seqused=seqused,
-                                        scale_dk=float(scale_dk), scale_dv=float(scale_dv), _arch=_arch)
-    _debug_sync("gqa_reduce", dk.device)
+    if (_op_checks_first(dk_partial, check_inputs) and type(_arch) is int and type(scale_dk) in _NUMBER_TYPES
+            and type(scale_dv) in _NUMBER_TYPES and (out is None or _heads_of(dk) == num_heads_kv)):
+        try:
+            torch.ops.flash_epilogue.gqa_reduce(dk_partial, dv_partial, dk, dv, cu_seqlens=cu_seqlens, seqused=seqused,
+                                                scale_dk=float(scale_dk), scale_dv=float(scale_dv), _arch=_arch)
+        except Exception:
+            _explain(_validate_reduce, op, dk_partial, dv_partial, dk, dv, cu_seqlens, seqused, scale_dk, scale_dv,
+                     _arch, num_heads_kv)
+            raise
+    else:
+        problem = _validate_reduce(op, dk_partial, dv_partial, dk, dv, cu_seqlens, seqused, scale_dk, scale_dv, _arch,
+                                   num_heads_kv)
+        _content_checks(check_inputs, op, problem, cu_seqlens, seqused)
+        torch.ops.flash_epilogue.gqa_reduce(dk_partial, dv_partial, dk, dv, cu_seqlens=cu_seqlens, seqused=seqused,
+                                            scale_dk=float(scale_dk), scale_dv=float(scale_dv), _arch=_arch)
+    if _DEBUG:
+        _debug_sync(op, dk.device)
     return dk if dv_partial is None else (dk, dv)
+
+
+def _heads_of(t) -> Optional[int]:
+    """t.shape[-2] of a tensor of rank >= 2, else None."""
+    return t.shape[-2] if isinstance(t, torch.Tensor) and t.dim() >= 2 else None
 
 
 @_register_fake_if_defined("flash_epilogue::gqa_accumulate")
 def _gqa_accumulate_fake(dk_partial, dv_partial, dk_accum, dv_accum, semaphores=None, *, cu_seqlens=None,
                          seqused=None, deterministic=False, _arch=0) -> None:
-    return None
+    _check_fake_devices("gqa_accumulate", (("dk_partial", dk_partial), ("dv_partial", dv_partial),
+                                           ("dk_accum", dk_accum), ("dv_accum", dv_accum), ("semaphores", semaphores),
+                                           ("cu_seqlens", cu_seqlens), ("seqused", seqused)))
 
 
 @_register_fake_if_defined("flash_epilogue::gqa_postprocess")
 def _gqa_postprocess_fake(dk_accum, dv_accum, dk, dv, *, scale_dk=1.0, scale_dv=1.0, cu_seqlens=None, seqused=None,
                           _arch=0) -> None:
-    return None
+    _check_fake_devices("gqa_postprocess", (("dk_accum", dk_accum), ("dv_accum", dv_accum), ("dk", dk), ("dv", dv),
+                                            ("cu_seqlens", cu_seqlens), ("seqused", seqused)))
 
 
 @_register_fake_if_defined("flash_epilogue::gqa_accum_to_dense")
 def _gqa_accum_to_dense_fake(accum, out, *, head_dim, cu_seqlens=None, seqused=None, _arch=0) -> None:
-    return None
+    _check_fake_devices("gqa_accum_to_dense", (("accum", accum), ("out", out), ("cu_seqlens", cu_seqlens),
+                                               ("seqused", seqused)))
 
 
 @_register_fake_if_defined("flash_epilogue::gqa_reduce")
 def _gqa_reduce_fake(dk_partial, dv_partial, dk, dv, *, cu_seqlens=None, seqused=None, scale_dk=1.0, scale_dv=1.0,
                      _arch=0) -> None:
-    return None
+    _check_fake_devices("gqa_reduce", (("dk_partial", dk_partial), ("dv_partial", dv_partial), ("dk", dk), ("dv", dv),
+                                       ("cu_seqlens", cu_seqlens), ("seqused", seqused)))

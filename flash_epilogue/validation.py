@@ -9,6 +9,10 @@ or batch_idx/head_idx to the host and run only when the caller asks for it.
 Every rejected input raises :class:`FlashEpilogueInputError` with the message
 ``"flash_epilogue.<op>: <arg>: expected <expected>, got <actual>"``.
 
+csrc/bindings.cpp makes the same checks in the same order with the same messages (the wrappers
+call the op first and run this validation only when the op raises): change both together;
+tests/test_cpp_parity.py compares them over the validation test suites.
+
 The device checks come last and go through three module-level functions
 (:func:`_is_cuda_device`, :func:`_device_capability`, :func:`_compiled_archs`) that tests
 monkeypatch to reach them with CPU tensors.
@@ -827,6 +831,7 @@ def validate_gqa_reduce(dk_partial, dv_partial, dk, dv, cu_seqlens=None, seqused
     _check_reduced_shape(op, "dk", dk, "dk_partial", dk_partial)
     if dv is not None:
         _check_reduced_shape(op, "dv", dv, "dv_partial", dv_partial)
+        _check_same_leading_shape(op, "dv", dv, "dk", dk)  # the same KV heads
     d = int(dk.shape[-1])
     dv_dim = int(dv.shape[-1]) if dv is not None else d
     _check_head_dim(op, "dk", d)

@@ -4,7 +4,8 @@
 # Stages: build (the extension against the device's torch, MAX_JOBS=16), test (pytest, GPU tests
 # included), bench (benchmarks/bench_store.py: store vs torch .to), bench_ops (benchmarks/bench_ops.py:
 # every op vs torch eager/compile/Triton and the copy roofline -> h200.json/csv/png; give it a call
-# of its own), pack (the built extension -> $OUT/prebuilt.tgz, to carry as .prebuilt/prebuilt.tgz into a
+# of its own), bench_host (benchmarks/bench_host.py: the wrappers' host time vs torch.ops and .to x2 ->
+# host_time.json), pack (the built extension -> $OUT/prebuilt.tgz, to carry as .prebuilt/prebuilt.tgz into a
 # later call that skips `build`: a cold machine then needs no 160 s rebuild), sanitize
 # (scripts/sanitize.sh: compute-sanitizer memcheck/synccheck/racecheck/initcheck over every op ->
 # sanitize.json + sanitize_logs.tgz; about 5 minutes, budget SANITIZE_BUDGET_S). Logs and results go to
@@ -70,6 +71,10 @@ fi
 
 if has bench; then
   python3 benchmarks/bench_store.py --out "$OUT/store_first.json" --commit "$COMMIT" 2>&1 | tee "$OUT/bench.log" || status=1
+fi
+
+if has bench_host; then
+  python3 benchmarks/bench_host.py --json "$OUT/host_time.json" 2>&1 | tee "$OUT/bench_host.log" || status=1
 fi
 
 if has bench_ops; then

@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 
@@ -16,6 +18,37 @@ def _sm90_kernels() -> tuple[bool, str]:
 
 _HAVE_SM90, _WHY_NOT = _sm90_kernels()
 requires_sm90 = pytest.mark.skipif(not _HAVE_SM90, reason=_WHY_NOT)
+
+
+@pytest.fixture(autouse=True)
+def _env_flags_follow_the_environment():
+    """flash_epilogue reads FLASH_EPILOGUE_DEBUG / FLASH_EPILOGUE_CHECK_INPUTS once, at import; a test
+    that sets them calls flash_epilogue.refresh_env_flags(). Re-read before each test, when the
+    previous test's monkeypatch has restored the environment."""
+    from flash_epilogue import ops
+
+    ops.refresh_env_flags()
+    yield
+
+
+@pytest.fixture(autouse=True)
+def _cpp_parity(request, monkeypatch):
+    """FLASH_EPILOGUE_TEST_CPP_PARITY=<file>: every Python validator call also runs the C++ op and
+    compares (tests/cpp_parity.py; tests/test_cpp_parity.py sets it)."""
+    path = os.environ.get("FLASH_EPILOGUE_TEST_CPP_PARITY")
+    if not path:
+        yield
+        return
+    import cpp_parity
+    import flash_epilogue.validation as V
+
+    comparer = cpp_parity.Comparer(path, request.node.nodeid)
+    for name in cpp_parity.SPECS:
+        wrapped = comparer.wrap(name)
+        monkeypatch.setattr(V, name, wrapped)
+        if request.module is not None and getattr(request.module, name, None) is cpp_parity.REAL[name]:
+            monkeypatch.setattr(request.module, name, wrapped)
+    yield
 
 
 def pytest_collection_modifyitems(config, items):

@@ -424,16 +424,17 @@ def test_gqa_heads_not_divisible_raise():
     with pytest.raises(fe.FlashEpilogueInputError, match=r"dk_partial: heads: expected a positive multiple of the 3 KV"):
         fe.gqa_reduce(p, num_heads_kv=3, out=out)
     # the ops themselves refuse too (callers that skip the wrapper), before any launch
-    with pytest.raises(RuntimeError, match="multiple"):
+    with pytest.raises(ValueError, match=r"dk_partial: heads: expected a positive multiple of the 3 KV"):
         torch.ops.flash_epilogue.gqa_accumulate(p, p.clone(), acc.dk_accum, acc.dv_accum)
-    with pytest.raises(RuntimeError, match="multiple"):
+    with pytest.raises(ValueError, match=r"dk_partial: heads: expected a positive multiple of the 3 KV"):
         torch.ops.flash_epilogue.gqa_reduce(p, None, out, None)
     # deterministic mode needs the semaphores
     acc2 = fe.gqa_accumulator(2, 64, batch=1, seqlen=16, device=DEV)
     with pytest.raises(fe.FlashEpilogueInputError, match=r"acc\.semaphores: expected an int32 workspace because "
                                                          r"deterministic=True"):
         fe.gqa_accumulate(p, p.clone(), acc2, deterministic=True)
-    with pytest.raises(RuntimeError, match="semaphores"):
+    with pytest.raises(ValueError, match=r"semaphores: expected an int32 tensor of >= \d+ entries because "
+                                         r"deterministic=True"):
         torch.ops.flash_epilogue.gqa_accumulate(p, p.clone(), acc2.dk_accum, acc2.dv_accum, None, deterministic=True)
     # the process is healthy afterwards
     fe.gqa_accumulate(p, p.clone(), acc2)

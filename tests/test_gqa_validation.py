@@ -693,6 +693,8 @@ def test_reduce_shapes_and_heads():
         validate_gqa_reduce(dk_p, dv_p, dk, dv[..., :32])
     with _red("dv_partial: shape", "(2, 16, 4, '*') (dk_partial's shape but the last dim)", "(2, 16, 3, 64)"):
         validate_gqa_reduce(dk_p, dv_p[:, :, :3], dk, dv)
+    with _red("dv: shape", "(2, 16, 2, '*') (dk's shape but the last dim)", "(2, 16, 1, 64)"):
+        validate_gqa_reduce(dk_p, dv_p, dk, dv[:, :, :1])  # dv's KV heads must be dk's
     with _red("dk_partial: heads", "a positive multiple of the 3 KV heads (dk.shape[-2]): every KV head serves "
                                    "h_q / h_k query heads", "4 query heads (dk_partial.shape[-2])"):
         validate_gqa_reduce(dk_p, None, torch.zeros(2, 16, 3, 64, dtype=BF16), None)

@@ -130,9 +130,12 @@ def test_debug_switch_turns_on_content_checks(monkeypatch):
 
     monkeypatch.delenv("FLASH_EPILOGUE_CHECK_INPUTS", raising=False)
     monkeypatch.delenv("FLASH_EPILOGUE_DEBUG", raising=False)
+    ops.refresh_env_flags()
     assert not ops._want_content_checks(None)
     assert ops._want_content_checks(True)
     monkeypatch.setenv("FLASH_EPILOGUE_DEBUG", "1")
+    assert not ops._want_content_checks(None)  # read at import (host time), until refreshed
+    ops.refresh_env_flags()
     assert ops._want_content_checks(None)
     assert not ops._want_content_checks(False)  # an explicit argument wins
     ops._debug_sync("store", torch.device("cpu"))  # nothing to wait for off the GPU

@@ -166,12 +166,14 @@ def test_torch_ops_backstop_rejects_bad_input():
     # callers that skip the Python wrapper still get a clear error, not a bad launch
     acc = fresh_accum((1, 16, 1, 64))
     out = torch.empty_like(acc, dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match="dk_accum: expected dtype Float"):
+    # the op's messages are the Python validation's; a wrong dtype is a TypeError, other values ValueError
+    with pytest.raises(TypeError, match=r"^flash_epilogue\.store: dk_accum: dtype: expected torch\.float32, "
+                                        r"got torch\.float64$"):
         torch.ops.flash_epilogue.store(acc.double(), acc, out, out.clone())
-    with pytest.raises(RuntimeError, match="head dim"):
+    with pytest.raises(ValueError, match=r"^flash_epilogue\.store: dk: head dim: expected a multiple of 8"):
         a = fresh_accum((1, 16, 1, 12))
         torch.ops.flash_epilogue.store(a, a, a.bfloat16(), a.bfloat16())
-    with pytest.raises(RuntimeError, match="stride"):
+    with pytest.raises(ValueError, match=r"^flash_epilogue\.store: dk: stride\(1\)"):
         a = fresh_accum((1, 16, 1, 64))
         o = canary_buffer((1, 16, 1, 68), torch.bfloat16)[..., :64]
         torch.ops.flash_epilogue.store(a, a, o, out)

@@ -911,5 +911,6 @@ def test_store_zero_wrapper_env_switch(sm90, monkeypatch):
     import flash_epilogue as fe
 
     monkeypatch.setenv("FLASH_EPILOGUE_CHECK_INPUTS", "1")
+    fe.refresh_env_flags()  # read once at import; conftest re-reads them before each test
     with _zraises("batch_idx[0]", "a value in [0, 2) (the batch size)", "4"):
         fe.store_zero(*zmake(), batch_idx=4)
