@@ -173,11 +173,17 @@ def _kernel_device(device: torch.device) -> bool:
     return ((major, minor) == (9, 0) and "sm_90a" in archs) or (major == 8 and "sm_80" in archs)
 
 
-def _kernel_supports(grad: torch.Tensor) -> bool:
-    """dtype, head dim and device the kernel has; a non-empty gradient."""
+# the launchers' grid limits (csrc/bindings.cpp): rows < 2^31, batch and heads < 65536
+_MAX_ROWS, _MAX_BATCH_OR_HEADS = 2**31 - 1, 65535
+
+
+def _kernel_supports(grad: torch.Tensor, dim: int) -> bool:
+    """dtype, head dim, grid limits and device the kernel has; a non-empty gradient."""
     d = grad.shape[-1]
+    seqlen = grad.shape[3 - dim]  # (b, h, s, d) for dim 1, (b, s, h, d) for dim 2
     return (grad.dtype in KERNEL_DTYPES and d % HEAD_DIM_MULTIPLE == 0 and 0 < d <= MAX_HEAD_DIM
-            and grad.numel() > 0 and _kernel_device(grad.device))
+            and grad.numel() > 0 and seqlen <= _MAX_ROWS and grad.shape[0] <= _MAX_BATCH_OR_HEADS
+            and grad.shape[dim] <= _MAX_BATCH_OR_HEADS and _kernel_device(grad.device))
 
 
 def _kernel_layout_ok(t: torch.Tensor) -> bool:
@@ -200,7 +206,7 @@ def _kernel_view(t: torch.Tensor, dim: int) -> torch.Tensor:
 def _reduce(grad: torch.Tensor, n_rep: int, dim: int, out: torch.Tensor) -> str:
     """Sum the groups of `grad` into `out`; returns the path taken ("kernel", "kernel_copy" or
     "reference"; the tests look)."""
-    if not _kernel_supports(grad):
+    if not _kernel_supports(grad, dim):
         group_sum_reference(grad, n_rep, dim, out=out)
         return "reference"
     path = "kernel"

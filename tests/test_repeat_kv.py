@@ -344,6 +344,10 @@ def test_unsupported_inputs_take_the_reference_path(kernel_device, paths):
         assert torch.equal(bits(out), bits(R.group_sum_reference(grad, 4, 1)))
     assert kernel_device.calls == []
     assert paths == ["reference"] * len(cases)
+    # past the launchers' grid limits (batch or heads >= 65536): the reference path, not an error
+    for shape, dim in (((65536, 2, 1, 8), 1), ((1, 1, 65536, 8), 2)):
+        grad = torch.ones((), dtype=BF16).expand(shape)
+        assert not R._kernel_supports(grad, dim) and R._kernel_supports(grad[:1] if dim == 1 else grad[:, :, :2], dim)
 
 
 def test_kernel_device_rule(monkeypatch):
