@@ -10,6 +10,9 @@
     flash_epilogue.gqa_postprocess(acc, dk_bf16, dv_bf16, scale_dk=scale)
     dk_bf16 = flash_epilogue.gqa_reduce(dk_partial, num_heads_kv=h_k)   # or all at once
 
+    # autograd: transformers' repeat_kv whose backward is the deterministic group reduce
+    k = flash_epilogue.repeat_kv(k, n_rep)      # (b, h_k, s, d) -> (b, h_k * n_rep, s, d)
+
 The C++ collectives are a header library: see `get_include()`.
 """
 from __future__ import annotations
@@ -21,6 +24,7 @@ from ._config import COMPILED_HEAD_DIMS, TileConfig, tile_config
 from ._extension import UNAVAILABLE_REASON, compiled_archs
 from .gqa import GQAAccumulator, gqa_accumulator
 from .ops import gqa_accumulate, gqa_postprocess, gqa_reduce, refresh_env_flags, store, store_zero
+from .repeat_kv import repeat_kv
 from .validation import FlashEpilogueBuildError, FlashEpilogueInputError
 
 
@@ -51,6 +55,7 @@ __all__ = [
     "gqa_postprocess",
     "gqa_reduce",
     "refresh_env_flags",
+    "repeat_kv",
     "reference",
     "tile_config",
     "TileConfig",

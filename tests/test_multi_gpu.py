@@ -1,0 +1,427 @@
+"""More than one GPU: every op on cuda:1 tensors while the current device is cuda:0.
+
+GPU tests (skipped unless two sm_90 devices): each op (store, store_zero, gqa_accumulate,
+gqa_postprocess, GQAAccumulator.to_dense, gqa_reduce, repeat_kv forward and backward) on cuda:1
+gives the reference's results and runs on device 1's *current* stream: that stream is a side
+stream which first sleeps, then copies the real inputs over stale ones; an op launched anywhere
+else (device 1's default stream, device 0's stream) would run during the sleep and read the stale
+values. The current device stays cuda:0 throughout. Both code paths (`_arch` 0: sm_90, and 80) run
+on device 1, and hdim 96 and 80 (whose kernels need the raised dynamic shared-memory limit, an
+attribute set per device) work on device 1 first in a fresh process. Tensors on different
+devices raise errors naming the arguments, from the wrappers and from the ops themselves.
+
+CPU tests: the mixed-device errors of every wrapper, with fake cuda:0/cuda:1 tensors
+(FakeTensorMode) and the validation module's device hooks pretending both are sm_90 devices.
+"""
+import os
+import re
+import subprocess
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import flash_epilogue as fe
+import flash_epilogue.validation as V
+from flash_epilogue.reference import (
+    gqa_accumulate_reference,
+    gqa_reduce_reference,
+    store_reference,
+    store_zero_reference,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+I32, BF16, F16 = torch.int32, torch.bfloat16, torch.float16
+ARCHS = pytest.mark.parametrize("arch", (0, 80), ids=("native", "sm80"))
+SLEEP_CYCLES = 200_000_000  # ~100 ms at the H200's clock: far longer than enqueueing one op
+
+
+def _two_sm90_gpus() -> tuple[bool, str]:
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        return False, "needs 2 CUDA devices"
+    caps = [torch.cuda.get_device_capability(i) for i in (0, 1)]
+    if any(c != (9, 0) for c in caps):
+        return False, f"needs two sm_90 devices, got {caps}"
+    if not fe.kernels_available():
+        return False, f"kernels not built: {fe.UNAVAILABLE_REASON}"
+    return True, ""
+
+
+_OK, _WHY = _two_sm90_gpus()
+two_gpus = pytest.mark.skipif(not _OK, reason=_WHY)
+D0, D1 = torch.device("cuda", 0), torch.device("cuda", 1)
+
+
+def bits(t):
+    return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
+
+
+def same(a, b):
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
+
+
+def rand(shape, seed, dtype=torch.float32, device=D1):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(shape, device=device, generator=gen)
+    return (x * torch.exp2(torch.randint(-6, 7, shape, device=device, generator=gen).float())).to(dtype)
+
+
+@contextmanager
+def device1_side_stream():
+    """Device 1's current stream is a new side stream; the current device stays cuda:0."""
+    torch.cuda.set_device(0)
+    stream = torch.cuda.Stream(device=D1)
+    with torch.cuda.device(1):
+        previous = torch.cuda.current_stream()
+        torch.cuda.set_stream(stream)
+    try:
+        assert torch.cuda.current_device() == 0 and torch.cuda.current_stream(D1) == stream
+        yield stream
+    finally:
+        with torch.cuda.device(1):
+            torch.cuda.set_stream(previous)
+        torch.cuda.set_device(0)
+
+
+class Inputs:
+    """cuda:1 input tensors that hold stale values until fill() copies the real ones over them
+    (on device 1's current stream); reset() makes them stale again."""
+
+    def __init__(self):
+        self.pairs = []
+
+    def add(self, shape, seed, dtype=torch.float32):
+        stale, real = rand(shape, seed + 1000, dtype), rand(shape, seed, dtype)
+        self.pairs.append((stale, real, stale.clone()))
+        return stale, real
+
+    def add_tensor(self, stale, real):
+        self.pairs.append((stale, real, stale.clone()))
+        return stale, real
+
+    @torch.no_grad()
+    def fill(self):
+        for stale, real, _ in self.pairs:
+            stale.copy_(real)
+
+    @torch.no_grad()
+    def reset(self):
+        for stale, _, backup in self.pairs:
+            stale.copy_(backup)
+
+
+def run_on_device1(inputs, call, outputs=()):
+    """call() with cuda:0 current while device 1's current stream is a side stream that first
+    sleeps, then copies the real inputs in (inputs.fill()). Returns call()'s result once that
+    stream has finished. A warm-up run first loads every kernel involved on device 1 (lazy module
+    loading can wait for work already running), then inputs and `outputs` are restored."""
+    torch.cuda.synchronize(D0)
+    torch.cuda.synchronize(D1)
+    before = [o.clone() for o in outputs]
+    with device1_side_stream():
+        with torch.cuda.device(1):
+            torch.cuda._sleep(1000)
+        inputs.fill()
+        call()
+    torch.cuda.synchronize(D1)
+    inputs.reset()
+    with torch.no_grad():
+        for o, b in zip(outputs, before):
+            o.copy_(b)
+    torch.cuda.synchronize(D1)
+    with device1_side_stream() as stream:
+        with torch.cuda.device(1):
+            torch.cuda._sleep(SLEEP_CYCLES)  # on device 1's current stream
+        inputs.fill()  # tensor ops on cuda:1 tensors run on device 1's current stream
+        assert torch.cuda.current_device() == 0
+        result = call()
+        assert torch.cuda.current_device() == 0, "the op changed the current device"
+        assert not stream.query(), "the stream finished before the op was enqueued: raise SLEEP_CYCLES"
+        stream.synchronize()
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# every op on cuda:1, on its current stream
+
+
+@pytest.mark.gpu
+@two_gpus
+@ARCHS
+def test_store_and_store_zero_on_device1(arch):
+    inputs = Inputs()
+    (ak, ak_real), (av, av_real) = inputs.add((2, 300, 3, 128), 1), inputs.add((2, 300, 3, 64), 2)
+    used = torch.tensor([300, 131], dtype=I32, device=D1)
+    dk = torch.zeros(2, 300, 3, 128, dtype=BF16, device=D1)
+    dv = torch.zeros(2, 3, 300, 64, dtype=BF16, device=D1).transpose(1, 2)
+    run_on_device1(inputs, lambda: fe.store(ak, av, dk, dv, seqused=used, _arch=arch), (dk, dv))
+    want_k, want_v = torch.zeros_like(dk), torch.zeros_like(dv)
+    store_reference(ak_real, av_real, want_k, want_v, seqused=used)
+    assert same(dk, want_k) and same(dv, want_v)
+    # store_zero: the selection tensor is the stale/real input here
+    inputs = Inputs()
+    idx, _ = inputs.add_tensor(torch.tensor([0], dtype=I32, device=D1), torch.tensor([1], dtype=I32, device=D1))
+    run_on_device1(inputs, lambda: fe.store_zero(dk, dv, seqused=used, batch_idx=idx, row_start=100, _arch=arch),
+                   (dk, dv))
+    store_zero_reference(want_k, want_v, seqused=used, batch_idx=[1], row_start=100)
+    assert same(dk, want_k) and same(dv, want_v)
+    # varlen
+    inputs = Inputs()
+    cu = torch.tensor([0, 129, 129, 400], dtype=I32, device=D1)
+    (ak, ak_real), (av, av_real) = inputs.add((410, 2, 96), 3), inputs.add((410, 2, 96), 4)
+    vk, vv = torch.zeros(410, 2, 96, dtype=F16, device=D1), torch.zeros(410, 2, 96, dtype=F16, device=D1)
+    heads = torch.tensor([1], dtype=I32, device=D1)  # (a list would be copied to the device with a sync)
+    run_on_device1(inputs, lambda: (fe.store(ak, av, vk, vv, cu_seqlens=cu, _arch=arch),
+                                    fe.store_zero(vk, vv, cu_seqlens=cu, head_idx=heads, row_end=64, _arch=arch)),
+                   (vk, vv))
+    want_k, want_v = torch.zeros_like(vk), torch.zeros_like(vv)
+    store_reference(ak_real, av_real, want_k, want_v, cu_seqlens=cu)
+    store_zero_reference(want_k, want_v, cu_seqlens=cu, head_idx=[1], row_end=64)
+    assert same(vk, want_k) and same(vv, want_v)
+
+
+@pytest.mark.gpu
+@two_gpus
+@ARCHS
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_gqa_ops_on_device1(arch, deterministic):
+    hk, g, d, b, s = 2, 4, 128, 2, 300
+    inputs = Inputs()
+    (pk, pk_real), (pv, pv_real) = inputs.add((b, s, hk * g, d), 5), inputs.add((b, s, hk * g, d), 6)
+    used = torch.tensor([s, 150], dtype=I32, device=D1)
+    acc = fe.gqa_accumulator(hk, d, batch=b, seqlen=s, deterministic=deterministic, device=D1, arch=arch)
+    assert acc.device == D1
+    ok = torch.zeros(b, s, hk, d, dtype=BF16, device=D1)
+    ov = torch.zeros(b, s, hk, d, dtype=BF16, device=D1)
+
+    def call():
+        acc.reset()
+        fe.gqa_accumulate(pk, pv, acc, deterministic=deterministic, seqused=used)
+        fe.gqa_postprocess(acc, ok, ov, scale_dk=0.5)
+        return acc.to_dense(), fe.gqa_reduce(pk, pv, num_heads_kv=hk, out_dtype=F16, _arch=arch)
+
+    (dense_k, dense_v), (rk, rv) = run_on_device1(inputs, call, (ok, ov, acc.dk_accum, acc.dv_accum))
+    ref = [torch.zeros(b, s, hk, d, device=D1) for _ in range(2)]
+    gqa_accumulate_reference(pk_real, pv_real, *ref, num_heads_kv=hk, seqused=used)
+    want_k, want_v = torch.zeros_like(ok), torch.zeros_like(ov)
+    store_reference(ref[0] * 0.5, ref[1], want_k, want_v, seqused=used)
+    if deterministic:
+        assert same(dense_k, ref[0]) and same(dense_v, ref[1])
+        assert same(ok, want_k) and same(ov, want_v)
+    else:  # any order of the fp32 adds: within g adds' rounding of the group's magnitude (see test_gqa.py)
+        mag = [torch.zeros(b, s, hk, d, dtype=torch.float64, device=D1) for _ in range(2)]
+        gqa_accumulate_reference(pk_real.abs(), pv_real.abs(), *mag, num_heads_kv=hk, seqused=used, sequential=False)
+        for got, want, m in zip((dense_k, dense_v), ref, mag):
+            assert ((got.double() - want.double()).abs() <= 2 * g * 2.0**-24 * m).all()
+    for got, p in ((rk, pk_real), (rv, pv_real)):
+        want = torch.zeros_like(got)
+        gqa_reduce_reference(p, hk, out=want, sequential=True)
+        assert got.device == D1 and same(got, want)
+
+
+@pytest.mark.gpu
+@two_gpus
+def test_repeat_kv_on_device1():
+    inputs = Inputs()
+    (x, x_real), (gy, gy_real) = inputs.add((2, 2, 300, 128), 7, BF16), inputs.add((2, 8, 300, 128), 8, BF16)
+    x.requires_grad_()
+
+    def call():
+        y = fe.repeat_kv(x, 4)
+        return y, torch.autograd.grad(y, x, gy)[0]
+
+    y, gx = run_on_device1(inputs, call)
+    assert y.device == gx.device == D1
+    assert same(y, x_real.repeat_interleave(4, dim=1))
+    repeat_kv_module = sys.modules["flash_epilogue.repeat_kv"]
+    assert same(gx, repeat_kv_module.group_sum_reference(gy_real, 4, 1))
+
+
+# ---------------------------------------------------------------------------------------------
+# hdim 80/96 (raised shared-memory limit) on device 1 first, in a fresh process
+
+_FRESH_PROCESS = r"""
+import torch, flash_epilogue as fe
+from flash_epilogue.reference import gqa_accumulate_reference, gqa_reduce_reference, store_reference
+torch.cuda.set_device(0)
+for dev in (1, 0):  # device 1 first: its shared-memory attributes are set before device 0's
+    for arch in (0, 80):
+        for d in (96, 80):
+            D = torch.device("cuda", dev)
+            g = torch.Generator(device=D).manual_seed(d + arch)
+            pk = torch.randn(2, 200, 6, d, device=D, generator=g)
+            pv = torch.randn(2, 200, 6, d, device=D, generator=g)
+            ok, ov = (torch.zeros(2, 200, 2, d, dtype=torch.bfloat16, device=D) for _ in range(2))
+            acc = fe.gqa_accumulator(2, d, batch=2, seqlen=200, deterministic=True, device=D, arch=arch)
+            fe.gqa_accumulate(pk, pv, acc, deterministic=True)
+            fe.gqa_postprocess(acc, ok, ov)
+            rk, rv = fe.gqa_reduce(pk, pv, num_heads_kv=2, out_dtype=torch.bfloat16, _arch=arch)
+            sk, sv = (torch.zeros(2, 200, 6, d, dtype=torch.float16, device=D) for _ in range(2))
+            fe.store(pk, pv, sk, sv, _arch=arch)
+            fe.store_zero(sk, sv, row_start=100, _arch=arch)
+            assert torch.cuda.current_device() == 0
+            torch.cuda.synchronize(D)
+            ref = [torch.zeros(2, 200, 2, d, device=D) for _ in range(2)]
+            gqa_accumulate_reference(pk, pv, *ref, num_heads_kv=2)
+            for got, want in zip(acc.to_dense(), ref):
+                assert torch.equal(got, want), ("accumulate", dev, arch, d)
+            assert torch.equal(ok, ref[0].bfloat16()), ("postprocess", dev, arch, d)
+            assert torch.equal(ov, ref[1].bfloat16()), ("postprocess", dev, arch, d)
+            for got, p in ((rk, pk), (rv, pv)):
+                want = torch.zeros_like(got)
+                gqa_reduce_reference(p, 2, out=want, sequential=True)
+                assert torch.equal(got, want), ("reduce", dev, arch, d)
+            want = pk.half(); want[:, 100:] = 0
+            assert torch.equal(sk, want), ("store/store_zero", dev, arch, d)
+print("OK")
+"""
+
+
+@pytest.mark.gpu
+@two_gpus
+def test_hdim_80_96_on_device1_first_in_a_fresh_process():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    out = subprocess.run([sys.executable, "-c", _FRESH_PROCESS], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stdout + out.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# mixed devices: GPU
+
+
+def _mixed(arg, ref_arg, op, ref_dev=0, dev=1):
+    return pytest.raises(fe.FlashEpilogueInputError,
+                         match=rf"^flash_epilogue\.{op}: {re.escape(arg)}: device: expected cuda:{ref_dev} \(the "
+                               rf"device of {re.escape(ref_arg)}\), got cuda:{dev}$")
+
+
+@pytest.mark.gpu
+@two_gpus
+def test_mixed_devices_raise_naming_the_arguments():
+    a0, a1 = torch.zeros(1, 64, 2, 64, device=D0), torch.zeros(1, 64, 2, 64, device=D1)
+    o0, o1 = (torch.zeros(1, 64, 2, 64, dtype=BF16, device=dev) for dev in (D0, D1))
+    with _mixed("dv_accum", "dk_accum", "store"):
+        fe.store(a0, a1, o0, o0.clone())
+    with _mixed("dk", "dk_accum", "store"):
+        fe.store(a0, a0.clone(), o1, o0)
+    with _mixed("seqused", "dk_accum", "store"):
+        fe.store(a0, a0.clone(), o0, o0.clone(), seqused=torch.tensor([3], dtype=I32, device=D1))
+    with _mixed("dv", "dk", "store_zero"):
+        fe.store_zero(o0, o1)
+    with _mixed("head_idx", "dk", "store_zero"):
+        fe.store_zero(o0, o0.clone(), head_idx=torch.tensor([1], dtype=I32, device=D1))
+    p0, p1 = torch.zeros(1, 64, 4, 64, device=D0), torch.zeros(1, 64, 4, 64, device=D1)
+    acc1 = fe.gqa_accumulator(2, 64, batch=1, seqlen=64, device=D1)
+    with _mixed("dk_accum", "dk_partial", "gqa_accumulate"):
+        fe.gqa_accumulate(p0, p0.clone(), acc1)
+    with _mixed("dv_partial", "dk_partial", "gqa_reduce"):
+        fe.gqa_reduce(p0, p1, num_heads_kv=2)
+    with _mixed("dk", "dk_partial", "gqa_reduce"):
+        fe.gqa_reduce(p0, num_heads_kv=2, out=o1)
+    with _mixed("dk", "dk_accum", "gqa_postprocess", ref_dev=1, dev=0):
+        fe.gqa_postprocess(acc1, o0, o0.clone())
+    with _mixed("dv", "dk_accum", "gqa_postprocess", ref_dev=1, dev=0):
+        fe.gqa_postprocess(acc1, o1, o0)
+    # the ops themselves (callers that skip the wrappers) refuse too, naming the argument
+    with pytest.raises(RuntimeError, match=r"flash_epilogue\.store: dk_accum: expected device cuda:0, got cuda:1"):
+        torch.ops.flash_epilogue.store(a1, a1.clone(), o0, o0.clone())
+    with pytest.raises(RuntimeError, match=r"flash_epilogue\.store_zero: dv: expected device cuda:0, got cuda:1"):
+        torch.ops.flash_epilogue.store_zero(o0, o1)
+    with pytest.raises(RuntimeError, match=r"flash_epilogue\.gqa_reduce: dk_partial: expected device cuda:1, "
+                                           r"got cuda:0"):
+        torch.ops.flash_epilogue.gqa_reduce(p0, None, o1, None)
+    # nothing was launched on a wrong device: both devices are healthy
+    fe.store(a1, a1.clone(), o1, o1.clone())
+    torch.cuda.synchronize(D0)
+    torch.cuda.synchronize(D1)
+
+
+# ---------------------------------------------------------------------------------------------
+# mixed devices: CPU (fake cuda:0 / cuda:1 tensors)
+
+
+@pytest.fixture
+def fake_gpus(monkeypatch):
+    """FakeTensorMode tensors on cuda:0 and cuda:1, both passing for sm_90 devices; the wrappers
+    reach the fake kernels when nothing is wrong."""
+    monkeypatch.setattr(V, "_is_cuda_device", lambda device: device.type == "cuda")
+    monkeypatch.setattr(V, "_device_capability", lambda device: (9, 0))
+    monkeypatch.setattr(V, "_compiled_archs", lambda: ("sm_90a",))
+    with FakeTensorMode():
+        yield
+
+
+def _on(dev, *shape, dtype=torch.float32):
+    return torch.zeros(shape, dtype=dtype, device=f"cuda:{dev}")
+
+
+def _mixed_fake(arg, ref_arg, op, ref_dev=0, dev=1):
+    return pytest.raises(fe.FlashEpilogueInputError,
+                         match=rf"^flash_epilogue\.{op}: {re.escape(arg)}: device: expected cuda:{ref_dev} \(the "
+                               rf"device of {re.escape(ref_arg)}\), got cuda:{dev}$")
+
+
+@pytest.mark.parametrize("pos,name", [(1, "dv_accum"), (2, "dk"), (3, "dv")])
+def test_fake_store_mixed_devices(fake_gpus, pos, name):
+    args = [_on(0, 2, 64, 2, 64), _on(0, 2, 64, 2, 64), _on(0, 2, 64, 2, 64, dtype=BF16),
+            _on(0, 2, 64, 2, 64, dtype=BF16)]
+    fe.store(*args)  # one device: fine
+    args[pos] = args[pos].to("cuda:1")
+    with _mixed_fake(name, "dk_accum", "store"):
+        fe.store(*args)
+    # the reference is the first tensor: everything on cuda:1 but dk_accum names cuda:1 as expected
+    args = [a.to("cuda:1") for a in args]
+    fe.store(*args)
+    args[0] = args[0].to("cuda:0")
+    with _mixed_fake("dv_accum", "dk_accum", "store", ref_dev=0, dev=1):
+        fe.store(*args)
+
+
+def test_fake_seqlens_and_indices_mixed_devices(fake_gpus):
+    acc = [_on(1, 300, 2, 64), _on(1, 300, 2, 64)]
+    out = [_on(1, 300, 2, 64, dtype=F16), _on(1, 300, 2, 64, dtype=F16)]
+    cu1 = torch.tensor([0, 100, 300], dtype=I32, device="cuda:1")
+    fe.store(*acc, *out, cu_seqlens=cu1)
+    with _mixed_fake("cu_seqlens", "dk_accum", "store", ref_dev=1, dev=0):
+        fe.store(*acc, *out, cu_seqlens=cu1.to("cuda:0"))
+    with _mixed_fake("seqused", "dk_accum", "store", ref_dev=1, dev=0):
+        fe.store(*acc, *out, cu_seqlens=cu1, seqused=torch.tensor([1, 2], dtype=I32, device="cuda:0"))
+    fe.store_zero(*out, cu_seqlens=cu1, batch_idx=[1], head_idx=0)  # lists become tensors on dk's device
+    for name in ("batch_idx", "head_idx"):
+        with _mixed_fake(name, "dk", "store_zero", ref_dev=1, dev=0):
+            fe.store_zero(*out, cu_seqlens=cu1, **{name: torch.tensor([0], dtype=I32, device="cuda:0")})
+    with _mixed_fake("cu_seqlens", "dk", "store_zero", ref_dev=1, dev=0):
+        fe.store_zero(*out, cu_seqlens=cu1.to("cuda:0"))
+
+
+def test_fake_gqa_mixed_devices(fake_gpus):
+    pk, pv = _on(0, 2, 64, 4, 64), _on(0, 2, 64, 4, 64)
+    acc0 = fe.gqa_accumulator(2, 64, batch=2, seqlen=64, deterministic=True, device="cuda:0")
+    acc1 = fe.gqa_accumulator(2, 64, batch=2, seqlen=64, deterministic=True, device="cuda:1")
+    assert acc1.dk_accum.device == acc1.semaphores.device == torch.device("cuda:1")
+    fe.gqa_accumulate(pk, pv, acc0)
+    with _mixed_fake("dv_partial", "dk_partial", "gqa_accumulate"):
+        fe.gqa_accumulate(pk, pv.to("cuda:1"), acc0)
+    with _mixed_fake("dk_accum", "dk_partial", "gqa_accumulate"):
+        fe.gqa_accumulate(pk, pv, acc1)
+    dk, dv = _on(0, 2, 64, 2, 64, dtype=BF16), _on(0, 2, 64, 2, 64, dtype=BF16)
+    fe.gqa_postprocess(acc0, dk, dv)
+    with _mixed_fake("dk", "dk_accum", "gqa_postprocess", ref_dev=1, dev=0):
+        fe.gqa_postprocess(acc1, dk, dv)
+    with _mixed_fake("dv", "dk_accum", "gqa_postprocess", ref_dev=1, dev=0):
+        fe.gqa_postprocess(acc1, dk.to("cuda:1"), dv)
+    acc1.to_dense()  # allocates on the accumulator's device
+    with _mixed_fake("seqused", "accum", "gqa_accum_to_dense", ref_dev=1, dev=0):
+        acc1.to_dense(seqused=torch.tensor([1, 2], dtype=I32, device="cuda:0"))
+    fe.gqa_reduce(pk, pv, num_heads_kv=2)
+    with _mixed_fake("dv_partial", "dk_partial", "gqa_reduce"):
+        fe.gqa_reduce(pk, pv.to("cuda:1"), num_heads_kv=2)
+    with _mixed_fake("dk", "dk_partial", "gqa_reduce"):
+        fe.gqa_reduce(pk, num_heads_kv=2, out=dk.to("cuda:1"))
+    with _mixed_fake("seqused", "dk_partial", "gqa_reduce"):
+        fe.gqa_reduce(pk, num_heads_kv=2, seqused=torch.tensor([1, 2], dtype=I32, device="cuda:1"))
