@@ -39,14 +39,6 @@ OPS = torch.ops.flash_epilogue
 OP_NAMES = ("store", "store_zero", "gqa_accumulate", "gqa_postprocess", "gqa_accum_to_dense", "gqa_reduce")
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
-# The wrappers validate tensors by address (data_ptr alignment, byte-range overlap checks), which
-# TorchDynamo cannot trace: torch.compile(fullgraph=True) over them raises Unsupported at
-# validation._check_alignment (data_ptr() % 16, then storage_offset()). Skipping the address checks
-# while torch.compiler.is_compiling() (the C++ op checks still run) lets every wrapper trace. Remove
-# this marker when validation.py does (an XPASS says so).
-WRAPPERS_UNDER_DYNAMO = pytest.mark.xfail(
-    raises=torch._dynamo.exc.TorchDynamoException, strict=False,  # Unsupported (a graph break) on torch 2.14
-    reason="validation's address checks (data_ptr/storage_offset) are not traceable by TorchDynamo")
 
 
 def bits(t):
@@ -269,7 +261,6 @@ def test_compile_fullgraph_every_op(request, device):
         assert (bits(t["ok"]) != 0).any() and (bits(t["rk"]) != 0).any()
 
 
-@WRAPPERS_UNDER_DYNAMO
 @pytest.mark.parametrize("device", DEVICES)
 def test_compile_fullgraph_every_wrapper(request, device):
     device_setup(request, device)
