@@ -45,7 +45,9 @@ if has pack; then
 fi
 
 if has test; then
-  python3 -m pytest tests -q -rs -p no:cacheprovider --junitxml="$OUT/junit.xml" > "$OUT/tests.log" 2>&1 || status=1
+  # A hung test (a deadlocked spin-wait) must not take the rest of the call with it.
+  timeout "${TEST_TIMEOUT_S:-1800}" python3 -m pytest tests -q -rs -p no:cacheprovider --durations=25 \
+    --junitxml="$OUT/junit.xml" > "$OUT/tests.log" 2>&1 || status=1
   tail -15 "$OUT/tests.log"
   python3 - "$OUT" "$COMMIT" <<'PY'
 import datetime, json, sys, xml.etree.ElementTree as ET
@@ -66,6 +68,12 @@ PY
 fi
 
 if has sanitize; then
+  # GPU_CHECK_DEADLINE_S (seconds after this script started): fit the sanitizer into what is left.
+  if [ -n "${GPU_CHECK_DEADLINE_S:-}" ]; then
+    left=$(( GPU_CHECK_DEADLINE_S - SECONDS - 15 ))
+    export SANITIZE_BUDGET_S=$(( left < ${SANITIZE_BUDGET_S:-290} ? left : ${SANITIZE_BUDGET_S:-290} ))
+    echo "sanitize budget: ${SANITIZE_BUDGET_S} s"
+  fi
   bash scripts/sanitize.sh "$OUT" "$COMMIT" || status=1
 fi
 
