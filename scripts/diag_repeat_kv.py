@@ -1,0 +1,48 @@
+"""Diagnostic (H200): which gqa_reduce call of repeat_kv's backward crashes. Prints each call's
+arguments before making it (flushed), first on the main thread, then through autograd."""
+import sys
+
+import torch
+
+import flash_epilogue as fe
+import flash_epilogue.ops as ops
+
+sys.path.insert(0, "tests")
+from test_repeat_kv import leading_order_storage  # noqa: E402
+
+real = ops.gqa_reduce
+
+
+def describe(t):
+    return None if t is None else (tuple(t.shape), tuple(t.stride()), str(t.dtype), t.data_ptr() % 256)
+
+
+def traced(dk_partial, dv_partial=None, **kw):
+    out = kw.get("out")
+    print("gqa_reduce", describe(dk_partial), describe(dv_partial), describe(out) if torch.is_tensor(out) else out,
+          {k: v for k, v in kw.items() if k != "out"}, flush=True)
+    return real(dk_partial, dv_partial, **kw)
+
+
+ops.gqa_reduce = traced
+mode = sys.argv[1]
+for d in (64, 80, 96, 128, 192, 256):
+    for dtype in (torch.bfloat16, torch.float16):
+        for i, (dim, hk, n_rep, order) in enumerate(((1, 2, 4, (0, 1, 2)), (1, 1, 8, (0, 2, 1)), (2, 2, 3, (0, 1, 2)),
+                                                     (2, 4, 2, (0, 2, 1)))):
+            s = 131 + 64 * i
+            shape = (2, hk, s, d) if dim == 1 else (2, s, hk, d)
+            x = leading_order_storage(shape, order, dtype, "cuda").requires_grad_()
+            y = fe.repeat_kv(x, n_rep, dim=dim)
+            g = torch.randn(y.shape, device="cuda").to(dtype)
+            for grad in (g, g.transpose(1, 2).contiguous().transpose(1, 2)):
+                print("case", mode, d, dtype, i, flush=True)
+                if mode == "main":
+                    import importlib
+                    R = importlib.import_module("flash_epilogue.repeat_kv")
+                    out = torch.empty_like(x)
+                    R._reduce(grad, n_rep, dim, out)
+                else:
+                    torch.autograd.grad(y, x, grad, retain_graph=True)
+                torch.cuda.synchronize()
+print("ALL OK", mode, flush=True)
