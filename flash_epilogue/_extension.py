@@ -51,5 +51,9 @@ if _C is None:
     define_fallback_ops(UNAVAILABLE_REASON)
 
 
+# Read once: a constant that torch.compile can trace (calling into _C would break the graph).
+_COMPILED_ARCHS: tuple[str, ...] = tuple(_C.compiled_archs()) if _C is not None else ()
+
+
 def compiled_archs() -> tuple[str, ...]:
-    return tuple(_C.compiled_archs()) if _C is not None else ()
+    return _COMPILED_ARCHS if _C is not None else ()
