@@ -134,7 +134,9 @@ for line in open(runs_path).read().splitlines() if os.path.exists(runs_path) els
     entry["first_reports"] = [" | ".join(r[:3]) for r in reports[:5]]
     race = re.findall(r"RACECHECK SUMMARY: (\d+) hazards? displayed \((\d+) errors?, (\d+) warnings?\)", log)
     if race:
-        entry["hazards"], _, entry["hazard_warnings"] = (int(x) for x in race[-1])
+        entry["hazards"], race_errors, entry["hazard_warnings"] = (int(x) for x in race[-1])
+        if entry["errors"] is None:  # racecheck prints its own summary line instead of ERROR SUMMARY
+            entry["errors"] = race_errors
     done = re.findall(r"^\[(\d+)/(\d+)\] (ok|FAILED)", log, flags=re.M)
     entry["runs"] = len(done)  # op configurations run under the tool
     entry["configs_failed"] = sum(1 for d in done if d[2] == "FAILED")
