@@ -1,5 +1,12 @@
 """Diagnostic (H200): which gqa_reduce call of repeat_kv's backward crashes. Prints each call's
-arguments before making it (flushed), first on the main thread, then through autograd."""
+arguments before making it (flushed). Modes (one process each: a crash ends the process):
+  main      R._reduce from the main thread (passed at aa06760)
+  thread    R._reduce from a plain Python thread
+  function  gqa_reduce from the backward of a plain torch.autograd.Function
+  autograd  torch.autograd.grad through fe.repeat_kv (segfaulted at aa06760)
+Usage on the device: for m in main thread function autograd; do
+  FLASH_EPILOGUE_REPEAT_KV_KERNEL=1 timeout 60 python3 -X faulthandler scripts/diag_repeat_kv.py $m \
+    > $OUT/diag_$m.log 2>&1; done"""
 import sys
 
 import torch
@@ -37,11 +44,28 @@ for d in (64, 80, 96, 128, 192, 256):
             g = torch.randn(y.shape, device="cuda").to(dtype)
             for grad in (g, g.transpose(1, 2).contiguous().transpose(1, 2)):
                 print("case", mode, d, dtype, i, flush=True)
+                import importlib
+                R = importlib.import_module("flash_epilogue.repeat_kv")
                 if mode == "main":
-                    import importlib
-                    R = importlib.import_module("flash_epilogue.repeat_kv")
-                    out = torch.empty_like(x)
-                    R._reduce(grad, n_rep, dim, out)
+                    R._reduce(grad, n_rep, dim, torch.empty_like(x))
+                elif mode == "thread":
+                    import threading
+                    th = threading.Thread(target=R._reduce, args=(grad, n_rep, dim, torch.empty_like(x)))
+                    th.start()
+                    th.join()
+                elif mode == "function":
+                    class Sum(torch.autograd.Function):
+                        @staticmethod
+                        def forward(ctx, t):
+                            return t.repeat_interleave(n_rep, dim=dim)
+
+                        @staticmethod
+                        def backward(ctx, gy):
+                            out = torch.empty_like(x)
+                            R._reduce(gy, n_rep, dim, out)
+                            return out
+
+                    torch.autograd.grad(Sum.apply(x), x, grad)
                 else:
                     torch.autograd.grad(y, x, grad, retain_graph=True)
                 torch.cuda.synchronize()
