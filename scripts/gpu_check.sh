@@ -89,5 +89,5 @@ if has bench_ops; then
   python3 benchmarks/bench_ops.py --out "$OUT" --commit "$COMMIT" 2>&1 | tee "$OUT/bench_ops.log" || status=1
 fi
 # The device tool returns at most 8 files: bundle the logs.
-(cd "$OUT" && files=$(ls *.log junit.xml 2>/dev/null) && [ -n "$files" ] && tar czf logs.tgz $files && rm -f $files)
+(cd "$OUT" && files=$(ls *.log junit.xml 2>/dev/null; true) && [ -n "$files" ] && tar czf logs.tgz $files && rm -f $files)
 exit $status
