@@ -64,6 +64,19 @@ constexpr auto smem_layout_atom_k_major() {
 
 }  // namespace detail
 
+// Template parameters:
+//   TileShape_MNK       (BLK_M, BLK_N, BLK_D) of the mainloop; BLK_N rows of K/V per tile, BLK_D =
+//                       kHeadDim = max(d, dv), a multiple of 8. BLK_M is not used here.
+//   Element             the 16-bit output type (cutlass::bfloat16_t or cutlass::half_t).
+//   ArchTag             cutlass::arch::Sm90 (TMA path possible) or Sm80 (predicated path only).
+//   NumEpilogueThreads  threads that hold the dK/dV fragments and call store (whole warps; on sm_90
+//                       whole warpgroups, the MMA warpgroups of the mainloop).
+//   Varlen              true: the predicated path (cu_seqlens and/or seqused honoured); false on
+//                       sm_90: TMA stores, no sequence metadata.
+//   dKV_swapAB          the MMA computed dK^T/dV^T: fragments cover (BLK_D, BLK_N).
+//   AtomLayoutKdKV      warpgroups along the head dim (shapes the TMA path's smem atom).
+//   BarrierId           the named barrier the collective uses, 1..15 (default 8: above the ids
+//                       CUTLASS reserves, 1..7; a kernel already using 8 passes another).
 template <class TileShape_MNK_, class Element_, class ArchTag_, int NumEpilogueThreads_, bool Varlen_,
           bool dKV_swapAB_, int AtomLayoutKdKV_ = 1, int BarrierId_ = kDefaultEpilogueBarrierId>
 struct CollectiveEpilogueBwd {

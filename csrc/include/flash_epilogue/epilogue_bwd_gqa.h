@@ -44,6 +44,13 @@
 
 namespace flash_epilogue {
 
+// Template parameters:
+//   TileShape_MNK       (BLK_M, BLK_N, BLK_D) of the mainloop (BLK_M unused).
+//   ArchTag             cutlass::arch::Sm90 (bulk reduce-add through shared memory) or Sm80 (atomics).
+//   NumEpilogueThreads  threads holding the fragments (whole warpgroups on sm_90).
+//   kAccumTileElems     floats per accumulator tile: size(fragment) * NumEpilogueThreads (may exceed
+//                       BLK_N * BLK_D when the TiledMma pads; see the layout above).
+//   BarrierId           the named barrier used (default 8); 1..15.
 template <class TileShape_MNK_, class ArchTag_, int NumEpilogueThreads_, int kAccumTileElems_,
           int BarrierId_ = kDefaultEpilogueBarrierId>
 struct CollectiveEpilogueBwdGQA {
