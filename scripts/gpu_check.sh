@@ -9,7 +9,7 @@
 # later call that skips `build`: a cold machine then needs no 160 s rebuild), sanitize
 # (scripts/sanitize.sh: compute-sanitizer memcheck/synccheck/racecheck/initcheck over every op ->
 # sanitize.json + sanitize_logs.tgz; about 5 minutes, budget SANITIZE_BUDGET_S). Logs and results go to
-# $OUT (summary: gpu_tests.json).
+# $OUT (summary: gpu_tests.json). diag: scripts/diag_repeat_kv.py in its four modes (diag_<mode>.log).
 # Needs the nvidia-cutlass wheel in .whl/ (carried: the device machine has no registry):
 #   pip download --no-deps nvidia-cutlass==4.2.0.0 -d .whl
 set -uo pipefail
@@ -65,6 +65,17 @@ summary = {"commit": commit, "date": datetime.date.today().isoformat(), "gpu": t
 json.dump(summary, open(f"{out}/gpu_tests.json", "w"), indent=1)
 print(summary)
 PY
+fi
+
+if has diag; then
+  # repeat_kv's kernel backward segfaulted on the H200 under the autograd engine (see
+  # scripts/diag_repeat_kv.py): one process per mode, each call's arguments logged before it is made.
+  for m in main thread function autograd; do
+    FLASH_EPILOGUE_REPEAT_KV_KERNEL=1 timeout 60 python3 -X faulthandler scripts/diag_repeat_kv.py $m \
+      > "$OUT/diag_$m.log" 2>&1
+    echo "diag $m: exit $? | $(grep -E '^(ALL OK|Fatal)' "$OUT/diag_$m.log" | head -1)"
+    grep -B2 -m1 "^Fatal" "$OUT/diag_$m.log" | head -3
+  done
 fi
 
 if has sanitize; then
