@@ -38,6 +38,16 @@ def _fail(arg: str, expected, got):
     raise FlashEpilogueInputError(f"flash_epilogue.{_OP}: {arg}: expected {expected}, got {got}")
 
 
+def _int_arg(name: str, value, expected: str) -> int:
+    """`value` as an int (anything with __index__, but not a bool), else a clear error."""
+    if isinstance(value, bool):
+        _fail(name, expected, "bool")
+    try:
+        return operator.index(value)
+    except TypeError:
+        _fail(name, expected, type(value).__name__)
+
+
 def _check_args(x, n_rep, dim) -> int:
     """Validate the arguments of repeat_kv; returns dim normalized to 1 or 2."""
     if not isinstance(x, torch.Tensor):
@@ -45,22 +55,13 @@ def _check_args(x, n_rep, dim) -> int:
     if x.dim() != 4:
         _fail("x: rank", "4 dims: (batch, kv_heads, seqlen, head_dim) for dim=1, "
               "(batch, seqlen, kv_heads, head_dim) for dim=2", f"{x.dim()} dims, shape {tuple(x.shape)}")
-    if isinstance(n_rep, bool):
-        _fail("n_rep", "a positive int", "bool")
-    try:
-        n = operator.index(n_rep)
-    except TypeError:
-        _fail("n_rep", "a positive int", type(n_rep).__name__)
+    n = _int_arg("n_rep", n_rep, "a positive int")
     if n < 1:
         _fail("n_rep", "a positive int", n)
-    if isinstance(dim, bool):
-        _fail("dim", "1 (or -3) or 2 (or -2): the KV-head dim of a 4-D tensor", "bool")
-    try:
-        dim = operator.index(dim)
-    except TypeError:
-        _fail("dim", "1 (or -3) or 2 (or -2): the KV-head dim of a 4-D tensor", type(dim).__name__)
+    dim_expected = "1 (or -3) or 2 (or -2): the KV-head dim of a 4-D tensor"
+    dim = _int_arg("dim", dim, dim_expected)
     if dim not in (1, 2, -3, -2):
-        _fail("dim", "1 (or -3) or 2 (or -2): the KV-head dim of a 4-D tensor", dim)
+        _fail("dim", dim_expected, dim)
     return dim % 4
 
 

@@ -11,6 +11,7 @@ import torch
 
 import flash_epilogue as fe
 from flash_epilogue.reference import store_zero_reference
+from test_gqa import carve
 from test_store import CANARY_BITS, DTYPES, HEAD_DIMS, _first_diff, bits, canary_buffer
 
 pytestmark = pytest.mark.gpu
@@ -42,32 +43,6 @@ def selection(n, gen, form):
     if form == "tensor":
         return torch.tensor(idx, dtype=torch.int32, device="cuda")
     return idx[0]
-
-
-def carve(shape, dtype, layout):
-    """(buffer, view): a canary-filled buffer and a `shape` view into it.
-
-    plain: the view is the buffer. padded: a view into a bigger buffer (extra rows, heads, head-dim
-    columns before and after; batch slack). transposed: heads-major storage ((b, h, s, d) or
-    (h, total, d)) seen as (b, s, h, d) / (total, h, d), with padding too.
-    """
-    d = shape[-1]
-    if layout == "plain":
-        buf = canary_buffer(shape, dtype)
-        return buf, buf
-    if len(shape) == 4:
-        b, s, h, _ = shape
-        if layout == "padded":
-            buf = canary_buffer((b + 1, s + 3, h + 2, d + 16), dtype)
-            return buf, buf[1:, 2 : s + 2, 1 : h + 1, 8 : d + 8]
-        buf = canary_buffer((b, h + 1, s + 2, d + 8), dtype)
-        return buf, buf[:, 1:, 1 : s + 1, :d].transpose(1, 2)
-    t, h, _ = shape
-    if layout == "padded":
-        buf = canary_buffer((t + 5, h + 1, d + 8), dtype)
-        return buf, buf[3 : t + 3, 1:, 8:]
-    buf = canary_buffer((h, t + 4, d), dtype)
-    return buf, buf[:, 2 : t + 2].transpose(0, 1)
 
 
 def check_zero(dk_buf, dv_buf, dk, dv, arch, check_inputs=False, **kw):
