@@ -3,8 +3,9 @@ arguments before making it (flushed). Modes (one process each: a crash ends the 
   main      R._reduce from the main thread (passed at aa06760)
   thread    R._reduce from a plain Python thread
   function  gqa_reduce from the backward of a plain torch.autograd.Function
+  op        torch.ops.flash_epilogue.repeat_kv_backward called from the main thread (custom op nesting)
   autograd  torch.autograd.grad through fe.repeat_kv (segfaulted at aa06760)
-Usage on the device: for m in main thread function autograd; do
+Usage on the device: for m in main thread function op autograd; do
   FLASH_EPILOGUE_REPEAT_KV_KERNEL=1 timeout 60 python3 -X faulthandler scripts/diag_repeat_kv.py $m \
     > $OUT/diag_$m.log 2>&1; done"""
 import sys
@@ -66,6 +67,8 @@ for d in (64, 80, 96, 128, 192, 256):
                             return out
 
                     torch.autograd.grad(Sum.apply(x), x, grad)
+                elif mode == "op":
+                    torch.ops.flash_epilogue.repeat_kv_backward(grad, n_rep, dim, R._layout_of(x))
                 else:
                     torch.autograd.grad(y, x, grad, retain_graph=True)
                 torch.cuda.synchronize()

@@ -70,11 +70,18 @@ fi
 if has diag; then
   # repeat_kv's kernel backward segfaulted on the H200 under the autograd engine (see
   # scripts/diag_repeat_kv.py): one process per mode, each call's arguments logged before it is made.
-  for m in main thread function autograd; do
+  for m in main thread function op autograd; do
     FLASH_EPILOGUE_REPEAT_KV_KERNEL=1 timeout 60 python3 -X faulthandler scripts/diag_repeat_kv.py $m \
       > "$OUT/diag_$m.log" 2>&1
-    echo "diag $m: exit $? | $(grep -E '^(ALL OK|Fatal)' "$OUT/diag_$m.log" | head -1)"
+    rc=$?
+    echo "diag $m: exit $rc | $(grep -E '^(ALL OK|Fatal)' "$OUT/diag_$m.log" | head -1)"
     grep -B2 -m1 "^Fatal" "$OUT/diag_$m.log" | head -3
+    # a crash: the native stack too, where the machine has a gdb
+    if [ $rc -ne 0 ] && command -v gdb >/dev/null; then
+      FLASH_EPILOGUE_REPEAT_KV_KERNEL=1 timeout 120 gdb -q -batch -ex "set pagination off" -ex run -ex "bt 60" \
+        -ex "info threads" --args python3 scripts/diag_repeat_kv.py $m > "$OUT/diag_${m}_gdb.log" 2>&1
+      grep -A25 -m1 "SIGSEGV\|SIGABRT" "$OUT/diag_${m}_gdb.log" | head -40
+    fi
   done
 fi
 
