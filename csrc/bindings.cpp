@@ -549,6 +549,30 @@ OutputProblem output_problem(at::Tensor const& dk, at::Tensor const& dv, bool va
           compiled_head_dim_for(static_cast<int>(std::max(dk.size(-1), dv.size(-1))))};
 }
 
+// The device, stream and CUDA context a launch runs with. Ops may be called from any host thread
+// (the autograd engine's device threads, a user's Python threads). A thread that has made no CUDA
+// runtime call has no current context, and c10's guard skips cudaSetDevice when the device index
+// already matches (device 0 reads as current there), so the driver call that encodes the TMA
+// descriptors (cuTensorMapEncodeTiled, made before the first runtime launch could bind a context)
+// failed in such a thread, and CUTLASS's error path crashed the process (H200, 48359c1 and
+// 2fc97fc). cudaSetDevice binds the device's primary context: once per thread and device.
+void bind_primary_context(int device) {
+  thread_local uint64_t bound = 0;  // bit d: this thread has bound device d's primary context
+  uint64_t const bit = device < 64 ? uint64_t{1} << device : 0;
+  if (bit != 0 && (bound & bit) != 0) { return; }
+  C10_CUDA_CHECK(cudaSetDevice(device));
+  bound |= bit;
+}
+
+struct LaunchScope {
+  c10::cuda::CUDAGuard guard;
+  cudaStream_t stream;
+  explicit LaunchScope(at::Device device) : guard(device) {
+    bind_primary_context(device.index());
+    stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
+  }
+};
+
 void finish_launch(char const* op, char const* why) {
   TORCH_CHECK(why == nullptr, "flash_epilogue.", op, ": arguments rejected by the kernel: ", why);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -584,7 +608,7 @@ void store_cuda(at::Tensor const& dk_accum, at::Tensor const& dv_accum, at::Tens
   int const path = resolve_arch(op, device, arch);
   if (dk.numel() == 0) { return; }  // batch 0, seqlen 0, heads 0: nothing to launch
 
-  c10::cuda::CUDAGuard const guard(device);
+  LaunchScope const scope(device);
   StoreLaunchArgs args;
   args.dk_accum = describe(dk_accum, p.varlen);
   args.dv_accum = describe(dv_accum, p.varlen);
@@ -596,8 +620,7 @@ void store_cuda(at::Tensor const& dk_accum, at::Tensor const& dv_accum, at::Tens
   args.cu_seqlens = p.varlen ? cu_seqlens->data_ptr<int>() : nullptr;
   args.seqused = seqused.has_value() ? seqused->data_ptr<int>() : nullptr;
   args.use_tma = !p.varlen && !seqused.has_value();
-  cudaStream_t const stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
-  finish_launch(op, dispatch<StoreLauncher>(dk.scalar_type(), p.head_dim, path, args, stream));
+  finish_launch(op, dispatch<StoreLauncher>(dk.scalar_type(), p.head_dim, path, args, scope.stream));
 }
 
 // validation.validate_store_zero
@@ -644,7 +667,7 @@ void store_zero_cuda(at::Tensor const& dk, at::Tensor const& dv, OptTensor const
                                (head_idx.has_value() && head_idx->numel() == 0);
   if (dk.numel() == 0 || empty_selection || row_start >= end) { return; }
 
-  c10::cuda::CUDAGuard const guard(device);
+  LaunchScope const scope(device);
   StoreZeroLaunchArgs args;
   args.dk = describe(dk, p.varlen);
   args.dv = describe(dv, p.varlen);
@@ -659,8 +682,7 @@ void store_zero_cuda(at::Tensor const& dk, at::Tensor const& dv, OptTensor const
   args.num_head_idx = head_idx.has_value() ? static_cast<int>(head_idx->numel()) : 0;
   args.row_begin = static_cast<int>(row_start);
   args.row_end = static_cast<int>(end);
-  cudaStream_t const stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
-  finish_launch(op, dispatch<StoreZeroLauncher>(dk.scalar_type(), p.head_dim, path, args, stream));
+  finish_launch(op, dispatch<StoreZeroLauncher>(dk.scalar_type(), p.head_dim, path, args, scope.stream));
 }
 
 
@@ -765,7 +787,7 @@ void gqa_accumulate_cuda(at::Tensor const& dk_partial, at::Tensor const& dv_part
   TORCH_CHECK(path == accum_path(device, arch), "flash_epilogue.gqa_accumulate: internal: arch paths disagree");
   if (dk_partial.numel() == 0 || dk_accum.numel() == 0) { return; }
 
-  c10::cuda::CUDAGuard const guard(device);
+  LaunchScope const scope(device);
   GqaAccumulateLaunchArgs args;
   args.dk_accum = accum_desc(dk_accum, geo);
   args.dv_accum = accum_desc(dv_accum, geo);
@@ -779,8 +801,7 @@ void gqa_accumulate_cuda(at::Tensor const& dk_partial, at::Tensor const& dv_part
   args.seqused = seqused.has_value() ? seqused->data_ptr<int>() : nullptr;
   args.semaphores = deterministic ? semaphores->data_ptr<int>() : nullptr;
   int const head_dim = compiled_head_dim_for(static_cast<int>(std::max(d, dv_dim)));
-  cudaStream_t const stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
-  finish_launch(op, dispatch_no_dtype<GqaAccumulateLauncher>(head_dim, path, args, stream));
+  finish_launch(op, dispatch_no_dtype<GqaAccumulateLauncher>(head_dim, path, args, scope.stream));
 }
 
 // validation.validate_gqa_postprocess
@@ -821,7 +842,7 @@ void gqa_postprocess_cuda(at::Tensor const& dk_accum, at::Tensor const& dv_accum
   TORCH_CHECK(path == accum_path(device, arch), "flash_epilogue.gqa_postprocess: internal: arch paths disagree");
   if (dk.numel() == 0) { return; }
 
-  c10::cuda::CUDAGuard const guard(device);
+  LaunchScope const scope(device);
   GqaPostprocessLaunchArgs args;
   args.dk_accum = accum_desc(dk_accum, geo);
   args.dv_accum = accum_desc(dv_accum, geo);
@@ -835,8 +856,7 @@ void gqa_postprocess_cuda(at::Tensor const& dk_accum, at::Tensor const& dv_accum
   args.scale_dk = static_cast<float>(scale_dk);
   args.scale_dv = static_cast<float>(scale_dv);
   args.use_tma = !p.varlen && !seqused.has_value();
-  cudaStream_t const stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
-  finish_launch(op, dispatch<GqaPostprocessLauncher>(dk.scalar_type(), p.head_dim, path, args, stream));
+  finish_launch(op, dispatch<GqaPostprocessLauncher>(dk.scalar_type(), p.head_dim, path, args, scope.stream));
 }
 
 // validation.validate_gqa_accum_to_dense
@@ -871,7 +891,7 @@ void gqa_accum_to_dense_cuda(at::Tensor const& accum, at::Tensor const& out, int
   TORCH_CHECK(path == accum_path(device, arch), "flash_epilogue.gqa_accum_to_dense: internal: arch paths disagree");
   if (out.numel() == 0) { return; }
 
-  c10::cuda::CUDAGuard const guard(device);
+  LaunchScope const scope(device);
   GqaDenseLaunchArgs args;
   args.accum = accum_desc(accum, geo);
   args.out = describe(out, varlen);
@@ -881,8 +901,7 @@ void gqa_accum_to_dense_cuda(at::Tensor const& accum, at::Tensor const& out, int
   args.cu_seqlens = varlen ? cu_seqlens->data_ptr<int>() : nullptr;
   args.seqused = seqused.has_value() ? seqused->data_ptr<int>() : nullptr;
   int const config = compiled_head_dim_for(static_cast<int>(head_dim));
-  cudaStream_t const stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
-  finish_launch(op, dispatch_no_dtype<GqaDenseLauncher>(config, path, args, stream));
+  finish_launch(op, dispatch_no_dtype<GqaDenseLauncher>(config, path, args, scope.stream));
 }
 
 // validation.validate_gqa_reduce
@@ -941,7 +960,7 @@ void gqa_reduce_cuda(at::Tensor const& dk_partial, OptTensor const& dv_partial, 
   int const path = resolve_arch(op, device, arch);
   if (dk.numel() == 0) { return; }
 
-  c10::cuda::CUDAGuard const guard(device);
+  LaunchScope const scope(device);
   GqaReduceLaunchArgs args;
   args.dk_partial = describe(dk_partial, p.varlen);
   if (has_dv) {
@@ -959,8 +978,7 @@ void gqa_reduce_cuda(at::Tensor const& dk_partial, OptTensor const& dv_partial, 
   args.scale_dk = static_cast<float>(scale_dk);
   args.scale_dv = static_cast<float>(scale_dv);
   args.use_tma = !p.varlen && !seqused.has_value();
-  cudaStream_t const stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
-  finish_launch(op, dispatch<GqaReduceLauncher>(dk.scalar_type(), p.head_dim, path, args, stream));
+  finish_launch(op, dispatch<GqaReduceLauncher>(dk.scalar_type(), p.head_dim, path, args, scope.stream));
 }
 
 }  // namespace

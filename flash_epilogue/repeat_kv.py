@@ -18,7 +18,6 @@ Both directions are ``torch.library`` custom ops (``torch.ops.flash_epilogue.rep
 so they trace under ``torch.compile(fullgraph=True)``, export, and run in CUDA graphs.
 """
 import functools
-import os
 import operator
 from typing import List, Optional, Sequence
 
@@ -165,18 +164,10 @@ def _capability(index: int) -> tuple[int, int]:
     return tuple(torch.cuda.get_device_capability(index))
 
 
-def _kernel_opted_in() -> bool:
-    """The kernel backward is opt-in (FLASH_EPILOGUE_REPEAT_KV_KERNEL=1) until a crash is fixed: on
-    the H200 (commit 48359c1) gqa_reduce segfaulted when called from this backward inside the
-    autograd engine, while the same calls from the main thread passed. The default path is the
-    plain-PyTorch sum, bitwise the kernel's arithmetic."""
-    return os.environ.get("FLASH_EPILOGUE_REPEAT_KV_KERNEL", "0") not in ("", "0")
-
-
 def _kernel_device(device: torch.device) -> bool:
     """Whether gqa_reduce has kernels for this device: an sm_90 GPU with an sm_90a build, or an
     sm_8x GPU with an sm_80 build (the package's own rule, see flash_epilogue.validation)."""
-    if device.type != "cuda" or _extension._C is None or not _kernel_opted_in():
+    if device.type != "cuda" or _extension._C is None:
         return False
     archs = _extension.compiled_archs()
     major, minor = _capability(device.index if device.index is not None else torch.cuda.current_device())

@@ -9,7 +9,8 @@
 # later call that skips `build`: a cold machine then needs no 160 s rebuild), sanitize
 # (scripts/sanitize.sh: compute-sanitizer memcheck/synccheck/racecheck/initcheck over every op ->
 # sanitize.json + sanitize_logs.tgz; about 5 minutes, budget SANITIZE_BUDGET_S). Logs and results go to
-# $OUT (summary: gpu_tests.json). diag: scripts/diag_repeat_kv.py in its four modes (diag_<mode>.log).
+# $OUT (summary: gpu_tests.json).
+# TEST_FILES: what pytest runs (default: tests); TEST_TIMEOUT_S bounds it.
 # Needs the nvidia-cutlass wheel in .whl/ (carried: the device machine has no registry):
 #   pip download --no-deps nvidia-cutlass==4.2.0.0 -d .whl
 set -uo pipefail
@@ -46,7 +47,7 @@ fi
 
 if has test; then
   # A hung test (a deadlocked spin-wait) must not take the rest of the call with it.
-  timeout "${TEST_TIMEOUT_S:-1800}" python3 -m pytest tests -q -rs -p no:cacheprovider --durations=25 \
+  timeout "${TEST_TIMEOUT_S:-1800}" python3 -m pytest ${TEST_FILES:-tests} -q -rs -p no:cacheprovider --durations=25 \
     --junitxml="$OUT/junit.xml" > "$OUT/tests.log" 2>&1 || status=1
   tail -15 "$OUT/tests.log"
   python3 - "$OUT" "$COMMIT" <<'PY'
@@ -65,24 +66,6 @@ summary = {"commit": commit, "date": datetime.date.today().isoformat(), "gpu": t
 json.dump(summary, open(f"{out}/gpu_tests.json", "w"), indent=1)
 print(summary)
 PY
-fi
-
-if has diag; then
-  # repeat_kv's kernel backward segfaulted on the H200 under the autograd engine (see
-  # scripts/diag_repeat_kv.py): one process per mode, each call's arguments logged before it is made.
-  for m in main thread function op autograd; do
-    FLASH_EPILOGUE_REPEAT_KV_KERNEL=1 timeout 60 python3 -X faulthandler scripts/diag_repeat_kv.py $m \
-      > "$OUT/diag_$m.log" 2>&1
-    rc=$?
-    echo "diag $m: exit $rc | $(grep -E '^(ALL OK|Fatal)' "$OUT/diag_$m.log" | head -1)"
-    grep -B2 -m1 "^Fatal" "$OUT/diag_$m.log" | head -3
-    # a crash: the native stack too, where the machine has a gdb
-    if [ $rc -ne 0 ] && command -v gdb >/dev/null; then
-      FLASH_EPILOGUE_REPEAT_KV_KERNEL=1 timeout 120 gdb -q -batch -ex "set pagination off" -ex run -ex "bt 60" \
-        -ex "info threads" --args python3 scripts/diag_repeat_kv.py $m > "$OUT/diag_${m}_gdb.log" 2>&1
-      grep -A25 -m1 "SIGSEGV\|SIGABRT" "$OUT/diag_${m}_gdb.log" | head -40
-    fi
-  done
 fi
 
 if has sanitize; then

@@ -366,3 +366,18 @@ def test_host_threads_with_own_streams():
         want = gqa_reduce_sequential_fp32(p, 4).to(torch.bfloat16)
         assert torch.equal(bits(red), bits(want)), k
         assert torch.equal(bits(dk), bits(want)), k
+
+
+def test_every_op_from_a_fresh_thread():
+    # A host thread without a current CUDA context (c10's device guard does not bind one when the
+    # index already matches) made the TMA descriptor encode fail and the process crash (H200,
+    # 2fc97fc): every op runs from such threads in a child process, so a crash fails this test only.
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).with_name("fresh_thread_workload.py")
+    result = subprocess.run([sys.executable, "-X", "faulthandler", str(script)], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0 and result.stdout.strip().endswith("OK"), (
+        f"exit {result.returncode}\nstdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-3000:]}")

@@ -20,7 +20,6 @@ rounding by at most u * |result| (plus half a subnormal spacing, smallest_normal
 """
 import importlib
 
-import os
 
 import pytest
 import torch
@@ -35,11 +34,6 @@ UNIT_ROUNDOFF = {BF16: 2.0**-8, F16: 2.0**-11, F32: 2.0**-24, F64: 2.0**-53}
 
 
 
-# The kernel backward is opt-in until the H200 segfault under the autograd engine is fixed (see
-# flash_epilogue/repeat_kv.py::_kernel_opted_in). Run these in a process of their own:
-#   FLASH_EPILOGUE_REPEAT_KV_KERNEL=1 python -m pytest tests/test_repeat_kv.py -k gpu
-KERNEL_PATH = pytest.mark.skipif(os.environ.get("FLASH_EPILOGUE_REPEAT_KV_KERNEL", "0") in ("", "0"),
-                                 reason="repeat_kv's kernel backward is opt-in (FLASH_EPILOGUE_REPEAT_KV_KERNEL=1)")
 
 def original_repeat_kv(x, n_rep, dim=1):
     """What transformers' Llama repeat_kv does (dim=1), and its analogue for (b, s, h_k, d)."""
@@ -363,7 +357,6 @@ def test_kernel_device_rule(monkeypatch):
     from flash_epilogue import _extension
 
     assert not R._kernel_device(torch.device("cpu")) and not R._kernel_device(torch.device("meta"))
-    monkeypatch.setenv("FLASH_EPILOGUE_REPEAT_KV_KERNEL", "1")  # the kernel path is opt-in for now
     monkeypatch.setattr(_extension, "_C", object())
     for cap, archs, ok in (((9, 0), ("sm_90a",), True), ((8, 0), ("sm_90a",), False),
                            ((8, 6), ("sm_80", "sm_90a"), True), ((10, 0), ("sm_80", "sm_90a"), False),
@@ -373,9 +366,6 @@ def test_kernel_device_rule(monkeypatch):
         assert R._kernel_device(torch.device("cuda", 1)) is ok, (cap, archs)
     monkeypatch.setattr(_extension, "_C", None)  # kernels not built: never
     assert not R._kernel_device(torch.device("cuda", 0))
-    monkeypatch.setattr(_extension, "_C", object())
-    monkeypatch.setenv("FLASH_EPILOGUE_REPEAT_KV_KERNEL", "0")  # not opted in: never
-    assert not R._kernel_device(torch.device("cuda", 1))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -401,7 +391,6 @@ def test_gpu_forward_bitwise(dtype, dim):
             assert y is x if n_rep == 1 else y.is_contiguous()
 
 
-@KERNEL_PATH
 @pytest.mark.gpu
 @pytest.mark.parametrize("d", [64, 80, 96, 128, 192, 256])
 @pytest.mark.parametrize("dtype", [BF16, F16], ids=str)
@@ -424,7 +413,6 @@ def test_gpu_backward_kernel_is_bitwise_the_sequential_sum(d, dtype, paths):
     assert paths == ["kernel"] * 8
 
 
-@KERNEL_PATH
 @pytest.mark.gpu
 def test_gpu_backward_copies_or_falls_back(paths):
     gen = cuda_gen(3)
@@ -508,7 +496,6 @@ def _sdpa_gqa_case(backend, dim, dtype, seed, b=2, hk=2, n_rep=4, s=256, d=128):
     return (ka.grad, va.grad), (kb.grad, vb.grad), (kr.grad, vr.grad)
 
 
-@KERNEL_PATH
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["FLASH_ATTENTION", "EFFICIENT_ATTENTION"])
 @pytest.mark.parametrize("dim", [1, 2])
@@ -540,7 +527,6 @@ def test_gpu_sdpa_layer_matches_enable_gqa(backend, dim, dtype, paths):
     assert len(paths) == 2 and set(paths) <= {"kernel", "kernel_copy"}
 
 
-@KERNEL_PATH
 @pytest.mark.gpu
 def test_gpu_sdpa_layer_gradients_are_repeatable(paths):
     # the same layer 10 times: dK and dV bitwise identical each time (SDPA's per-head dK/dV are
@@ -564,7 +550,6 @@ def test_gpu_sdpa_layer_gradients_are_repeatable(paths):
         assert torch.equal(bits(torch.autograd.grad(y, x, g, retain_graph=True)[0]), bits(want))
 
 
-@KERNEL_PATH
 @pytest.mark.gpu
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_gpu_compile_fullgraph(dynamic, paths):
@@ -611,7 +596,6 @@ def test_gpu_compile_fullgraph(dynamic, paths):
     assert len(paths) == 16 and set(paths) <= {"kernel", "kernel_copy"}  # never the plain-PyTorch path
 
 
-@KERNEL_PATH
 @pytest.mark.gpu
 def test_gpu_cuda_graph(paths):
     # forward and backward captured once; replays read new contents of the static input and gradient
