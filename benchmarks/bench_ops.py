@@ -765,8 +765,13 @@ def _close(got, want, tol: Optional[dict]) -> Optional[str]:
             return f"output {i}: {tuple(g.shape)} {g.dtype}, expected {tuple(w.shape)} {w.dtype}"
         if tol is None:
             if not torch.equal(g, w):
-                bad = (g != w).sum().item()
-                return f"output {i}: {bad} of {g.numel()} elements differ (bitwise check)"
+                diff = g != w
+                rows = diff.reshape(diff.shape[0], -1).any(1).nonzero().flatten()
+                first = rows[:4].tolist()
+                sample = [(r, g.reshape(g.shape[0], -1)[r, :2].tolist(), w.reshape(w.shape[0], -1)[r, :2].tolist())
+                          for r in first]
+                return (f"output {i}: {diff.sum().item()} of {g.numel()} elements differ (bitwise check) in "
+                        f"{rows.numel()} of {g.shape[0]} rows (dim 0); first (row, got, want): {sample}")
         else:
             try:
                 torch.testing.assert_close(g.float(), w.float(), **tol)
@@ -961,7 +966,6 @@ def run_gpu(args, ops: list[Op], shapes: list[Shape]) -> dict:
             host = tiny_host_times(tiny[0])
         except Exception as e:  # noqa: BLE001
             errors.append({"op": "host_loop", "name": tiny[0].name, "impl": "", "error": repr(e)[:500]})
-    staged = staged_loads_experiment(ops, shapes, args, l2)
     copy_end = copy_roofline(args.warmup, args.rep)
     log(f"copy roofline at the end: {copy_end:.3f} TB/s; total {time.time() - t_start:.0f} s "
         f"(compile warm-ups {compile_spent:.0f} s)")
@@ -980,42 +984,8 @@ def run_gpu(args, ops: list[Op], shapes: list[Shape]) -> dict:
                    "rotation": "buffer copies cycled so a problem's set is >= 3x L2",
                    "scales": {"gqa_postprocess": [SCALE_DK, SCALE_DV], "gqa_reduce": [1.0, 1.0]}},
         "host_loop_us": host, "compile_warmup_s": compile_s, "errors": errors, "skipped": skipped,
-        "staged_loads_experiment": staged,
         "elapsed_s": round(time.time() - t_start, 1),
     }
-
-
-def staged_loads_experiment(ops, shapes, args, l2) -> list[dict]:
-    """flash_epilogue with FLASH_EPILOGUE_STAGED_LOADS=0 and =1 back to back (the sm_90 store and
-    gqa_accumulate drivers reading their fp32 input in fragment order, or row-major with 16-byte
-    loads through shared memory): which one becomes the default is decided from these numbers."""
-    out = []
-    names = ("store", "store_varlen", "gqa_accumulate", "gqa_accumulate_det")
-    for op in [o for o in ops if o.name in names]:
-        for shape in shapes_for(op.name, shapes):
-            try:
-                n_rot = rotation(op.footprint(shape), l2)
-                insts = [op.build(shape, DEVICE, DEVICE == "cuda") for _ in range(n_rot)]
-                ms = {}
-                for mode in ("0", "1"):
-                    os.environ["FLASH_EPILOGUE_STAGED_LOADS"] = mode
-                    fn = rotating([op.make("flash_epilogue", shape, t) for t in insts])
-                    ms[mode] = statistics.median(do_bench_median(fn, args.warmup, args.rep) for _ in range(3))
-            except Exception as e:  # noqa: BLE001
-                log(f"  staged-loads {op.name} {shape.name}: FAILED {e!r}"[:300])
-                continue
-            finally:
-                os.environ.pop("FLASH_EPILOGUE_STAGED_LOADS", None)
-            nbytes = op.traffic(shape)
-            row = {"op": op.name, "name": shape.name, "ms_fragment_loads": ms["0"], "ms_staged_loads": ms["1"],
-                   "TBps_fragment_loads": nbytes / ms["0"] / 1e9, "TBps_staged_loads": nbytes / ms["1"] / 1e9}
-            out.append(row)
-            log(f"  staged-loads {op.name:20s} {shape.name:34s} fragment {row['TBps_fragment_loads']:5.2f}  "
-                f"staged {row['TBps_staged_loads']:5.2f} TB/s")
-            del insts
-            gc.collect()
-            torch.cuda.empty_cache()
-    return out
 
 
 # ---------------------------------------------------------------------------------------------

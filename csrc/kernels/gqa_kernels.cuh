@@ -45,11 +45,10 @@ CUTLASS_DEVICE auto rows_tile(T* ptr, ShapeRowsHeadBatch const& shape, StrideRow
                     make_coord(n_block, _0{}));
 }
 
-template <class Config_, class ArchTag_, bool kStagedLoads_ = false>
+template <class Config_, class ArchTag_>
 struct GqaAccumulateKernel {
   using Config = Config_;
   using ArchTag = ArchTag_;
-  static constexpr bool kStagedLoads = kStagedLoads_;  // read the fp32 partial through StagedTileSum
   using Traits = GqaTraits<Config, ArchTag>;
   using Collective = typename Traits::Collective;
   static constexpr int kBlockN = Config::kBlockN;
@@ -78,9 +77,7 @@ struct GqaAccumulateKernel {
     int chunk_units;  // deterministic: units per ticket chunk
   };
 
-  using Staged = StagedTileSum<kBlockN, kHeadDim, kNumThreads, Config::kSwapAB, float>;
-  static constexpr int kSharedStorageSize = cute::max(static_cast<int>(sizeof(typename Collective::TensorStorage)),
-                                                      kStagedLoads ? Staged::kSmemBytes : 0);
+  static constexpr int kSharedStorageSize = sizeof(typename Collective::TensorStorage);
 
   CUTLASS_DEVICE void operator()(Params const& params, char* smem) const {
     using namespace cute;
@@ -132,12 +129,7 @@ struct GqaAccumulateKernel {
     Tensor frag = partition_fragment_C(tiled_mma, typename Traits::FragmentTileShape{});
     auto const gtile = rows_tile<kBlockN, kHeadDim>(work.ptr_partial, work.shape, work.stride, q_head,
                                                     coll.cu_seqlens ? 0 : bidb, seqlen_info.offset, n_block);
-    if constexpr (kStagedLoads) {
-      Staged::run(frag, thr_mma, [&](int) { return gtile; }, 1, valid_rows, get<1>(work.shape), 1.f,
-                  reinterpret_cast<float*>(smem), thread_idx, Collective::BarrierId);
-    } else {
-      load_accum_tile<Config::kSwapAB, kBlockN, kHeadDim>(frag, thr_mma, gtile, valid_rows, get<1>(work.shape));
-    }
+    load_accum_tile<Config::kSwapAB, kBlockN, kHeadDim>(frag, thr_mma, gtile, valid_rows, get<1>(work.shape));
     auto& storage = *reinterpret_cast<typename Collective::TensorStorage*>(smem);
     Collective{}.store(coll, frag, frag, storage, thread_idx, make_tuple(n_block, q_head, bidb));
   }
@@ -269,12 +261,13 @@ struct GqaReduceKernel {
   static constexpr int kBlockN = Config::kBlockN;
   static constexpr int kHeadDim = Config::kHeadDim;
   static constexpr int kNumThreads = Config::kNumThreads;
-  // Two CTAs per SM (one loads while the other stores) where registers allow without spilling;
-  // the 384-thread hdim-192 config keeps one.
-  static constexpr int kMinBlocksPerSm = kNumThreads <= 256 ? 2 : 1;
-  // fp32 partials of the non-swapAB configs are read straight into the fragment (8-byte pairs
-  // along a row, full 32-byte sectors); everything else goes through StagedTileSum.
-  static constexpr bool kStaged = Config::kSwapAB || sizeof(ElementIn) == 2;
+  // The swapAB configs (hdim 192/256) read the partials through StagedTileSum: straight in
+  // fragment order their loads run down columns (4-byte pieces for fp32, 2-byte for 16-bit;
+  // bf16 hdim 256 ran at 0.86 TB/s on the H200, 2.38 staged). The others read the fragment
+  // directly: staging 16-bit partials there cost 30-40% (bf16 hdim 128: 3.67 -> 2.49 TB/s, a7fdc6b).
+  static constexpr bool kStaged = Config::kSwapAB;
+  // Two CTAs per SM (one loads while the other stores) where registers allow without spilling.
+  static constexpr int kMinBlocksPerSm = (kNumThreads <= 256 || kStaged) ? 2 : 1;
   using Staged = StagedTileSum<kBlockN, kHeadDim, kNumThreads, Config::kSwapAB, ElementIn>;
 
   struct TensorParams {

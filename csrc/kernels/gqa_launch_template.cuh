@@ -42,13 +42,11 @@ char const* launch(dim3 grid, typename Kernel::Params const& params, cudaStream_
 
 }  // namespace detail
 
-namespace detail {
-
-template <int kHeadDim, int kArch, bool kStagedLoads>
-char const* launch_gqa_accumulate_variant(GqaAccumulateLaunchArgs const& args, cudaStream_t stream) {
+template <int kHeadDim, int kArch>
+char const* launch_gqa_accumulate(GqaAccumulateLaunchArgs const& args, cudaStream_t stream) {
   using ArchTag = arch_tag_of<kArch>;
   using Config = BwdTileConfig<kHeadDim, ArchTag>;
-  using Kernel = GqaAccumulateKernel<Config, ArchTag, kStagedLoads>;
+  using Kernel = GqaAccumulateKernel<Config, ArchTag>;
   using Collective = typename Kernel::Collective;
   bool const varlen = args.cu_seqlens != nullptr;
   int const batch_extent = varlen ? 1 : args.batch;
@@ -88,16 +86,6 @@ char const* launch_gqa_accumulate_variant(GqaAccumulateLaunchArgs const& args, c
     return detail::launch<Kernel>(grid, params, stream);
   }
   return detail::launch<Kernel>(tiles, params, stream);
-}
-
-}  // namespace detail
-
-template <int kHeadDim, int kArch>
-char const* launch_gqa_accumulate(GqaAccumulateLaunchArgs const& args, cudaStream_t stream) {
-  if constexpr (kArch >= 90) {
-    if (staged_loads_requested()) { return detail::launch_gqa_accumulate_variant<kHeadDim, kArch, true>(args, stream); }
-  }
-  return detail::launch_gqa_accumulate_variant<kHeadDim, kArch, false>(args, stream);
 }
 
 template <int kHeadDim, int kArch>

@@ -88,9 +88,9 @@ CUTLASS_DEVICE void load_accum_tile(Fragment& frag, ThrMma const& thr_mma, GmemT
 // The sum of `group` (BLK_N, BLK_D) tiles (group 1: one tile), read row-major with 16-byte
 // vectors, staged in shared memory as fp32 and read back in C-fragment order. gqa_reduce uses it
 // where reading straight in fragment order is slow: 16-bit partials (the fragment reads 2- or
-// 4-byte pieces) and the swapAB configs (the fragment runs down columns, 4-byte pieces); store and
-// gqa_accumulate use it on request (FLASH_EPILOGUE_STAGED_LOADS=1, sm_90 path: an experiment,
-// see benchmarks/NOTES.md). `smem` needs kSmemBytes and may alias the collective's storage: the
+// 4-byte pieces) and the swapAB configs (the fragment runs down columns, 4-byte pieces). Store and
+// gqa_accumulate read their fp32 tiles straight in fragment order: staged they ran 10-35% slower
+// on the H200 (a7fdc6b, benchmarks/NOTES.md). `smem` needs kSmemBytes and may alias the collective's storage: the
 // collectives start with a barrier before writing theirs.
 template <int kBlockN, int kHeadDim, int kNumThreads, bool kSwapAB, class ElementIn>
 struct StagedTileSum {
@@ -100,7 +100,10 @@ struct StagedTileSum {
   static constexpr int kRowsPerPass = kNumThreads / kThreadsPerRow;
   static constexpr int kColIters = kHeadDim / kVec / kThreadsPerRow;
   static constexpr int kRowIters = (kBlockN + kRowsPerPass - 1) / kRowsPerPass;
-  static constexpr int kChunkRowIters = cute::max(1, 32 / (kColIters * kVec));
+  // Running sums per thread: 32 floats, 16 for the 384-thread config (two CTAs per SM leave it
+  // 80 registers).
+  static constexpr int kSumFloats = kNumThreads > 256 ? 16 : 32;
+  static constexpr int kChunkRowIters = cute::max(1, kSumFloats / (kColIters * kVec));
   // Row pitch in floats. Fragment-order reads are then conflict-free: 8-byte pairs of 8 rows per
   // half-warp want a pitch of 8 mod 32 words, swapAB's 4-byte reads (rows 2 apart) 4 mod 32.
   static constexpr int kPitch = kHeadDim + (kSwapAB ? 4 : 8);
@@ -114,7 +117,7 @@ struct StagedTileSum {
     int const row0 = thread_idx / kThreadsPerRow;
     int const col0 = (thread_idx % kThreadsPerRow) * kVec;
     // A chunk of row passes at a time: its loads for one head are in flight together, and the
-    // running sums (32 floats) leave registers for two CTAs per SM without spilling.
+    // running sums (kSumFloats) leave registers for two CTAs per SM without spilling.
 #pragma unroll
     for (int r0 = 0; r0 < kRowIters; r0 += kChunkRowIters) {
       float sum[kChunkRowIters][kColIters][kVec];
@@ -193,13 +196,12 @@ CUTLASS_DEVICE TensorAndHead split_tensor_and_head(int grid_y, int num_heads) {
   return {tensor, grid_y - tensor * num_heads};
 }
 
-template <class Config_, class Element_, class ArchTag_, bool kVarlen_, bool kStagedLoads_ = false>
+template <class Config_, class Element_, class ArchTag_, bool kVarlen_>
 struct StoreKernel {
   using Config = Config_;
   using Element = Element_;
   using ArchTag = ArchTag_;
   static constexpr bool kVarlen = kVarlen_;  // the predicated path (cu_seqlens and/or seqused)
-  static constexpr bool kStagedLoads = kStagedLoads_;  // read the fp32 tile through StagedTileSum
   static constexpr int kBlockN = Config::kBlockN;
   static constexpr int kHeadDim = Config::kHeadDim;
   static constexpr int kNumThreads = Config::kNumThreads;
@@ -226,9 +228,7 @@ struct StoreKernel {
     int batch;
   };
 
-  using Staged = StagedTileSum<kBlockN, kHeadDim, kNumThreads, kSwapAB, float>;
-  static constexpr int kSharedStorageSize = cute::max(static_cast<int>(sizeof(typename Epilogue::TensorStorage)),
-                                                      kStagedLoads ? Staged::kSmemBytes : 0);
+  static constexpr int kSharedStorageSize = sizeof(typename Epilogue::TensorStorage);
 
   CUTLASS_DEVICE void operator()(Params const& params, char* smem) const {
     using namespace cute;
@@ -250,12 +250,7 @@ struct StoreKernel {
     Tensor m = make_tensor(make_gmem_ptr(work.ptr_accum), ep.shape_dK, work.stride_accum)(_, _, bidh, ep.cu_seqlens ? 0 : bidb);  // (rows, d)
     Tensor gtile = local_tile(domain_offset(make_coord(seqlen_info.offset, _0{}), m), Shape<Int<kBlockN>, Int<kHeadDim>>{},
                               make_coord(n_block, _0{}));  // (BLK_N, BLK_D)
-    if constexpr (kStagedLoads) {
-      Staged::run(frag, thr_mma, [&](int) { return gtile; }, 1, valid_rows, get<1>(ep.shape_dK), 1.f,
-                  reinterpret_cast<float*>(smem), thread_idx, Epilogue::BarrierId);
-    } else {
-      load_accum_tile<kSwapAB, kBlockN, kHeadDim>(frag, thr_mma, gtile, valid_rows, get<1>(ep.shape_dK));
-    }
+    load_accum_tile<kSwapAB, kBlockN, kHeadDim>(frag, thr_mma, gtile, valid_rows, get<1>(ep.shape_dK));
 
     auto& storage = *reinterpret_cast<typename Epilogue::TensorStorage*>(smem);
     Epilogue{}.store(ep, frag, frag, storage, tiled_mma, thread_idx, make_tuple(n_block, bidh, bidb));

@@ -3,8 +3,6 @@
 // Host side of `store`: builds the collective's arguments from a StoreLaunchArgs, checks them
 // with can_implement (before any TMA descriptor is encoded), and launches the driver kernel.
 
-#include <cstdlib>
-
 #include <cute/tensor.hpp>
 #include <cutlass/numeric_types.h>
 
@@ -32,14 +30,6 @@ cudaError_t set_smem_limit_once(KernelFn kernel, int smem_bytes) {
   return err;
 }
 
-// FLASH_EPILOGUE_STAGED_LOADS=1: the sm_90 store and gqa_accumulate drivers read their fp32 input
-// row-major through shared memory (StagedTileSum) instead of straight in fragment order. An
-// experiment kept switchable so one H200 run can time both (benchmarks/NOTES.md); read per launch.
-inline bool staged_loads_requested() {
-  char const* v = std::getenv("FLASH_EPILOGUE_STAGED_LOADS");
-  return v != nullptr && v[0] != '\0' && v[0] != '0';
-}
-
 template <int kArch>
 using arch_tag_of = std::conditional_t<kArch >= 90, cutlass::arch::Sm90, cutlass::arch::Sm80>;
 
@@ -57,11 +47,11 @@ typename Epilogue::Arguments epilogue_arguments(TensorDesc const& dk, TensorDesc
           stride_of(dv), cu_seqlens, seqused};
 }
 
-template <class Element, int kHeadDim, class ArchTag, bool kVarlen, bool kStagedLoads = false>
+template <class Element, int kHeadDim, class ArchTag, bool kVarlen>
 char const* launch_store_variant(StoreLaunchArgs const& args, cudaStream_t stream) {
   using namespace cute;
   using Config = BwdTileConfig<kHeadDim, ArchTag>;
-  using Kernel = StoreKernel<Config, Element, ArchTag, kVarlen, kStagedLoads>;
+  using Kernel = StoreKernel<Config, Element, ArchTag, kVarlen>;
   using Epilogue = typename Kernel::Epilogue;
   bool const is_varlen = args.cu_seqlens != nullptr;
   int const batch_extent = is_varlen ? 1 : args.batch;
@@ -96,12 +86,9 @@ char const* launch_store(StoreLaunchArgs const& args, cudaStream_t stream) {
   using ArchTag = arch_tag_of<kArch>;
   // sm_80 has no TMA: its collective always takes the predicated path.
   if constexpr (kArch >= 90) {
-    bool const staged = staged_loads_requested();
     if (args.use_tma && args.cu_seqlens == nullptr && args.seqused == nullptr) {
-      return staged ? launch_store_variant<Element, kHeadDim, ArchTag, /*kVarlen=*/false, true>(args, stream)
-                    : launch_store_variant<Element, kHeadDim, ArchTag, /*kVarlen=*/false>(args, stream);
+      return launch_store_variant<Element, kHeadDim, ArchTag, /*kVarlen=*/false>(args, stream);
     }
-    if (staged) { return launch_store_variant<Element, kHeadDim, ArchTag, /*kVarlen=*/true, true>(args, stream); }
   }
   return launch_store_variant<Element, kHeadDim, ArchTag, /*kVarlen=*/true>(args, stream);
 }
