@@ -294,8 +294,9 @@ def test_hdim_80_96_on_device1_first_in_a_fresh_process():
 # mixed devices: GPU
 
 
-def _mixed(arg, ref_arg, op, ref_dev=0, dev=1):
-    return pytest.raises(fe.FlashEpilogueInputError,
+def _mixed(arg, ref_arg, op, ref_dev=0, dev=1, exc=fe.FlashEpilogueInputError):
+    """The mixed-device error, from a wrapper (FlashEpilogueInputError) or an op (exc=ValueError)."""
+    return pytest.raises(exc,
                          match=rf"^flash_epilogue\.{op}: {re.escape(arg)}: device: expected cuda:{ref_dev} \(the "
                                rf"device of {re.escape(ref_arg)}\), got cuda:{dev}$")
 
@@ -327,13 +328,12 @@ def test_mixed_devices_raise_naming_the_arguments():
         fe.gqa_postprocess(acc1, o0, o0.clone())
     with _mixed("dv", "dk_accum", "gqa_postprocess", ref_dev=1, dev=0):
         fe.gqa_postprocess(acc1, o1, o0)
-    # the ops themselves (callers that skip the wrappers) refuse too, naming the argument
-    with pytest.raises(RuntimeError, match=r"flash_epilogue\.store: dk_accum: expected device cuda:0, got cuda:1"):
+    # the ops themselves (callers that skip the wrappers) refuse too, with the same messages
+    with _mixed("dk", "dk_accum", "store", ref_dev=1, dev=0, exc=ValueError):
         torch.ops.flash_epilogue.store(a1, a1.clone(), o0, o0.clone())
-    with pytest.raises(RuntimeError, match=r"flash_epilogue\.store_zero: dv: expected device cuda:0, got cuda:1"):
+    with _mixed("dv", "dk", "store_zero", exc=ValueError):
         torch.ops.flash_epilogue.store_zero(o0, o1)
-    with pytest.raises(RuntimeError, match=r"flash_epilogue\.gqa_reduce: dk_partial: expected device cuda:1, "
-                                           r"got cuda:0"):
+    with _mixed("dk", "dk_partial", "gqa_reduce", exc=ValueError):
         torch.ops.flash_epilogue.gqa_reduce(p0, None, o1, None)
     # nothing was launched on a wrong device: both devices are healthy
     fe.store(a1, a1.clone(), o1, o1.clone())
@@ -363,25 +363,19 @@ def _on(dev, *shape, dtype=torch.float32):
     return torch.zeros(shape, dtype=dtype, device=f"cuda:{dev}")
 
 
-def _mixed_fake(arg, ref_arg, op, ref_dev=0, dev=1):
-    return pytest.raises(fe.FlashEpilogueInputError,
-                         match=rf"^flash_epilogue\.{op}: {re.escape(arg)}: device: expected cuda:{ref_dev} \(the "
-                               rf"device of {re.escape(ref_arg)}\), got cuda:{dev}$")
-
-
 @pytest.mark.parametrize("pos,name", [(1, "dv_accum"), (2, "dk"), (3, "dv")])
 def test_fake_store_mixed_devices(fake_gpus, pos, name):
     args = [_on(0, 2, 64, 2, 64), _on(0, 2, 64, 2, 64), _on(0, 2, 64, 2, 64, dtype=BF16),
             _on(0, 2, 64, 2, 64, dtype=BF16)]
     fe.store(*args)  # one device: fine
     args[pos] = args[pos].to("cuda:1")
-    with _mixed_fake(name, "dk_accum", "store"):
+    with _mixed(name, "dk_accum", "store"):
         fe.store(*args)
     # the reference is the first tensor: everything on cuda:1 but dk_accum names cuda:1 as expected
     args = [a.to("cuda:1") for a in args]
     fe.store(*args)
     args[0] = args[0].to("cuda:0")
-    with _mixed_fake("dv_accum", "dk_accum", "store", ref_dev=0, dev=1):
+    with _mixed("dv_accum", "dk_accum", "store", ref_dev=0, dev=1):
         fe.store(*args)
 
 
@@ -390,15 +384,15 @@ def test_fake_seqlens_and_indices_mixed_devices(fake_gpus):
     out = [_on(1, 300, 2, 64, dtype=F16), _on(1, 300, 2, 64, dtype=F16)]
     cu1 = torch.tensor([0, 100, 300], dtype=I32, device="cuda:1")
     fe.store(*acc, *out, cu_seqlens=cu1)
-    with _mixed_fake("cu_seqlens", "dk_accum", "store", ref_dev=1, dev=0):
+    with _mixed("cu_seqlens", "dk_accum", "store", ref_dev=1, dev=0):
         fe.store(*acc, *out, cu_seqlens=cu1.to("cuda:0"))
-    with _mixed_fake("seqused", "dk_accum", "store", ref_dev=1, dev=0):
+    with _mixed("seqused", "dk_accum", "store", ref_dev=1, dev=0):
         fe.store(*acc, *out, cu_seqlens=cu1, seqused=torch.tensor([1, 2], dtype=I32, device="cuda:0"))
     fe.store_zero(*out, cu_seqlens=cu1, batch_idx=[1], head_idx=0)  # lists become tensors on dk's device
     for name in ("batch_idx", "head_idx"):
-        with _mixed_fake(name, "dk", "store_zero", ref_dev=1, dev=0):
+        with _mixed(name, "dk", "store_zero", ref_dev=1, dev=0):
             fe.store_zero(*out, cu_seqlens=cu1, **{name: torch.tensor([0], dtype=I32, device="cuda:0")})
-    with _mixed_fake("cu_seqlens", "dk", "store_zero", ref_dev=1, dev=0):
+    with _mixed("cu_seqlens", "dk", "store_zero", ref_dev=1, dev=0):
         fe.store_zero(*out, cu_seqlens=cu1.to("cuda:0"))
 
 
@@ -408,23 +402,23 @@ def test_fake_gqa_mixed_devices(fake_gpus):
     acc1 = fe.gqa_accumulator(2, 64, batch=2, seqlen=64, deterministic=True, device="cuda:1")
     assert acc1.dk_accum.device == acc1.semaphores.device == torch.device("cuda:1")
     fe.gqa_accumulate(pk, pv, acc0)
-    with _mixed_fake("dv_partial", "dk_partial", "gqa_accumulate"):
+    with _mixed("dv_partial", "dk_partial", "gqa_accumulate"):
         fe.gqa_accumulate(pk, pv.to("cuda:1"), acc0)
-    with _mixed_fake("dk_accum", "dk_partial", "gqa_accumulate"):
+    with _mixed("dk_accum", "dk_partial", "gqa_accumulate"):
         fe.gqa_accumulate(pk, pv, acc1)
     dk, dv = _on(0, 2, 64, 2, 64, dtype=BF16), _on(0, 2, 64, 2, 64, dtype=BF16)
     fe.gqa_postprocess(acc0, dk, dv)
-    with _mixed_fake("dk", "dk_accum", "gqa_postprocess", ref_dev=1, dev=0):
+    with _mixed("dk", "dk_accum", "gqa_postprocess", ref_dev=1, dev=0):
         fe.gqa_postprocess(acc1, dk, dv)
-    with _mixed_fake("dv", "dk_accum", "gqa_postprocess", ref_dev=1, dev=0):
+    with _mixed("dv", "dk_accum", "gqa_postprocess", ref_dev=1, dev=0):
         fe.gqa_postprocess(acc1, dk.to("cuda:1"), dv)
     acc1.to_dense()  # allocates on the accumulator's device
-    with _mixed_fake("seqused", "accum", "gqa_accum_to_dense", ref_dev=1, dev=0):
+    with _mixed("seqused", "accum", "gqa_accum_to_dense", ref_dev=1, dev=0):
         acc1.to_dense(seqused=torch.tensor([1, 2], dtype=I32, device="cuda:0"))
     fe.gqa_reduce(pk, pv, num_heads_kv=2)
-    with _mixed_fake("dv_partial", "dk_partial", "gqa_reduce"):
+    with _mixed("dv_partial", "dk_partial", "gqa_reduce"):
         fe.gqa_reduce(pk, pv.to("cuda:1"), num_heads_kv=2)
-    with _mixed_fake("dk", "dk_partial", "gqa_reduce"):
+    with _mixed("dk", "dk_partial", "gqa_reduce"):
         fe.gqa_reduce(pk, num_heads_kv=2, out=dk.to("cuda:1"))
-    with _mixed_fake("seqused", "dk_partial", "gqa_reduce"):
+    with _mixed("seqused", "dk_partial", "gqa_reduce"):
         fe.gqa_reduce(pk, num_heads_kv=2, seqused=torch.tensor([1, 2], dtype=I32, device="cuda:1"))
