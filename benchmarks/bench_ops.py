@@ -909,6 +909,9 @@ def run_gpu(args, ops: list[Op], shapes: list[Shape]) -> dict:
                 errors.append({"op": op.name, "name": shape.name, "impl": "build", "error": repr(e)[:500]})
                 log(f"  {label}: BUILD FAILED {e!r}")
                 continue
+            # every impl's check starts from this copy of the initial state: the timing loops
+            # write into insts (in-place ops), so insts[0] changes from one impl to the next
+            pristine = op.fresh(insts[0])
             ref_out, line = None, []
             for impl in impls:
                 if impl not in op.impls:
@@ -918,11 +921,11 @@ def run_gpu(args, ops: list[Op], shapes: list[Shape]) -> dict:
                     continue
                 try:
                     if ref_out is None:  # torch eager's outputs from the initial state of the first copy
-                        ref_out = [o.clone() for o in op.make("torch_eager", shape, op.fresh(insts[0]))()]
+                        ref_out = [o.clone() for o in op.make("torch_eager", shape, op.fresh(pristine))()]
                     t0 = time.time()
                     fns = [op.make(impl, shape, t) for t in insts]
                     # correctness on the first copy, against torch eager (a fast wrong kernel must show)
-                    state = op.fresh(insts[0])
+                    state = op.fresh(pristine)
                     out = op.make(impl, shape, state)()
                     if impl == "flash_epilogue" and op.name.startswith("gqa_accumulate"):
                         out = state["acc"].to_dense(cu_seqlens=state["cu"])
@@ -955,7 +958,7 @@ def run_gpu(args, ops: list[Op], shapes: list[Shape]) -> dict:
                           and r["impl"] != "flash_epilogue"]:
                     rows.append(dict(r, op=op.name, shared_with="gqa_accumulate"))
             log(f"  {label:58s} {nbytes / MB:8.1f} MB  x{n_rot:<2d} " + "  ".join(line) + "  TB/s")
-            del insts
+            del insts, pristine
             gc.collect()
             torch.cuda.empty_cache()
         log(f"[{time.time() - t_start:6.1f} s] {op.name}[{op.dtype_name}] done")
