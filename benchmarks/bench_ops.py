@@ -194,7 +194,10 @@ def eager_zero(dk, dv, seqused):
 
 def eager_zero_varlen(dk, dv, cu_seqlens, seqused):
     pos = torch.arange(dk.shape[0], device=dk.device, dtype=torch.int32)
-    seq = torch.searchsorted(cu_seqlens[1:], pos, right=True).clamp_(max=seqused.shape[0] - 1)
+    # the last sequence starting at or before pos; searching the whole cu_seqlens, not a cu_seqlens[1:]
+    # view: torch.compile (2.11) searched such a view as if it started at cu_seqlens[0], off by one
+    # sequence, and zeroed the invalid rows too (H200, 1fa5a26)
+    seq = (torch.searchsorted(cu_seqlens, pos, right=True) - 1).clamp_(min=0, max=seqused.shape[0] - 1)
     end = cu_seqlens[1:][seq]
     mask = ((pos - cu_seqlens[seq]) < seqused[seq]) & (pos < end)
     mask = mask[:, None, None]
