@@ -14,6 +14,7 @@ Concurrent: two streams each running deterministic gqa_accumulate into their own
 (reading the same partials), interleaved launch by launch, repeatedly: bitwise equal to the
 sequential reference every time; store/store_zero on one stream against gqa_reduce and
 non-deterministic accumulate + postprocess on another; four host threads with a stream each.
+Fresh threads: every op from host threads that never made a CUDA call (in a child process).
 """
 from __future__ import annotations
 
@@ -368,6 +369,62 @@ def test_host_threads_with_own_streams():
         assert torch.equal(bits(dk), bits(want)), k
 
 
+def fresh_thread_workload():
+    """Every op called from host threads that have made no CUDA call (no current CUDA context),
+    then repeat_kv's backward through the autograd engine's device thread; every result checked
+    bitwise. Run in a child process by test_every_op_from_a_fresh_thread."""
+
+    def in_fresh_thread(fn):  # everything fn touches is allocated by the caller
+        errors = []
+
+        def run():
+            try:
+                fn()
+            except BaseException as e:  # noqa: BLE001 (re-raised below)
+                errors.append(e)
+
+        t = threading.Thread(target=run)
+        t.start()
+        t.join()
+        if errors:
+            raise errors[0]
+
+    gen = torch.Generator(device=DEV).manual_seed(7)
+    b, s, h, g, d = 2, 300, 4, 2, 128
+    a = rand((b, s, h, d), gen)
+    p32 = rand((b, s, h * g, d), gen)
+    p16 = p32.to(torch.bfloat16)
+    outs = {k: canary((b, s, h, d)) for k in ("dk", "dv", "z0", "z1", "r32", "r16", "pk", "pv")}
+    acc = fe.gqa_accumulator(h, d, batch=b, seqlen=s, deterministic=True, device=DEV)
+    torch.cuda.synchronize()
+
+    in_fresh_thread(lambda: fe.store(a, a, outs["dk"], outs["dv"]))
+    in_fresh_thread(lambda: fe.store_zero(outs["z0"], outs["z1"]))
+    in_fresh_thread(lambda: fe.gqa_reduce(p32, num_heads_kv=h, out=outs["r32"]))
+    in_fresh_thread(lambda: fe.gqa_reduce(p16, num_heads_kv=h, out=outs["r16"]))
+    in_fresh_thread(lambda: fe.gqa_accumulate(p32, p32, acc))
+    in_fresh_thread(lambda: fe.gqa_postprocess(acc, outs["pk"], outs["pv"]))
+    torch.cuda.synchronize()
+
+    want_store = bits(a.to(torch.bfloat16))
+    want_reduce = bits(gqa_reduce_sequential_fp32(p32, h).to(torch.bfloat16))
+    assert torch.equal(bits(outs["dk"]), want_store) and torch.equal(bits(outs["dv"]), want_store), "store"
+    assert bool((outs["z0"] == 0).all()) and bool((outs["z1"] == 0).all()), "store_zero"
+    assert torch.equal(bits(outs["r32"]), want_reduce), "gqa_reduce fp32 partials"
+    want16 = bits(gqa_reduce_sequential_fp32(p16.float(), h).to(torch.bfloat16))
+    assert torch.equal(bits(outs["r16"]), want16), "gqa_reduce bf16 partials"
+    assert torch.equal(bits(outs["pk"]), want_reduce) and torch.equal(bits(outs["pv"]), want_reduce), \
+        "gqa_accumulate + postprocess"
+
+    # the autograd engine runs backward on a device thread of its own: repeat_kv's kernel backward
+    x = rand((b, h, s, d), gen, torch.bfloat16).requires_grad_()
+    grad = rand((b, h * g, s, d), gen, torch.bfloat16)
+    (dx,) = torch.autograd.grad(fe.repeat_kv(x, g), x, grad)
+    want = gqa_reduce_sequential_fp32(grad.transpose(1, 2).float(), h).to(torch.bfloat16).transpose(1, 2)
+    assert torch.equal(bits(dx), bits(want)), "repeat_kv backward"
+    print("OK")
+
+
 def test_every_op_from_a_fresh_thread():
     # A host thread without a current CUDA context (c10's device guard does not bind one when the
     # index already matches) made the TMA descriptor encode fail and the process crash (H200,
@@ -376,8 +433,9 @@ def test_every_op_from_a_fresh_thread():
     import sys
     from pathlib import Path
 
-    script = Path(__file__).with_name("fresh_thread_workload.py")
-    result = subprocess.run([sys.executable, "-X", "faulthandler", str(script)], capture_output=True, text=True,
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+            "import test_big_concurrent; test_big_concurrent.fresh_thread_workload()")
+    result = subprocess.run([sys.executable, "-X", "faulthandler", "-c", code], capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0 and result.stdout.strip().endswith("OK"), (
         f"exit {result.returncode}\nstdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-3000:]}")
