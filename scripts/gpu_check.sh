@@ -10,7 +10,7 @@
 # (scripts/sanitize.sh: compute-sanitizer memcheck/synccheck/racecheck/initcheck over every op ->
 # sanitize.json + sanitize_logs.tgz; about 5 minutes, budget SANITIZE_BUDGET_S). Logs and results go to
 # $OUT (summary: gpu_tests.json).
-# TEST_FILES: what pytest runs (default: tests); TEST_TIMEOUT_S bounds it.
+# TEST_FILES: what pytest runs (default: tests); TEST_TIMEOUT_S bounds it, BENCH_TIMEOUT_S bench_ops.
 # Needs the nvidia-cutlass wheel in .whl/ (carried: the device machine has no registry):
 #   pip download --no-deps nvidia-cutlass==4.2.0.0 -d .whl
 set -uo pipefail
@@ -87,7 +87,8 @@ if has bench_host; then
 fi
 
 if has bench_ops; then
-  python3 benchmarks/bench_ops.py --out "$OUT" --commit "$COMMIT" 2>&1 | tee "$OUT/bench_ops.log" || status=1
+  # Bounded like the tests: a kernel that hangs must leave the call's other results to come back.
+  timeout "${BENCH_TIMEOUT_S:-400}" python3 benchmarks/bench_ops.py --out "$OUT" --commit "$COMMIT" 2>&1 | tee "$OUT/bench_ops.log" || status=1
 fi
 # The device tool returns at most 8 files: bundle the logs.
 (cd "$OUT" && files=$(ls *.log junit.xml 2>/dev/null; true) && [ -n "$files" ] && tar czf logs.tgz $files && rm -f $files)

@@ -389,6 +389,36 @@ def test_gqa_reduce_groups(h_k, g, arch):
                  seed=g + 1, use_seqused=False)
 
 
+@pytest.mark.parametrize("layout", ("batched", "varlen"))
+@pytest.mark.parametrize("partial_dtype", (torch.float32, torch.bfloat16), ids=str)
+@pytest.mark.parametrize("d", (128, 192, 256))
+def test_gqa_reduce_many_tiles_per_cta(d, partial_dtype, layout):
+    # far more tiles than SMs (the sm_90 driver's persistent CTAs walk many each, the stage ring
+    # wraps every few tiles), seqused emptying some tiles, dK and dV both
+    h_k, g = 4, 4
+    n = block_n(d, d, 0)
+    gen = generator(d)
+    if layout == "batched":
+        b, s = 3, 12 * n + 7
+        lead, kw = (b, s), {"seqused": torch.tensor([s, 5 * n, 0], dtype=I32, device=DEV)}
+    else:
+        lens = torch.randint(0, 5 * n, (40,), generator=torch.Generator().manual_seed(d))
+        lens[::5] = 0
+        cu = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)]).to(I32).to(DEV)
+        used = (lens - n).clamp(min=0).to(I32).to(DEV)
+        lead, kw = (int(cu[-1]) + 3,), {"cu_seqlens": cu, "seqused": used}
+    pk, pv = rand(lead + (h_k * g, d), gen, partial_dtype), rand(lead + (h_k * g, d), gen, partial_dtype)
+    (dk_buf, dk), (dv_buf, dv) = carve(lead + (h_k, d), torch.bfloat16, "padded"), carve(lead + (h_k, d), torch.bfloat16,
+                                                                                         "transposed")
+    expect_k, expect_v = dk_buf.clone(), dv_buf.clone()
+    gqa_reduce_reference(pk, h_k, out=same_view(expect_k, dk), scale=0.3, sequential=True, **kw)
+    gqa_reduce_reference(pv, h_k, out=same_view(expect_v, dv), scale=1.0, sequential=True, **kw)
+    fe.gqa_reduce(pk, pv, num_heads_kv=h_k, out=(dk, dv), scale_dk=0.3, scale_dv=1.0, **kw)
+    torch.cuda.synchronize()
+    assert torch.equal(bits(dk_buf), bits(expect_k)), f"dk: {first_diff(dk_buf, expect_k)}"
+    assert torch.equal(bits(dv_buf), bits(expect_v)), f"dv: {first_diff(dv_buf, expect_v)}"
+
+
 @ARCHS
 @pytest.mark.parametrize("d", (64, 192))
 def test_gqa_reduce_equals_accumulate_then_postprocess(d, arch):

@@ -141,6 +141,42 @@ def test_store_seqused_batched(dtype):
     check_store(dk_buf, dv_buf, dk_buf, dv_buf, fresh_accum((b, s, h, d)), fresh_accum((b, s, h, d)), seqused=used)
 
 
+def many_tiles_heads(d, tiles_per_head, waves=20):
+    """Heads for at least `waves` tiles per SM: the sm_90 driver's persistent CTAs then walk many
+    tiles each and their ring of input stages wraps several times."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    return max(2, -(-waves * sms // (2 * tiles_per_head)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("d", (64, 96, 128, 192, 256))
+def test_store_many_tiles_per_cta(dtype, d):
+    n = block_n(d)
+    b, s = 2, 8 * n + 5  # a partial last tile per sequence
+    h = many_tiles_heads(d, b * 9)
+    dk_buf, dv_buf = canary_buffer((b, s + 3, h, d), dtype), canary_buffer((b, s + 3, h, d), dtype)
+    dk, dv = dk_buf[:, 1 : s + 1], dv_buf[:, 2 : s + 2]  # rows outside the views stay untouched
+    check_store(dk_buf, dv_buf, dk, dv, fresh_accum((b, s, h, d)), fresh_accum((b, s, h, d)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("d", (128, 256))
+def test_store_varlen_many_tiles_per_cta(dtype, d):
+    # random lengths (zeros included) and a seqused that empties some tiles: the CTAs skip those
+    # in the same order as their loads
+    n = block_n(d)
+    gen = torch.Generator().manual_seed(d)
+    lens = torch.randint(0, 4 * n, (48,), generator=gen)
+    lens[::7] = 0
+    cu = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)]).to(torch.int32).cuda()
+    used = (lens - torch.randint(0, 2 * n, (48,), generator=gen)).clamp(min=0).to(torch.int32).cuda()
+    total = int(cu[-1]) + 11
+    h = many_tiles_heads(d, int(lens.sum()) // n + 48)
+    for seq in ({"cu_seqlens": cu}, {"cu_seqlens": cu, "seqused": used}):
+        dk_buf, dv_buf = canary_buffer((total, h, d), dtype), canary_buffer((total, h, d), dtype)
+        check_store(dk_buf, dv_buf, dk_buf, dv_buf, fresh_accum((total, h, d)), fresh_accum((total, h, d)), **seq)
+
+
 def test_store_matches_plain_to():
     # the spec in one line: bitwise accum.to(dtype)
     acc = fresh_accum((2, 1000, 4, 128))

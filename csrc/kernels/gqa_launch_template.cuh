@@ -164,6 +164,25 @@ char const* launch_gqa_reduce_variant(GqaReduceLaunchArgs const& args, cudaStrea
   return launch<Kernel>(grid, params, stream);
 }
 
+// The sm_90 path: TileStreamKernel sums each group's partials as they stream through shared memory.
+template <class Element, class ElementIn, int kHeadDim>
+char const* launch_gqa_reduce_streamed(GqaReduceLaunchArgs const& args, cudaStream_t stream) {
+  using Config = BwdTileConfig<kHeadDim, cutlass::arch::Sm90>;
+  if (args.num_heads_kv <= 0 || args.num_heads_q % args.num_heads_kv != 0) {
+    return "num_heads_q must be a multiple of num_heads_kv";
+  }
+  StreamedTensor const tensors[2] = {{args.dk, args.dk_partial, args.scale_dk}, {args.dv, args.dv_partial, args.scale_dv}};
+  int const num_tensors = args.dv_partial.ptr != nullptr ? 2 : 1;
+  int const group = args.num_heads_q / args.num_heads_kv;
+  auto streamed = [&](auto varlen) {
+    using Kernel = TileStreamKernel<Config, Element, ElementIn, decltype(varlen)::value, /*kReduce=*/true>;
+    return launch_tile_stream<Kernel>(tensors, num_tensors, args.rows, args.num_heads_kv, group, args.batch,
+                                      args.cu_seqlens, args.seqused, stream);
+  };
+  bool const tma_store = args.use_tma && args.cu_seqlens == nullptr && args.seqused == nullptr;
+  return tma_store ? streamed(std::false_type{}) : streamed(std::true_type{});
+}
+
 }  // namespace detail
 
 template <OutputDType kDType, int kHeadDim, int kArch>
@@ -185,11 +204,10 @@ char const* launch_gqa_reduce(GqaReduceLaunchArgs const& args, cudaStream_t stre
   auto with_input = [&](auto input_tag) -> char const* {
     using ElementIn = typename decltype(input_tag)::type;
     if constexpr (kArch >= 90) {
-      if (args.use_tma && args.cu_seqlens == nullptr && args.seqused == nullptr) {
-        return detail::launch_gqa_reduce_variant<Element, ElementIn, kHeadDim, ArchTag, false>(args, stream);
-      }
+      return detail::launch_gqa_reduce_streamed<Element, ElementIn, kHeadDim>(args, stream);
+    } else {
+      return detail::launch_gqa_reduce_variant<Element, ElementIn, kHeadDim, ArchTag, true>(args, stream);
     }
-    return detail::launch_gqa_reduce_variant<Element, ElementIn, kHeadDim, ArchTag, true>(args, stream);
   };
   return args.partial_fp32 ? with_input(std::type_identity<float>{}) : with_input(std::type_identity<Element>{});
 }

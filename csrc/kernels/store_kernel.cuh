@@ -31,8 +31,8 @@ CUTLASS_DEVICE cute::tuple<int, int> tile_to_block_and_batch(int tile, int batch
   return {tile - first_tile(lo), lo};
 }
 
-// Visit the C fragment of `thr_mma` over a (BLK_N, BLK_D) global tile of a (rows, d, head, batch)
-// tensor: fn(i, row, col, pointer) for element i. Without swapAB the fragment's element pairs
+// Visit the C fragment of `thr_mma` over a (BLK_N, BLK_D) tile (global, or a swizzled stage in
+// shared memory): fn(i, row, col, pointer) for element i. Without swapAB the fragment's element pairs
 // (2i, 2i+1) are adjacent columns of one row (GMMA and SM80 C layouts) and fn gets them together
 // (i even, two elements); with swapAB (the MMA holds dK^T) the tile is seen as (BLK_D, BLK_N) and
 // pairs run down a column, so fn gets one element at a time.
@@ -49,8 +49,9 @@ CUTLASS_DEVICE void for_each_fragment_element(ThrMma const& thr_mma, GmemTensor 
       fn(Int<2>{}, i, row, col, &tg(i));
     }
   } else {
-    Tensor gtile_t = make_tensor(gtile.data(), make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{},
-                                                           make_stride(get<1>(gtile.stride()), get<0>(gtile.stride()))));
+    // (d, n) -> (n, d): also for a swizzled shared-memory tile, whose layout has no plain strides.
+    Tensor gtile_t = make_tensor(gtile.data(), composition(gtile.layout(), make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{},
+                                                                                       Stride<Int<kBlockN>, _1>{})));
     Tensor tg = thr_mma.partition_C(gtile_t);                                                    // (MMA, MMA_D, MMA_N)
     Tensor tc = thr_mma.partition_C(make_identity_tensor(Shape<Int<kHeadDim>, Int<kBlockN>>{}));  // -> (d, n)
 #pragma unroll

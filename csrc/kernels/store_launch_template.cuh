@@ -1,13 +1,19 @@
 #pragma once
 
 // Host side of `store`: builds the collective's arguments from a StoreLaunchArgs, checks them
-// with can_implement (before any TMA descriptor is encoded), and launches the driver kernel.
+// with can_implement (before any TMA descriptor is encoded), and launches the driver kernel:
+// TileStreamKernel on the sm_90 path, StoreKernel on the sm_80 path. Also the launcher of
+// TileStreamKernel that gqa_reduce shares.
+
+#include <algorithm>
+#include <climits>
 
 #include <cute/tensor.hpp>
 #include <cutlass/numeric_types.h>
 
 #include "launch_args.h"
 #include "store_kernel.cuh"
+#include "tile_stream_kernel.cuh"
 
 namespace flash_epilogue {
 
@@ -80,17 +86,88 @@ char const* launch_store_variant(StoreLaunchArgs const& args, cudaStream_t strea
   return nullptr;
 }
 
+// The current device's multiprocessor count, cached per device (0 if it cannot be read).
+inline int multiprocessor_count() {
+  constexpr int kMaxDevices = 64;
+  static int counts[kMaxDevices] = {};
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) { return 0; }
+  if (device < kMaxDevices && counts[device] > 0) { return counts[device]; }
+  int count = 0;
+  if (cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) { return 0; }
+  if (device < kMaxDevices) { counts[device] = count; }
+  return count;
+}
+
+// One output of a TileStreamKernel launch: a 16-bit (rows, d, heads, batch) tensor, its input
+// (rows, d, heads * group, batch) and the scale of the sum (kReduce kernels only).
+struct StreamedTensor {
+  TensorDesc out;
+  TensorDesc in;
+  float scale = 1.f;
+};
+
+template <class Kernel>
+char const* launch_tile_stream(StreamedTensor const* tensors, int num_tensors, int rows, int num_heads, int group,
+                               int batch, int const* cu_seqlens, int const* seqused, cudaStream_t stream) {
+  using namespace cute;
+  using Epilogue = typename Kernel::Epilogue;
+  using ElementIn = typename Kernel::ElementIn;
+  constexpr int kBlockN = Kernel::kBlockN;
+  bool const varlen = cu_seqlens != nullptr;
+  int const batch_extent = varlen ? 1 : batch;
+  int64_t const n_tiles = varlen ? rows / kBlockN + batch : (rows + kBlockN - 1) / kBlockN;
+  int64_t const num_tiles = n_tiles * num_tensors * num_heads * batch_extent;
+
+  typename Kernel::Params params{};
+  for (int i = 0; i < num_tensors; ++i) {
+    StreamedTensor const& t = tensors[i];
+    auto const ep_args = epilogue_arguments<Epilogue, typename Kernel::Element>(t.out, TensorDesc{}, rows, num_heads,
+                                                                                batch_extent, cu_seqlens, seqused);
+    if (char const* why = Epilogue::can_implement(ep_args)) { return why; }
+    for (int64_t s : {t.in.row_stride, t.in.head_stride, t.in.batch_stride}) {
+      if (s * static_cast<int64_t>(sizeof(ElementIn)) >= (int64_t(1) << 40)) { return "input strides must be < 2^40 bytes (TMA)"; }
+    }
+    if (num_tiles == 0) { return nullptr; }  // checked, nothing to do; TMA cannot encode an empty tensor
+    if (num_tiles > INT_MAX) { return "more than 2^31 - 1 tiles"; }
+    typename Epilogue::ShapedKV const shape_in{rows, t.in.head_dim, num_heads * group, batch_extent};
+    auto const m_in = make_tensor(make_gmem_ptr(static_cast<ElementIn const*>(t.in.ptr)), shape_in, stride_of(t.in));
+    params.tensors[i] = {Epilogue::to_underlying_arguments(ep_args),  // encodes the output's TMA descriptor
+                         make_tma_copy(SM90_TMA_LOAD{}, m_in, typename Kernel::SmemLayoutIn{}, typename Kernel::TileShape{}, _1{}),
+                         shape_in, t.scale};
+  }
+  params.num_tensors = num_tensors;
+  params.num_heads = num_heads;
+  params.group = group;
+  params.batch = batch;
+  params.num_n_tiles = static_cast<int>(n_tiles);
+  params.num_tiles = static_cast<int>(num_tiles);
+  // One persistent CTA per SM (each holds most of the SM's shared memory).
+  int const grid = static_cast<int>(std::min<int64_t>(num_tiles, std::max(multiprocessor_count(), 1)));
+  auto kernel = epilogue_device_kernel<Kernel>;
+  if (set_smem_limit_once(kernel, Kernel::kSharedStorageSize) != cudaSuccess) { return nullptr; }  // reported by cudaGetLastError
+  kernel<<<grid, Kernel::kNumThreads, Kernel::kSharedStorageSize, stream>>>(params);
+  return nullptr;
+}
+
 template <OutputDType kDType, int kHeadDim, int kArch>
 char const* launch_store(StoreLaunchArgs const& args, cudaStream_t stream) {
   using Element = element_of<kDType>;
   using ArchTag = arch_tag_of<kArch>;
-  // sm_80 has no TMA: its collective always takes the predicated path.
   if constexpr (kArch >= 90) {
-    if (args.use_tma && args.cu_seqlens == nullptr && args.seqused == nullptr) {
-      return launch_store_variant<Element, kHeadDim, ArchTag, /*kVarlen=*/false>(args, stream);
-    }
+    using Config = BwdTileConfig<kHeadDim, ArchTag>;
+    StreamedTensor const tensors[2] = {{args.dk, args.dk_accum}, {args.dv, args.dv_accum}};
+    auto streamed = [&](auto varlen) {
+      using Kernel = TileStreamKernel<Config, Element, float, decltype(varlen)::value, /*kReduce=*/false>;
+      return launch_tile_stream<Kernel>(tensors, 2, args.rows, args.num_heads, 1, args.batch, args.cu_seqlens,
+                                        args.seqused, stream);
+    };
+    bool const tma_store = args.use_tma && args.cu_seqlens == nullptr && args.seqused == nullptr;
+    return tma_store ? streamed(std::false_type{}) : streamed(std::true_type{});
+  } else {
+    // sm_80 has no TMA: one CTA per tile, and the collective's predicated path.
+    return launch_store_variant<Element, kHeadDim, ArchTag, /*kVarlen=*/true>(args, stream);
   }
-  return launch_store_variant<Element, kHeadDim, ArchTag, /*kVarlen=*/true>(args, stream);
 }
 
 }  // namespace flash_epilogue

@@ -1,0 +1,216 @@
+#pragma once
+
+// The sm_90 driver of `store` and `gqa_reduce`: one persistent CTA per SM walks its share of the
+// tiles, and the inputs of its next tiles stream into a ring of shared-memory stages through TMA
+// loads while the current tile is read out of its stage into the C fragment (as the mainloop
+// would leave it), converted and stored by CollectiveEpilogueBwd.
+//
+// Why not one CTA per tile with loads straight into registers (StoreKernel, kept for the sm_80
+// path): an SM then alternates between a load phase and a store phase with at most two tiles in
+// flight, which held `store` at 0.83-0.91 of torch's `.to` on the H200 (benchmarks/NOTES.md).
+// Here the loads of up to kStages - 1 tiles are always in flight, whatever the CTA is doing.
+//
+// Work order: tile t of the CTA's walk is (n_tile, tensor and head, batch) with n_tile fastest,
+// t = blockIdx.x + k * gridDim.x. A tile of `group` members (gqa_reduce: the group's query heads;
+// store: 1) takes `group` consecutive loads of the stream; load i uses stage i % kStages.
+
+#include <climits>
+
+#include <cute/tensor.hpp>
+#include <cute/atom/copy_traits_sm90_tma.hpp>
+#include <cutlass/arch/barrier.h>
+
+#include "flash_epilogue/bwd_config.h"
+#include "flash_epilogue/epilogue_bwd.h"
+#include "flash_epilogue/seqlen_info.h"
+#include "store_kernel.cuh"
+
+namespace flash_epilogue {
+
+// kReduce: the tile is 0 + p_0 + ... + p_{group-1} in head order, times the tensor's scale
+// (gqa_reduce; the same bits as GqaReduceKernel). Otherwise the single input tile as it is (store:
+// an exact cast, -0.0 stays -0.0).
+template <class Config_, class Element_, class ElementIn_, bool kVarlen_, bool kReduce_>
+struct TileStreamKernel {
+  using Config = Config_;
+  using Element = Element_;
+  using ElementIn = ElementIn_;  // float, or the 16-bit output type (gqa_reduce's 16-bit partials)
+  using ArchTag = cutlass::arch::Sm90;
+  static constexpr bool kVarlen = kVarlen_;
+  static constexpr bool kReduce = kReduce_;
+  using Store = StoreKernel<Config, Element, ArchTag, kVarlen>;  // the TiledMma and the collective
+  using Epilogue = typename Store::Epilogue;
+  using TiledMma = typename Store::TiledMma;
+  using FragmentTileShape = typename Store::TiledMmaConfig::FragmentTileShape;
+  using ShapeIO = typename Epilogue::ShapedKV;    // (rows, d, head, batch)
+  using StrideIO = typename Epilogue::StridedKV;
+  static constexpr int kBlockN = Config::kBlockN;
+  static constexpr int kHeadDim = Config::kHeadDim;
+  static constexpr int kNumThreads = Config::kNumThreads;
+  static constexpr int kMinBlocksPerSm = 1;
+  using TileShape = cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>;
+
+  // One stage holds one input tile, swizzled as TMA writes it. Reading it in C-fragment order is
+  // then conflict-free: 8-byte fp32 pairs of 8 rows take the minimum two wavefronts, swapAB's
+  // column walks (4 rows 2 apart) one.
+  using SmemLayoutIn = decltype(cute::tile_to_shape(detail::smem_layout_atom_k_major<ElementIn, kHeadDim>(), TileShape{}));  // (BLK_N, BLK_D)
+  static constexpr int kStageElems = kBlockN * kHeadDim;
+  static constexpr int kStageBytes = kStageElems * static_cast<int>(sizeof(ElementIn));
+  static_assert(kStageBytes % 1024 == 0, "stages must keep the 1024-byte alignment of the swizzled layouts");
+
+  // The collective's shared memory. An fp32 stage is as large as the collective's storage (two
+  // 16-bit tiles), so the tile's last stage serves as its output buffer once read into registers;
+  // 16-bit stages are half that size and the collective gets a region of its own.
+  using OutputStorage = typename Epilogue::TensorStorage;
+  static constexpr bool kOutputInStage = kStageBytes >= static_cast<int>(sizeof(OutputStorage));
+  static constexpr int kOutputBytes = kOutputInStage ? 0 : static_cast<int>(sizeof(OutputStorage));
+  static constexpr int kSmemCapacity = 227 * 1024;  // sm_90's opt-in dynamic shared memory per CTA
+  static constexpr int kBarrierBytes = 1024;        // the stages' mbarriers, with room to spare
+  static constexpr int kStages = cute::min(6, (kSmemCapacity - kBarrierBytes - kOutputBytes) / kStageBytes);
+  static_assert(kStages >= 2, "the shared memory must hold at least two input stages");
+  static constexpr int kOutputOffset = kStages * kStageBytes;
+  static constexpr int kBarrierOffset = kOutputOffset + kOutputBytes;
+  static constexpr int kSharedStorageSize = kBarrierOffset + kStages * static_cast<int>(sizeof(uint64_t));
+  static_assert(kSharedStorageSize <= kSmemCapacity);
+
+  using TmaLoad = decltype(cute::make_tma_copy(
+      cute::SM90_TMA_LOAD{}, cute::make_tensor(cute::make_gmem_ptr(static_cast<ElementIn const*>(nullptr)), ShapeIO{}, StrideIO{}),
+      SmemLayoutIn{}, TileShape{}, cute::_1{}));
+  using Barrier = cutlass::arch::ClusterTransactionBarrier;
+
+  struct TensorParams {
+    typename Epilogue::Params epilogue;  // this output (rows, d, heads, batch) as the collective's dK, no dV
+    TmaLoad tma_load_in;                 // its input (rows, d, heads * group, batch)
+    ShapeIO shape_in;
+    float scale;                         // kReduce only
+  };
+
+  struct Params {
+    TensorParams tensors[2];  // dK, dV
+    int num_tensors;          // 1: dK only
+    int num_heads;            // of the outputs
+    int group;                // input heads per output head (store: 1)
+    int batch;                // sequences
+    int num_n_tiles;          // tiles along the rows (varlen: of the kBlockN-aligned padded space)
+    int num_tiles;            // num_n_tiles * num_tensors * num_heads * batch extent
+  };
+
+  struct TileWork {
+    int tensor, head, n_block, batch, offset, valid_rows;
+  };
+
+  CUTLASS_DEVICE static TileWork decode(Params const& params, int tile) {
+    int const heads_y = params.num_tensors * params.num_heads;
+    int const n_tile = tile % params.num_n_tiles;
+    int const rest = tile / params.num_n_tiles;
+    auto const [tensor, head] = split_tensor_and_head(rest % heads_y, params.num_heads);
+    auto const& ep = params.tensors[tensor].epilogue;
+    auto const [n_block, batch] = tile_to_block_and_batch<kBlockN>(n_tile, rest / heads_y, params.batch, ep.cu_seqlens);
+    int const rows = cute::get<0>(ep.shape_dK);
+    SeqlenInfo<kBlockN> const seqlen_info{batch, rows, ep.cu_seqlens, ep.seqused};
+    return {tensor, head, n_block, batch, seqlen_info.offset, seqlen_info.valid_rows(n_block, rows)};
+  }
+
+  // Thread 0: TMA-load member `member` of tile `work` into `stage`. Rows past the tensor and
+  // columns past d arrive as zeros; rows of the next sequence (varlen) are loaded too and never
+  // stored. The inputs are read once: evict them first from L2.
+  CUTLASS_DEVICE static void issue_load(Params const& params, TileWork const& work, int member, ElementIn* stage,
+                                        uint64_t& full_barrier) {
+    using namespace cute;
+    TensorParams const& t = params.tensors[work.tensor];
+    int const batch_coord = t.epilogue.cu_seqlens ? 0 : work.batch;
+    Tensor m_in = t.tma_load_in.get_tma_tensor(t.shape_in)(_, _, work.head * params.group + member, batch_coord);  // (rows, d)
+    Tensor g_in = local_tile(domain_offset(make_coord(work.offset, _0{}), m_in), TileShape{},
+                             make_coord(work.n_block, _0{}));  // (BLK_N, BLK_D)
+    Tensor s_in = make_tensor(make_smem_ptr(stage), SmemLayoutIn{});  // (BLK_N, BLK_D)
+    auto cta_tma = t.tma_load_in.get_slice(_0{});
+    Barrier::arrive_and_expect_tx(&full_barrier, kStageBytes);  // OOB-filled bytes count too
+    copy(t.tma_load_in.with(full_barrier, 0, TMA::CacheHintSm90::EVICT_FIRST), cta_tma.partition_S(g_in),
+         cta_tma.partition_D(s_in));
+  }
+
+  CUTLASS_DEVICE void operator()(Params const& params, char* smem) const {
+    using namespace cute;
+    int const thread_idx = threadIdx.x;
+    ElementIn* const stages = reinterpret_cast<ElementIn*>(smem);
+    uint64_t* const full = reinterpret_cast<uint64_t*>(smem + kBarrierOffset);
+    auto stage_ptr = [&](int s) { return stages + s * kStageElems; };
+
+    // The producer's cursor (thread 0 only): the next tile to load and which of its members.
+    int load_tile = blockIdx.x;
+    int load_member = 0;
+    TileWork load_work{};
+    // Load the next member of the walk into `stage`, skipping tiles with nothing to store exactly
+    // as the consumer loop below does.
+    auto issue_next = [&](int stage) {
+      while (load_tile < params.num_tiles) {
+        if (load_member == 0) {
+          load_work = decode(params, load_tile);
+          if (load_work.valid_rows <= 0) {
+            load_tile += gridDim.x;
+            continue;
+          }
+        }
+        issue_load(params, load_work, load_member, stage_ptr(stage), full[stage]);
+        if (++load_member == params.group) {
+          load_member = 0;
+          load_tile += gridDim.x;
+        }
+        return;
+      }
+    };
+
+    if (thread_idx == 0) {
+      for (int i = 0; i < params.num_tensors; ++i) {
+        prefetch_tma_descriptor(params.tensors[i].tma_load_in.get_tma_descriptor());
+        Epilogue::prefetch_tma_descriptors(params.tensors[i].epilogue);
+      }
+#pragma unroll
+      for (int s = 0; s < kStages; ++s) { Barrier::init(&full[s], 1); }
+      cutlass::arch::fence_barrier_init();
+    }
+    __syncthreads();
+    if (thread_idx == 0) {
+#pragma unroll
+      for (int s = 0; s < kStages; ++s) { issue_next(s); }
+    }
+
+    TiledMma tiled_mma;
+    auto thr_mma = tiled_mma.get_thread_slice(thread_idx);
+    Tensor acc = partition_fragment_C(tiled_mma, FragmentTileShape{});
+    int load_index = 0;  // loads consumed: stage load_index % kStages, phase (load_index / kStages) & 1
+    for (int tile = blockIdx.x; tile < params.num_tiles; tile += gridDim.x) {
+      TileWork const work = decode(params, tile);
+      if (work.valid_rows <= 0) { continue; }  // padded varlen tile or empty sequence: never loaded
+      TensorParams const& t = params.tensors[work.tensor];
+      if constexpr (kReduce) { clear(acc); }
+      int stage = 0;
+      for (int member = 0; member < params.group; ++member, ++load_index) {
+        stage = load_index % kStages;
+        Barrier::wait(&full[stage], (load_index / kStages) & 1);
+        Tensor s_in = make_tensor(make_smem_ptr(stage_ptr(stage)), SmemLayoutIn{});  // (BLK_N, BLK_D)
+        load_accum_tile<Config::kSwapAB, kBlockN, kHeadDim, kReduce>(acc, thr_mma, s_in, kBlockN, kHeadDim);
+        if (!kOutputInStage || member + 1 < params.group) {
+          __syncthreads();  // every thread has read the stage: refill it
+          if (thread_idx == 0) { issue_next(stage); }
+        }
+      }
+      if constexpr (kReduce) {
+#pragma unroll
+        for (int i = 0; i < size(acc); ++i) { acc(i) *= t.scale; }
+      }
+      auto& output = *reinterpret_cast<OutputStorage*>(kOutputInStage ? reinterpret_cast<char*>(stage_ptr(stage))
+                                                                       : smem + kOutputOffset);
+      // The collective starts with a barrier over all threads, so nobody writes the stage before
+      // everyone has read it.
+      Epilogue{}.store(t.epilogue, acc, acc, output, tiled_mma, thread_idx, make_tuple(work.n_block, work.head, work.batch));
+      if constexpr (kOutputInStage) {
+        cutlass::arch::fence_view_async_shared();  // the collective's generic-proxy smem accesses before TMA refills it
+        __syncthreads();  // all done with the stage (the TMA store's issuer waited for its read of it)
+        if (thread_idx == 0) { issue_next(stage); }
+      }
+    }
+  }
+};
+
+}  // namespace flash_epilogue
