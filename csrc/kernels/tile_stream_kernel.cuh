@@ -10,7 +10,7 @@
 // flight, which held `store` at 0.83-0.91 of torch's `.to` on the H200 (benchmarks/NOTES.md).
 // Here the loads of up to kStages - 1 tiles are always in flight, whatever the CTA is doing.
 //
-// Work order: tile t of the CTA's walk is (n_tile, tensor and head, batch) with n_tile fastest,
+// Work order: tile t of the CTA's walk is (tensor and head, n_tile, batch), heads fastest,
 // t = blockIdx.x + k * gridDim.x. A tile of `group` members (gqa_reduce: the group's query heads;
 // store: 1) takes `group` consecutive loads of the stream; load i uses stage i % kStages.
 
@@ -99,13 +99,16 @@ struct TileStreamKernel {
     int tensor, head, n_block, batch, offset, valid_rows;
   };
 
+  // Heads (of dK, then of dV) fastest: the CTAs running at one time read the same rows of every
+  // head, neighbours in a (rows, heads, d) layout. Measured against n_tile fastest on the H200:
+  // +2-5% at hdim 192/256, the same elsewhere (benchmarks/NOTES.md, v0.4).
   CUTLASS_DEVICE static TileWork decode(Params const& params, int tile) {
     int const heads_y = params.num_tensors * params.num_heads;
-    int const n_tile = tile % params.num_n_tiles;
-    int const rest = tile / params.num_n_tiles;
-    auto const [tensor, head] = split_tensor_and_head(rest % heads_y, params.num_heads);
+    auto const [tensor, head] = split_tensor_and_head(tile % heads_y, params.num_heads);
+    int const rest = tile / heads_y;
     auto const& ep = params.tensors[tensor].epilogue;
-    auto const [n_block, batch] = tile_to_block_and_batch<kBlockN>(n_tile, rest / heads_y, params.batch, ep.cu_seqlens);
+    auto const [n_block, batch] = tile_to_block_and_batch<kBlockN>(rest % params.num_n_tiles, rest / params.num_n_tiles,
+                                                                   params.batch, ep.cu_seqlens);
     int const rows = cute::get<0>(ep.shape_dK);
     SeqlenInfo<kBlockN> const seqlen_info{batch, rows, ep.cu_seqlens, ep.seqused};
     return {tensor, head, n_block, batch, seqlen_info.offset, seqlen_info.valid_rows(n_block, rows)};
