@@ -5,6 +5,7 @@
 //   GqaPostprocessKernel accumulator -> C fragments (same TiledMma) * scale -> CollectiveEpilogueBwd
 //   GqaDenseKernel       accumulator -> row-major fp32 (debugging and tests)
 //   GqaReduceKernel      all partials of a group summed in registers, in head order -> store
+//                        (the sm_80 path; sm_90 runs TileStreamKernel, tile_stream_kernel.cuh)
 // The tile <-> (n_block, batch) mapping is the store driver's (store_kernel.cuh).
 
 #include <cute/tensor.hpp>
@@ -261,14 +262,15 @@ struct GqaReduceKernel {
   static constexpr int kBlockN = Config::kBlockN;
   static constexpr int kHeadDim = Config::kHeadDim;
   static constexpr int kNumThreads = Config::kNumThreads;
-  // The swapAB configs (hdim 192/256) read the partials through StagedTileSum: straight in
-  // fragment order their loads run down columns (4-byte pieces for fp32, 2-byte for 16-bit;
-  // bf16 hdim 256 ran at 0.86 TB/s on the H200, 2.38 staged). The others read the fragment
-  // directly: staging 16-bit partials there cost 30-40% (bf16 hdim 128: 3.67 -> 2.49 TB/s, a7fdc6b).
+  // The swapAB configs read the partials through StagedTileSum: straight in fragment order their
+  // loads run down columns (4-byte pieces for fp32, 2-byte for 16-bit). The others read the
+  // fragment directly: staging 16-bit partials there cost 30-40%. (Measured on the H200 when this
+  // kernel was also the sm_90 path, a7fdc6b: bf16 hdim 256 0.86 -> 2.38 TB/s staged, bf16 hdim 128
+  // 3.67 -> 2.49.)
   static constexpr bool kStaged = Config::kSwapAB;
-  // Two CTAs per SM (one loads while the other stores). The staged hdim-192 config (384 threads)
-  // gets 80 registers that way and spills up to 36 bytes; it still ran faster than with one CTA
-  // (fp32 2.36 -> 2.99 TB/s, bf16 1.71 -> 2.30 on the H200, 1fa5a26).
+  // Two CTAs per SM (one loads while the other stores); also for a staged 384-thread config, which
+  // then gets 80 registers and spills a little, and still ran faster than with one CTA (sm_90
+  // hdim 192 at 1fa5a26: fp32 2.36 -> 2.99 TB/s, bf16 1.71 -> 2.30).
   static constexpr int kMinBlocksPerSm = (kNumThreads <= 256 || kStaged) ? 2 : 1;
   using Staged = StagedTileSum<kBlockN, kHeadDim, kNumThreads, Config::kSwapAB, ElementIn>;
 

@@ -1,8 +1,9 @@
 #pragma once
 
-// The `store` driver: one CTA per (n_block, head, batch) tile loads the fp32 dK and dV of that
-// tile from global memory straight into the C fragments of FA3's dK/dV TiledMma (as if the
-// mainloop had just computed them) and hands them to CollectiveEpilogueBwd::store.
+// The `store` driver of the sm_80 path (sm_90 runs TileStreamKernel, tile_stream_kernel.cuh): one
+// CTA per (n_block, head, batch) tile loads the fp32 dK or dV of that tile from global memory
+// straight into the C fragment of FA3's dK/dV TiledMma (as if the mainloop had just computed it)
+// and hands it to CollectiveEpilogueBwd::store. Also the fragment helpers every driver shares.
 
 #include <cute/tensor.hpp>
 #include <cutlass/arch/arch.h>

@@ -5,10 +5,13 @@
 // loads while the current tile is read out of its stage into the C fragment (as the mainloop
 // would leave it), converted and stored by CollectiveEpilogueBwd.
 //
-// Why not one CTA per tile with loads straight into registers (StoreKernel, kept for the sm_80
-// path): an SM then alternates between a load phase and a store phase with at most two tiles in
-// flight, which held `store` at 0.83-0.91 of torch's `.to` on the H200 (benchmarks/NOTES.md).
-// Here the loads of up to kStages - 1 tiles are always in flight, whatever the CTA is doing.
+// Why not one CTA per tile with loads straight into registers (StoreKernel and GqaReduceKernel, the
+// sm_80 path)? There, an SM alternates between a load phase and a store phase, and gqa_reduce's
+// swapAB configs read their partials down fragment columns. Here the loads of up to kStages - 1
+// tiles stay in flight whatever the CTA is doing, and every config reads its stage conflict-free.
+// On the H200 that took gqa_reduce from 2.3-3.7 to 3.3-4.2 TB/s (bf16 hdim 256: 2.42 -> 3.78).
+// `store` ran at the same 3.5 TB/s either way, short of torch's `.to` (3.95); benchmarks/NOTES.md
+// v0.4 has what was ruled out.
 //
 // Work order: tile t of the CTA's walk is (tensor and head, n_tile, batch), heads fastest,
 // t = blockIdx.x + k * gridDim.x. A tile of `group` members (gqa_reduce: the group's query heads;
