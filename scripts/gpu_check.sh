@@ -9,7 +9,8 @@
 # later call that skips `build`: a cold machine then needs no 160 s rebuild), sanitize
 # (scripts/sanitize.sh: compute-sanitizer memcheck/synccheck/racecheck/initcheck over every op ->
 # sanitize.json + sanitize_logs.tgz; about 5 minutes, budget SANITIZE_BUDGET_S). Logs and results go to
-# $OUT (summary: gpu_tests.json).
+# $OUT (summary: gpu_tests.json). ncu: Nsight Compute over benchmarks/ncu_ops.py -> ncu_ops.ncu-rep +
+# ncu_ops_details.csv (needs the Firecracker runtime's hardware counters; NCU_TIMEOUT_S bounds it).
 # TEST_FILES: what pytest runs (default: tests); TEST_TIMEOUT_S bounds it, BENCH_TIMEOUT_S bench_ops.
 # Needs the nvidia-cutlass wheel in .whl/ (carried: the device machine has no registry):
 #   pip download --no-deps nvidia-cutlass==4.2.0.0 -d .whl
@@ -84,6 +85,17 @@ fi
 
 if has bench_host; then
   python3 benchmarks/bench_host.py --json "$OUT/host_time.json" 2>&1 | tee "$OUT/bench_host.log" || status=1
+fi
+
+if has ncu; then
+  # Nsight Compute on store, torch .to, gqa_postprocess and gqa_reduce (benchmarks/ncu_ops.py):
+  # the report and a CSV of its details. Clocks left alone (--clock-control none), as do_bench sees them.
+  timeout "${NCU_TIMEOUT_S:-300}" ncu --clock-control none --profile-from-start off --nvtx \
+    --section SpeedOfLight --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
+    --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats \
+    -f -o "$OUT/ncu_ops" python3 benchmarks/ncu_ops.py > "$OUT/ncu.log" 2>&1 || status=1
+  tail -5 "$OUT/ncu.log"
+  [ -f "$OUT/ncu_ops.ncu-rep" ] && ncu --import "$OUT/ncu_ops.ncu-rep" --page details --csv > "$OUT/ncu_ops_details.csv" 2>>"$OUT/ncu.log"
 fi
 
 if has bench_ops; then
