@@ -729,24 +729,21 @@ def _accumulator(s: Shape, cu, device, deterministic: bool):
     return fe.gqa_accumulator(s.hk, s.d, s.dv, batch=s.b, seqlen=s.s, deterministic=deterministic, device=device)
 
 
+# op name (OPS) -> the benchmark problems it stands for; gqa_reduce is timed with fp32 and bf16 partials
+OP_FACTORIES: dict[str, Callable[[str], list[Op]]] = {
+    "store": lambda api: [StoreOp(api)],
+    "store_varlen": lambda api: [StoreVarlenOp(api)],
+    "store_zero": lambda api: [StoreZeroOp(api)],
+    "gqa_reduce": lambda api: [GQAReduceOp(api, torch.float32), GQAReduceOp(api, torch.bfloat16)],
+    "gqa_accumulate": lambda api: [GQAAccumulateOp(api)],
+    "gqa_accumulate_det": lambda api: [GQAAccumulateDetOp(api)],
+    "gqa_postprocess": lambda api: [GQAPostprocessOp(api)],
+}
+assert set(OP_FACTORIES) == set(OPS), "every op of OPS needs a factory"
+
+
 def make_ops(selected: list[str], api: str) -> list[Op]:
-    ops = []
-    for name in selected:
-        if name == "store":
-            ops.append(StoreOp(api))
-        elif name == "store_varlen":
-            ops.append(StoreVarlenOp(api))
-        elif name == "store_zero":
-            ops.append(StoreZeroOp(api))
-        elif name == "gqa_reduce":
-            ops += [GQAReduceOp(api, torch.float32), GQAReduceOp(api, torch.bfloat16)]
-        elif name == "gqa_accumulate":
-            ops.append(GQAAccumulateOp(api))
-        elif name == "gqa_accumulate_det":
-            ops.append(GQAAccumulateDetOp(api))
-        elif name == "gqa_postprocess":
-            ops.append(GQAPostprocessOp(api))
-    return ops
+    return [op for name in selected for op in OP_FACTORIES[name](api)]
 
 
 def rotation(footprint: int, l2_bytes: int, cap: int = 64) -> int:
