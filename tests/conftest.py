@@ -31,6 +31,17 @@ def _env_flags_follow_the_environment():
     yield
 
 
+@pytest.fixture
+def sm90(monkeypatch):
+    """Pretend every tensor is on an sm_90 CUDA device with kernels compiled for sm_90a (the
+    validation tests' device hooks, flash_epilogue.validation)."""
+    import flash_epilogue.validation as V
+
+    monkeypatch.setattr(V, "_is_cuda_device", lambda device: True)
+    monkeypatch.setattr(V, "_device_capability", lambda device: (9, 0))
+    monkeypatch.setattr(V, "_compiled_archs", lambda: ("sm_90a",))
+
+
 @pytest.fixture(autouse=True)
 def _cpp_parity(request, monkeypatch):
     """FLASH_EPILOGUE_TEST_CPP_PARITY=<file>: every Python validator call also runs the C++ op and

@@ -35,13 +35,6 @@ def cu(*vals):
     return torch.tensor(vals, dtype=I32)
 
 
-@pytest.fixture
-def sm90(monkeypatch):
-    monkeypatch.setattr(V, "_is_cuda_device", lambda device: True)
-    monkeypatch.setattr(V, "_device_capability", lambda device: (9, 0))
-    monkeypatch.setattr(V, "_compiled_archs", lambda: ("sm_90a",))
-
-
 def _store_args(b=2, s=16, h=4, d=64):
     return (torch.zeros(b, s, h, d), torch.zeros(b, s, h, d), torch.zeros(b, s, h, d, dtype=BF16),
             torch.zeros(b, s, h, d, dtype=BF16))

@@ -151,6 +151,15 @@ def sync(dev):
         torch.cuda.synchronize()
 
 
+def assert_buffers_written(dev, *checks):
+    """After an op that `call` ran: each (name, buffer, expected copy) bitwise equal, on a GPU."""
+    if not executed(dev):
+        return
+    sync(dev)
+    for name, got, want in checks:
+        assert_bits_equal(name, got, want)
+
+
 def call(dev, fn, *args, **kwargs):
     """Run the op on a GPU. On CPU, check that the call passes every validation check but the last,
     the device check (what CI can say about the drawn arguments without a GPU)."""
@@ -309,11 +318,7 @@ def check_store(dtype, d, dv, arch, heads, batch, seqlen, lens, slack, used, lay
     expect_k, expect_v = buf_k.clone(), buf_v.clone()
     store_reference(acc_k, acc_v, same_view(expect_k, dk), same_view(expect_v, dv_out), **seq)
     call(dev, fe.store, acc_k, acc_v, dk, dv_out, _arch=arch, **seq)
-    if not executed(dev):
-        return
-    sync(dev)
-    assert_bits_equal("dk", buf_k, expect_k)
-    assert_bits_equal("dv", buf_v, expect_v)
+    assert_buffers_written(dev, ("dk", buf_k, expect_k), ("dv", buf_v, expect_v))
 
 
 def _selection(sel, dev):
@@ -336,11 +341,7 @@ def check_store_zero(dtype, d, dv, arch, heads, batch, seqlen, lens, slack, used
     store_zero_reference(same_view(expect_k, dk), same_view(expect_v, dv_out), row_start=row_start, row_end=row_end,
                          **sel, **seq)
     call(dev, fe.store_zero, dk, dv_out, row_start=row_start, row_end=row_end, _arch=arch, **sel, **seq)
-    if not executed(dev):
-        return
-    sync(dev)
-    assert_bits_equal("dk", buf_k, expect_k)
-    assert_bits_equal("dv", buf_v, expect_v)
+    assert_buffers_written(dev, ("dk", buf_k, expect_k), ("dv", buf_v, expect_v))
 
 
 def _scaled(dense, scale):

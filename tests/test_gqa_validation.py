@@ -47,13 +47,6 @@ def _raises_re(pattern):
 
 
 @pytest.fixture
-def sm90(monkeypatch):
-    monkeypatch.setattr(V, "_is_cuda_device", lambda device: True)
-    monkeypatch.setattr(V, "_device_capability", lambda device: (9, 0))
-    monkeypatch.setattr(V, "_compiled_archs", lambda: ("sm_90a",))
-
-
-@pytest.fixture
 def sm86(monkeypatch):
     """An Ampere GPU with an "80;90a" build: arch 0 resolves to the sm_80 path."""
     monkeypatch.setattr(V, "_is_cuda_device", lambda device: True)

@@ -31,14 +31,6 @@ def _raises_re(pattern):
     return pytest.raises(FlashEpilogueInputError, match=pattern)
 
 
-@pytest.fixture
-def sm90(monkeypatch):
-    """Pretend every tensor is on an sm_90 CUDA device with kernels compiled for sm_90a."""
-    monkeypatch.setattr(V, "_is_cuda_device", lambda device: True)
-    monkeypatch.setattr(V, "_device_capability", lambda device: (9, 0))
-    monkeypatch.setattr(V, "_compiled_archs", lambda: ("sm_90a",))
-
-
 def make(b=2, s=16, h=4, d=64, dv=None, dtype=F16, device="cpu", varlen=False):
     dv = d if dv is None else dv
     lead = (b * s, h) if varlen else (b, s, h)
