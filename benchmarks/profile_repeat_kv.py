@@ -59,6 +59,7 @@ def host_layers(x, y, g, n_rep, dim):
     out = torch.empty_like(x)
     view = (lambda t: t.transpose(1, 2)) if dim == 1 else (lambda t: t)  # noqa: E731
     layout = R._layout_of(x)
+    g_rows, out_rows = view(g).contiguous(), torch.empty_like(view(out), memory_format=torch.contiguous_format)
     return {
         "autograd.grad": host_us(lambda: torch.autograd.grad(y, x, g, retain_graph=True)),
         "torch.ops.repeat_kv_backward": host_us(lambda: torch.ops.flash_epilogue.repeat_kv_backward(g, n_rep, dim, layout)),
@@ -66,7 +67,7 @@ def host_layers(x, y, g, n_rep, dim):
         "fe.gqa_reduce": host_us(lambda: fe.gqa_reduce(view(g), num_heads_kv=out.shape[dim], out=view(out))),
         "torch.ops.gqa_reduce": host_us(lambda: torch.ops.flash_epilogue.gqa_reduce(view(g), None, view(out), None)),
         "torch.ops.gqa_reduce, contiguous (b,s,h,d)": host_us(
-            lambda: torch.ops.flash_epilogue.gqa_reduce(gc, None, oc, None)),
+            lambda: torch.ops.flash_epilogue.gqa_reduce(g_rows, None, out_rows, None)),
         "empty_like(x)": host_us(lambda: torch.empty_like(x)),
     }
 
@@ -84,9 +85,6 @@ def main():
             y = make()
             g = torch.randn_like(y)
             if name == "repeat_kv":
-                global gc, oc
-                gc = g.transpose(1, 2).contiguous() if dim == 1 else g
-                oc = torch.empty(gc.shape[0], gc.shape[1], hk, d, device="cuda", dtype=g.dtype)
                 layers = host_layers(x, y, g, n_rep, dim)
                 print(f"===== dim{dim} host us per call: {layers}", flush=True)
                 result[f"dim{dim}_host_us"] = layers
