@@ -135,9 +135,6 @@ char const* launch_gqa_reduce_variant(GqaReduceLaunchArgs const& args, cudaStrea
   using Epilogue = typename Kernel::Epilogue;
   bool const varlen = args.cu_seqlens != nullptr;
   int const batch_extent = varlen ? 1 : args.batch;
-  if (args.num_heads_kv <= 0 || args.num_heads_q % args.num_heads_kv != 0) {
-    return "num_heads_q must be a multiple of num_heads_kv";
-  }
   bool const has_dv = args.dv_partial.ptr != nullptr;
   auto tensor_params = [&](TensorDesc const& out, TensorDesc const& partial, float scale, char const** why) {
     auto const ep_args = epilogue_arguments<Epilogue, Element>(out, TensorDesc{}, args.rows, args.num_heads_kv,
@@ -168,9 +165,6 @@ char const* launch_gqa_reduce_variant(GqaReduceLaunchArgs const& args, cudaStrea
 template <class Element, class ElementIn, int kHeadDim>
 char const* launch_gqa_reduce_streamed(GqaReduceLaunchArgs const& args, cudaStream_t stream) {
   using Config = BwdTileConfig<kHeadDim, cutlass::arch::Sm90>;
-  if (args.num_heads_kv <= 0 || args.num_heads_q % args.num_heads_kv != 0) {
-    return "num_heads_q must be a multiple of num_heads_kv";
-  }
   StreamedTensor const tensors[2] = {{args.dk, args.dk_partial, args.scale_dk}, {args.dv, args.dv_partial, args.scale_dv}};
   int const num_tensors = args.dv_partial.ptr != nullptr ? 2 : 1;
   int const group = args.num_heads_q / args.num_heads_kv;
@@ -201,6 +195,9 @@ template <OutputDType kDType, int kHeadDim, int kArch>
 char const* launch_gqa_reduce(GqaReduceLaunchArgs const& args, cudaStream_t stream) {
   using Element = element_of<kDType>;
   using ArchTag = arch_tag_of<kArch>;
+  if (args.num_heads_kv <= 0 || args.num_heads_q % args.num_heads_kv != 0) {  // both drivers divide by it
+    return "num_heads_q must be a multiple of num_heads_kv";
+  }
   auto with_input = [&](auto input_tag) -> char const* {
     using ElementIn = typename decltype(input_tag)::type;
     if constexpr (kArch >= 90) {

@@ -1,7 +1,7 @@
 #pragma once
 
-// Host side of `store`: builds the collective's arguments from a StoreLaunchArgs, checks them
-// with can_implement (before any TMA descriptor is encoded), and launches the driver kernel:
+// Host side of `store`: builds the collective's arguments from a StoreLaunchArgs, checks each with
+// can_implement before its TMA descriptor is encoded, and launches the driver kernel:
 // TileStreamKernel on the sm_90 path, StoreKernel on the sm_80 path. Also the launcher of
 // TileStreamKernel that gqa_reduce shares.
 
