@@ -1,17 +1,23 @@
 #pragma once
 
 // The sm_90 driver of `store` and `gqa_reduce`: one persistent CTA per SM walks its share of the
-// tiles, and the inputs of its next tiles stream into a ring of shared-memory stages through TMA
-// loads while the current tile is read out of its stage into the C fragment (as the mainloop
-// would leave it), converted and stored by CollectiveEpilogueBwd.
+// tiles. A producer warp streams the inputs of the next tiles into a ring of shared-memory stages
+// through TMA loads; the consumer warps (the collective's epilogue threads) read each tile out of
+// its stage into the C fragment (as the mainloop would leave it), and CollectiveEpilogueBwd
+// converts and stores it. Full/empty mbarriers per stage hand the stages back and forth.
 //
 // Why not one CTA per tile with loads straight into registers (StoreKernel and GqaReduceKernel, the
 // sm_80 path)? There, an SM alternates between a load phase and a store phase, and gqa_reduce's
 // swapAB configs read their partials down fragment columns. Here the loads of up to kStages - 1
-// tiles stay in flight whatever the CTA is doing, and every config reads its stage conflict-free.
-// On the H200 that took gqa_reduce from 2.3-3.7 to 3.3-4.2 TB/s (bf16 hdim 256: 2.42 -> 3.78).
-// `store` ran at the same 3.5 TB/s either way, short of torch's `.to` (3.95); benchmarks/NOTES.md
-// v0.4 has what was ruled out.
+// tiles stay in flight whatever the consumers are doing, and every config reads its stage
+// conflict-free. On the H200 that took gqa_reduce from 2.3-3.7 to 3.3-4.2 TB/s (bf16 hdim 256:
+// 2.42 -> 3.78).
+//
+// Why a producer warp (v0.5) rather than consumer thread 0 issuing the loads (v0.4)? The issue
+// work (tile decode, arrive_and_expect_tx, TMA instructions) then sat on every tile's critical
+// path: each CTA-wide barrier waited for warp 0. One TMA box per 8-row atom instead of per 128
+// rows cost store 25% and gqa_reduce 40-60% (benchmarks/results/store_variants_b36776c.json), so
+// the issuer's time showed directly in the tile time.
 //
 // Work order: tile t of the CTA's walk is (tensor and head, n_tile, batch), heads fastest,
 // t = blockIdx.x + k * gridDim.x. A tile of `group` members (gqa_reduce: the group's query heads;
@@ -49,7 +55,11 @@ struct TileStreamKernel {
   using StrideIO = typename Epilogue::StridedKV;
   static constexpr int kBlockN = Config::kBlockN;
   static constexpr int kHeadDim = Config::kHeadDim;
-  static constexpr int kNumThreads = Config::kNumThreads;
+  // The collective's epilogue threads consume the stages; one more warp produces them (its TMA
+  // issues and the tile walk stay off the consumers' path).
+  static constexpr int kNumConsumerThreads = Config::kNumThreads;
+  static constexpr int kNumConsumerWarps = kNumConsumerThreads / cutlass::NumThreadsPerWarp;
+  static constexpr int kNumThreads = kNumConsumerThreads + cutlass::NumThreadsPerWarp;
   static constexpr int kMinBlocksPerSm = 1;
   using TileShape = cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>;
 
@@ -73,7 +83,7 @@ struct TileStreamKernel {
   static_assert(kStages >= 2, "the shared memory must hold at least two input stages");
   static constexpr int kOutputOffset = kStages * kStageBytes;
   static constexpr int kBarrierOffset = kOutputOffset + kOutputBytes;
-  static constexpr int kSharedStorageSize = kBarrierOffset + kStages * static_cast<int>(sizeof(uint64_t));
+  static constexpr int kSharedStorageSize = kBarrierOffset + 2 * kStages * static_cast<int>(sizeof(uint64_t));  // full, empty
   static_assert(kSharedStorageSize <= kSmemCapacity);
 
   using TmaLoad = decltype(cute::make_tma_copy(
@@ -138,49 +148,53 @@ struct TileStreamKernel {
   CUTLASS_DEVICE void operator()(Params const& params, char* smem) const {
     using namespace cute;
     int const thread_idx = threadIdx.x;
+    int const warp_idx = __shfl_sync(0xffffffff, thread_idx / cutlass::NumThreadsPerWarp, 0);
     ElementIn* const stages = reinterpret_cast<ElementIn*>(smem);
-    uint64_t* const full = reinterpret_cast<uint64_t*>(smem + kBarrierOffset);
+    uint64_t* const full = reinterpret_cast<uint64_t*>(smem + kBarrierOffset);  // TMA landed in the stage
+    uint64_t* const empty = full + kStages;                                     // every consumer warp is done with it
     auto stage_ptr = [&](int s) { return stages + s * kStageElems; };
 
-    // The producer's cursor (thread 0 only): the next tile to load and which of its members.
-    int load_tile = blockIdx.x;
-    int load_member = 0;
-    TileWork load_work{};
-    // Load the next member of the walk into `stage`, skipping tiles with nothing to store exactly
-    // as the consumer loop below does.
-    auto issue_next = [&](int stage) {
-      while (load_tile < params.num_tiles) {
-        if (load_member == 0) {
-          load_work = decode(params, load_tile);
-          if (load_work.valid_rows <= 0) {
-            load_tile += gridDim.x;
-            continue;
-          }
-        }
-        issue_load(params, load_work, load_member, stage_ptr(stage), full[stage]);
-        if (++load_member == params.group) {
-          load_member = 0;
-          load_tile += gridDim.x;
-        }
-        return;
-      }
-    };
-
     if (thread_idx == 0) {
-      for (int i = 0; i < params.num_tensors; ++i) {
-        prefetch_tma_descriptor(params.tensors[i].tma_load_in.get_tma_descriptor());
-        Epilogue::prefetch_tma_descriptors(params.tensors[i].epilogue);
-      }
 #pragma unroll
-      for (int s = 0; s < kStages; ++s) { Barrier::init(&full[s], 1); }
+      for (int s = 0; s < kStages; ++s) {
+        Barrier::init(&full[s], 1);
+        Barrier::init(&empty[s], kNumConsumerWarps);
+      }
       cutlass::arch::fence_barrier_init();
     }
-    __syncthreads();
-    if (thread_idx == 0) {
-#pragma unroll
-      for (int s = 0; s < kStages; ++s) { issue_next(s); }
+    __syncthreads();  // the only CTA-wide barrier: the roles part here
+
+    if (warp_idx == kNumConsumerWarps) {
+      // Producer: one thread walks the same tiles as the consumers, skipping the same empty ones, and
+      // refills each stage as soon as all consumer warps have released it.
+      if (cute::elect_one_sync()) {
+        for (int i = 0; i < params.num_tensors; ++i) {
+          prefetch_tma_descriptor(params.tensors[i].tma_load_in.get_tma_descriptor());
+        }
+        int load_index = 0;  // fill f of stage f % kStages waits for its release number f / kStages - 1
+        for (int tile = blockIdx.x; tile < params.num_tiles; tile += gridDim.x) {
+          TileWork const work = decode(params, tile);
+          if (work.valid_rows <= 0) { continue; }
+          for (int member = 0; member < params.group; ++member, ++load_index) {
+            int const stage = load_index % kStages;
+            Barrier::wait(&empty[stage], ((load_index / kStages) & 1) ^ 1);  // a fresh barrier passes parity 1
+            issue_load(params, work, member, stage_ptr(stage), full[stage]);
+          }
+        }
+      }
+      return;
     }
 
+    // Consumers: kNumConsumerThreads threads, the collective's epilogue threads.
+    if (thread_idx == 0) {
+      for (int i = 0; i < params.num_tensors; ++i) { Epilogue::prefetch_tma_descriptors(params.tensors[i].epilogue); }
+    }
+    // A warp is done with a stage once all its lanes are (for the output stage: once the TMA store's
+    // issuer, in the last warp, has waited for its read).
+    auto release = [&](int stage) {
+      __syncwarp();
+      if (cute::elect_one_sync()) { Barrier::arrive(&empty[stage]); }
+    };
     TiledMma tiled_mma;
     auto thr_mma = tiled_mma.get_thread_slice(thread_idx);
     Tensor acc = partition_fragment_C(tiled_mma, FragmentTileShape{});
@@ -196,10 +210,7 @@ struct TileStreamKernel {
         Barrier::wait(&full[stage], (load_index / kStages) & 1);
         Tensor s_in = make_tensor(make_smem_ptr(stage_ptr(stage)), SmemLayoutIn{});  // (BLK_N, BLK_D)
         load_accum_tile<Config::kSwapAB, kBlockN, kHeadDim, kReduce>(acc, thr_mma, s_in, kBlockN, kHeadDim);
-        if (!kOutputInStage || member + 1 < params.group) {
-          __syncthreads();  // every thread has read the stage: refill it
-          if (thread_idx == 0) { issue_next(stage); }
-        }
+        if (!kOutputInStage || member + 1 < params.group) { release(stage); }
       }
       if constexpr (kReduce) {
 #pragma unroll
@@ -207,13 +218,12 @@ struct TileStreamKernel {
       }
       auto& output = *reinterpret_cast<OutputStorage*>(kOutputInStage ? reinterpret_cast<char*>(stage_ptr(stage))
                                                                        : smem + kOutputOffset);
-      // The collective starts with a barrier over all threads, so nobody writes the stage before
-      // everyone has read it.
+      // The collective starts with a barrier over the consumer threads, so nobody writes the stage
+      // before everyone has read it.
       Epilogue{}.store(t.epilogue, acc, acc, output, tiled_mma, thread_idx, make_tuple(work.n_block, work.head, work.batch));
       if constexpr (kOutputInStage) {
-        cutlass::arch::fence_view_async_shared();  // the collective's generic-proxy smem accesses before TMA refills it
-        __syncthreads();  // all done with the stage (the TMA store's issuer waited for its read of it)
-        if (thread_idx == 0) { issue_next(stage); }
+        cutlass::arch::fence_view_async_shared();  // this thread's generic-proxy writes, before TMA refills the stage
+        release(stage);
       }
     }
   }
