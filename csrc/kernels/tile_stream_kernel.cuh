@@ -28,6 +28,7 @@
 #include <cute/tensor.hpp>
 #include <cute/atom/copy_traits_sm90_tma.hpp>
 #include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
 
 #include "flash_epilogue/bwd_config.h"
 #include "flash_epilogue/epilogue_bwd.h"
@@ -55,12 +56,20 @@ struct TileStreamKernel {
   using StrideIO = typename Epilogue::StridedKV;
   static constexpr int kBlockN = Config::kBlockN;
   static constexpr int kHeadDim = Config::kHeadDim;
-  // The collective's epilogue threads consume the stages; one more warp produces them (its TMA
-  // issues and the tile walk stay off the consumers' path).
+  // The collective's epilogue threads (whole warpgroups) consume the stages; one more warpgroup
+  // produces them (one of its threads issues the TMA loads and walks the tiles, off the consumers'
+  // path). The producer gives its registers to the consumers (setmaxnreg), who hold a whole fp32
+  // tile in registers: without that, a 288-thread CTA's 168-register cap spilled the varlen path.
   static constexpr int kNumConsumerThreads = Config::kNumThreads;
   static constexpr int kNumConsumerWarps = kNumConsumerThreads / cutlass::NumThreadsPerWarp;
-  static constexpr int kNumThreads = kNumConsumerThreads + cutlass::NumThreadsPerWarp;
+  static constexpr int kNumThreads = kNumConsumerThreads + cutlass::NumThreadsPerWarpGroup;
   static constexpr int kMinBlocksPerSm = 1;
+  static constexpr int kRegistersAtLaunch = (65536 / kNumThreads) / 8 * 8;  // what __launch_bounds__(kNumThreads, 1) allows
+  static constexpr int kProducerRegisters = 24;
+  static constexpr int kConsumerRegisters = cute::min(
+      240, (kRegistersAtLaunch * kNumThreads - kProducerRegisters * cutlass::NumThreadsPerWarpGroup) / kNumConsumerThreads / 8 * 8);
+  static_assert(kNumConsumerThreads % cutlass::NumThreadsPerWarpGroup == 0, "setmaxnreg works on whole warpgroups");
+  static_assert(kConsumerRegisters >= kRegistersAtLaunch, "the consumers must not lose registers to the producer");
   using TileShape = cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>;
 
   // One stage holds one input tile, swizzled as TMA writes it. Reading it in C-fragment order is
@@ -164,10 +173,11 @@ struct TileStreamKernel {
     }
     __syncthreads();  // the only CTA-wide barrier: the roles part here
 
-    if (warp_idx == kNumConsumerWarps) {
+    if (warp_idx >= kNumConsumerWarps) {
       // Producer: one thread walks the same tiles as the consumers, skipping the same empty ones, and
       // refills each stage as soon as all consumer warps have released it.
-      if (cute::elect_one_sync()) {
+      cutlass::arch::warpgroup_reg_dealloc<kProducerRegisters>();
+      if (warp_idx == kNumConsumerWarps && cute::elect_one_sync()) {
         for (int i = 0; i < params.num_tensors; ++i) {
           prefetch_tma_descriptor(params.tensors[i].tma_load_in.get_tma_descriptor());
         }
@@ -186,6 +196,7 @@ struct TileStreamKernel {
     }
 
     // Consumers: kNumConsumerThreads threads, the collective's epilogue threads.
+    cutlass::arch::warpgroup_reg_alloc<kConsumerRegisters>();
     if (thread_idx == 0) {
       for (int i = 0; i < params.num_tensors; ++i) { Epilogue::prefetch_tma_descriptors(params.tensors[i].epilogue); }
     }
