@@ -187,14 +187,11 @@ struct GqaPostprocessKernel {
   CUTLASS_DEVICE void operator()(Params const& params, char* smem) const {
     using namespace cute;
     int const thread_idx = threadIdx.x;
-    auto const [tensor, kv_head] = split_tensor_and_head(blockIdx.y, params.num_heads_kv);
+    auto const [tensor, kv_head, n_block, bidb, seqlen_info, valid_rows] =
+        locate_output_tile<kBlockN, Epilogue>(params, params.num_heads_kv);
+    if (valid_rows <= 0) { return; }
     TensorParams const& work = params.tensors[tensor];
     auto const& ep = work.epilogue;
-    if (thread_idx == 0) { Epilogue::prefetch_tma_descriptors(ep); }
-    auto const [n_block, bidb] = tile_to_block_and_batch<kBlockN>(blockIdx.x, blockIdx.z, params.batch, ep.cu_seqlens);
-    int const rows = get<0>(ep.shape_dK);
-    SeqlenInfo<kBlockN> const seqlen_info{bidb, rows, ep.cu_seqlens, ep.seqused};
-    if (seqlen_info.valid_rows(n_block, rows) <= 0) { return; }
 
     typename Store::TiledMma tiled_mma;
     Tensor frag = partition_fragment_C(tiled_mma, typename Store::TiledMmaConfig::FragmentTileShape{});
@@ -296,15 +293,11 @@ struct GqaReduceKernel {
   CUTLASS_DEVICE void operator()(Params const& params, char* smem) const {
     using namespace cute;
     int const thread_idx = threadIdx.x;
-    auto const [tensor, kv_head] = split_tensor_and_head(blockIdx.y, params.num_heads_kv);
+    auto const [tensor, kv_head, n_block, bidb, seqlen_info, valid_rows] =
+        locate_output_tile<kBlockN, Epilogue>(params, params.num_heads_kv);
+    if (valid_rows <= 0) { return; }
     TensorParams const& work = params.tensors[tensor];
     auto const& ep = work.epilogue;
-    if (thread_idx == 0) { Epilogue::prefetch_tma_descriptors(ep); }
-    auto const [n_block, bidb] = tile_to_block_and_batch<kBlockN>(blockIdx.x, blockIdx.z, params.batch, ep.cu_seqlens);
-    int const rows = get<0>(ep.shape_dK);
-    SeqlenInfo<kBlockN> const seqlen_info{bidb, rows, ep.cu_seqlens, ep.seqused};
-    int const valid_rows = seqlen_info.valid_rows(n_block, rows);
-    if (valid_rows <= 0) { return; }
 
     typename Store::TiledMma tiled_mma;
     auto thr_mma = tiled_mma.get_thread_slice(thread_idx);

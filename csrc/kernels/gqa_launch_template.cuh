@@ -112,16 +112,14 @@ char const* launch_gqa_postprocess_variant(GqaPostprocessLaunchArgs const& args,
   using Epilogue = typename Kernel::Epilogue;
   bool const varlen = args.cu_seqlens != nullptr;
   int const batch_extent = varlen ? 1 : args.batch;
-  auto const dk_args = epilogue_arguments<Epilogue, Element>(args.dk, TensorDesc{}, args.rows, args.num_heads_kv,
-                                                             batch_extent, args.cu_seqlens, args.seqused);
-  auto const dv_args = epilogue_arguments<Epilogue, Element>(args.dv, TensorDesc{}, args.rows, args.num_heads_kv,
-                                                             batch_extent, args.cu_seqlens, args.seqused);
-  if (char const* why = Epilogue::can_implement(dk_args)) { return why; }
-  if (char const* why = Epilogue::can_implement(dv_args)) { return why; }
-  typename Kernel::Params params{{{Epilogue::to_underlying_arguments(dk_args), reader_of<typename Kernel::Traits>(args.dk_accum),
-                                   args.scale_dk},
-                                  {Epilogue::to_underlying_arguments(dv_args), reader_of<typename Kernel::Traits>(args.dv_accum),
-                                   args.scale_dv}},
+  TensorDesc const outputs[2] = {args.dk, args.dv};
+  typename Epilogue::Params epilogue[2];
+  if (char const* why = output_epilogue_params<Epilogue, Element>(outputs, 2, args.rows, args.num_heads_kv, batch_extent,
+                                                                  args.cu_seqlens, args.seqused, epilogue)) {
+    return why;
+  }
+  typename Kernel::Params params{{{epilogue[0], reader_of<typename Kernel::Traits>(args.dk_accum), args.scale_dk},
+                                  {epilogue[1], reader_of<typename Kernel::Traits>(args.dv_accum), args.scale_dv}},
                                  args.num_heads_kv, args.batch};
   dim3 grid = tile_grid<Config::kBlockN>(args.rows, args.num_heads_kv, args.batch, varlen);
   grid.y *= 2;  // heads of dK, then heads of dV
@@ -136,23 +134,19 @@ char const* launch_gqa_reduce_variant(GqaReduceLaunchArgs const& args, cudaStrea
   bool const varlen = args.cu_seqlens != nullptr;
   int const batch_extent = varlen ? 1 : args.batch;
   bool const has_dv = args.dv_partial.ptr != nullptr;
-  auto tensor_params = [&](TensorDesc const& out, TensorDesc const& partial, float scale, char const** why) {
-    auto const ep_args = epilogue_arguments<Epilogue, Element>(out, TensorDesc{}, args.rows, args.num_heads_kv,
-                                                               batch_extent, args.cu_seqlens, args.seqused);
-    *why = Epilogue::can_implement(ep_args);
-    typename Kernel::TensorParams t{{}, static_cast<ElementIn const*>(partial.ptr),
-                                    shape_of(partial, args.rows, args.num_heads_q, batch_extent), stride_of(partial), scale};
-    if (*why == nullptr) { t.epilogue = Epilogue::to_underlying_arguments(ep_args); }  // encodes a TMA descriptor
-    return t;
-  };
-  char const* why = nullptr;
-  typename Kernel::Params params{};
-  params.tensors[0] = tensor_params(args.dk, args.dk_partial, args.scale_dk, &why);
-  if (why) { return why; }
-  if (has_dv) {
-    params.tensors[1] = tensor_params(args.dv, args.dv_partial, args.scale_dv, &why);
-    if (why) { return why; }
+  TensorDesc const outputs[2] = {args.dk, args.dv};
+  typename Epilogue::Params epilogue[2];
+  if (char const* why = output_epilogue_params<Epilogue, Element>(outputs, has_dv ? 2 : 1, args.rows, args.num_heads_kv,
+                                                                  batch_extent, args.cu_seqlens, args.seqused, epilogue)) {
+    return why;
   }
+  auto tensor_params = [&](typename Epilogue::Params const& ep, TensorDesc const& partial, float scale) {
+    return typename Kernel::TensorParams{ep, static_cast<ElementIn const*>(partial.ptr),
+                                         shape_of(partial, args.rows, args.num_heads_q, batch_extent), stride_of(partial), scale};
+  };
+  typename Kernel::Params params{};
+  params.tensors[0] = tensor_params(epilogue[0], args.dk_partial, args.scale_dk);
+  if (has_dv) { params.tensors[1] = tensor_params(epilogue[1], args.dv_partial, args.scale_dv); }
   params.group = args.num_heads_q / args.num_heads_kv;
   params.num_heads_kv = args.num_heads_kv;
   params.batch = args.batch;

@@ -198,6 +198,31 @@ CUTLASS_DEVICE TensorAndHead split_tensor_and_head(int grid_y, int num_heads) {
   return {tensor, grid_y - tensor * num_heads};
 }
 
+// This CTA's tile in a one-CTA-per-tile driver over dK and dV (grid (n tiles, heads of dK then of
+// dV, batch), see tile_to_block_and_batch): which output and head, the tile, its sequence and how
+// many of its rows may be written (<= 0: none, the CTA has nothing to do). Thread 0 also prefetches
+// that output's TMA descriptor. Params: the driver's, with tensors[2].epilogue and batch.
+template <int kBlockN>
+struct OutputTile {
+  int tensor;
+  int head;
+  int n_block;
+  int batch;
+  SeqlenInfo<kBlockN> seqlen_info;
+  int valid_rows;
+};
+
+template <int kBlockN, class Epilogue, class Params>
+CUTLASS_DEVICE OutputTile<kBlockN> locate_output_tile(Params const& params, int num_heads) {
+  auto const [tensor, head] = split_tensor_and_head(blockIdx.y, num_heads);
+  auto const& ep = params.tensors[tensor].epilogue;
+  if (threadIdx.x == 0) { Epilogue::prefetch_tma_descriptors(ep); }
+  auto const [n_block, batch] = tile_to_block_and_batch<kBlockN>(blockIdx.x, blockIdx.z, params.batch, ep.cu_seqlens);
+  int const rows = cute::get<0>(ep.shape_dK);
+  SeqlenInfo<kBlockN> const seqlen_info{batch, rows, ep.cu_seqlens, ep.seqused};
+  return {tensor, head, n_block, batch, seqlen_info, seqlen_info.valid_rows(n_block, rows)};
+}
+
 template <class Config_, class Element_, class ArchTag_, bool kVarlen_>
 struct StoreKernel {
   using Config = Config_;
@@ -235,16 +260,10 @@ struct StoreKernel {
   CUTLASS_DEVICE void operator()(Params const& params, char* smem) const {
     using namespace cute;
     int const thread_idx = threadIdx.x;
-    auto const [tensor, bidh] = split_tensor_and_head(blockIdx.y, params.num_heads);
+    auto const [tensor, bidh, n_block, bidb, seqlen_info, valid_rows] = locate_output_tile<kBlockN, Epilogue>(params, params.num_heads);
+    if (valid_rows <= 0) { return; }  // whole CTA: padded varlen tile or empty sequence
     TensorParams const& work = params.tensors[tensor];
     auto const& ep = work.epilogue;
-    if (thread_idx == 0) { Epilogue::prefetch_tma_descriptors(ep); }
-
-    auto const [n_block, bidb] = tile_to_block_and_batch<kBlockN>(blockIdx.x, blockIdx.z, params.batch, ep.cu_seqlens);
-    int const rows = get<0>(ep.shape_dK);
-    SeqlenInfo<kBlockN> const seqlen_info{bidb, rows, ep.cu_seqlens, ep.seqused};
-    int const valid_rows = seqlen_info.valid_rows(n_block, rows);
-    if (valid_rows <= 0) { return; }  // whole CTA: padded varlen tile or empty sequence
 
     TiledMma tiled_mma;
     auto thr_mma = tiled_mma.get_thread_slice(thread_idx);

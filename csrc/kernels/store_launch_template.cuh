@@ -1,7 +1,7 @@
 #pragma once
 
-// Host side of `store`: builds the collective's arguments from a StoreLaunchArgs, checks each with
-// can_implement before its TMA descriptor is encoded, and launches the driver kernel:
+// Host side of `store`: builds the collective's arguments from a StoreLaunchArgs, checks them all
+// with can_implement before any TMA descriptor is encoded, and launches the driver kernel:
 // TileStreamKernel on the sm_90 path (StoreKernel<Sm90> at head dims <= 64), StoreKernel on the
 // sm_80 path. Also the launcher of TileStreamKernel that gqa_reduce shares.
 
@@ -53,6 +53,24 @@ typename Epilogue::Arguments epilogue_arguments(TensorDesc const& dk, TensorDesc
           stride_of(dv), cu_seqlens, seqused};
 }
 
+// The collective's Params for outputs[0, count), each as the collective's dK (no dV), into
+// params[i]; or the reason the first output that cannot be stored gives. Every output is checked
+// before any is encoded: to_underlying_arguments encodes a TMA descriptor, and make_tma_copy
+// asserts on one the driver would reject. Callers return before this when there is nothing to
+// launch (TMA cannot encode an empty tensor).
+template <class Epilogue, class Element>
+char const* output_epilogue_params(TensorDesc const* outputs, int count, int rows, int heads, int batch_extent,
+                                   int const* cu_seqlens, int const* seqused, typename Epilogue::Params* params) {
+  auto arguments = [&](TensorDesc const& out) {
+    return epilogue_arguments<Epilogue, Element>(out, TensorDesc{}, rows, heads, batch_extent, cu_seqlens, seqused);
+  };
+  for (int i = 0; i < count; ++i) {
+    if (char const* why = Epilogue::can_implement(arguments(outputs[i]))) { return why; }
+  }
+  for (int i = 0; i < count; ++i) { params[i] = Epilogue::to_underlying_arguments(arguments(outputs[i])); }
+  return nullptr;
+}
+
 template <class Element, int kHeadDim, class ArchTag, bool kVarlen>
 char const* launch_store_variant(StoreLaunchArgs const& args, cudaStream_t stream) {
   using namespace cute;
@@ -62,21 +80,18 @@ char const* launch_store_variant(StoreLaunchArgs const& args, cudaStream_t strea
   bool const is_varlen = args.cu_seqlens != nullptr;
   int const batch_extent = is_varlen ? 1 : args.batch;
 
-  // One collective per output (the driver splits dK and dV over CTAs).
-  auto const dk_args = epilogue_arguments<Epilogue, Element>(args.dk, TensorDesc{}, args.rows, args.num_heads,
-                                                             batch_extent, args.cu_seqlens, args.seqused);
-  auto const dv_args = epilogue_arguments<Epilogue, Element>(args.dv, TensorDesc{}, args.rows, args.num_heads,
-                                                             batch_extent, args.cu_seqlens, args.seqused);
-  if (char const* why = Epilogue::can_implement(dk_args)) { return why; }
-  if (char const* why = Epilogue::can_implement(dv_args)) { return why; }
-
   int const num_tiles = is_varlen ? args.rows / Config::kBlockN + args.batch
                                   : (args.rows + Config::kBlockN - 1) / Config::kBlockN;
   if (num_tiles == 0 || args.num_heads == 0 || batch_extent == 0) { return nullptr; }
-  typename Kernel::Params params{{{Epilogue::to_underlying_arguments(dk_args), static_cast<float const*>(args.dk_accum.ptr),
-                                   stride_of(args.dk_accum)},
-                                  {Epilogue::to_underlying_arguments(dv_args), static_cast<float const*>(args.dv_accum.ptr),
-                                   stride_of(args.dv_accum)}},
+  // One collective per output (the driver splits dK and dV over CTAs).
+  TensorDesc const outputs[2] = {args.dk, args.dv};
+  typename Epilogue::Params epilogue[2];
+  if (char const* why = output_epilogue_params<Epilogue, Element>(outputs, 2, args.rows, args.num_heads, batch_extent,
+                                                                  args.cu_seqlens, args.seqused, epilogue)) {
+    return why;
+  }
+  typename Kernel::Params params{{{epilogue[0], static_cast<float const*>(args.dk_accum.ptr), stride_of(args.dk_accum)},
+                                  {epilogue[1], static_cast<float const*>(args.dv_accum.ptr), stride_of(args.dv_accum)}},
                                  args.num_heads, args.batch};
   dim3 const grid(num_tiles, 2 * args.num_heads, batch_extent);
   auto kernel = epilogue_device_kernel<Kernel>;
@@ -119,21 +134,25 @@ char const* launch_tile_stream(StreamedTensor const* tensors, int num_tensors, i
   int64_t const n_tiles = varlen ? rows / kBlockN + batch : (rows + kBlockN - 1) / kBlockN;
   int64_t const num_tiles = n_tiles * num_tensors * num_heads * batch_extent;
 
+  for (int i = 0; i < num_tensors; ++i) {
+    for (int64_t s : {tensors[i].in.row_stride, tensors[i].in.head_stride, tensors[i].in.batch_stride}) {
+      if (s * static_cast<int64_t>(sizeof(ElementIn)) >= (int64_t(1) << 40)) { return "input strides must be < 2^40 bytes (TMA)"; }
+    }
+  }
+  if (num_tiles == 0) { return nullptr; }
+  if (num_tiles > INT_MAX) { return "more than 2^31 - 1 tiles"; }
+  TensorDesc const outputs[2] = {tensors[0].out, num_tensors > 1 ? tensors[1].out : TensorDesc{}};
+  typename Epilogue::Params epilogue[2];
+  if (char const* why = output_epilogue_params<Epilogue, typename Kernel::Element>(
+          outputs, num_tensors, rows, num_heads, batch_extent, cu_seqlens, seqused, epilogue)) {
+    return why;
+  }
   typename Kernel::Params params{};
   for (int i = 0; i < num_tensors; ++i) {
     StreamedTensor const& t = tensors[i];
-    auto const ep_args = epilogue_arguments<Epilogue, typename Kernel::Element>(t.out, TensorDesc{}, rows, num_heads,
-                                                                                batch_extent, cu_seqlens, seqused);
-    if (char const* why = Epilogue::can_implement(ep_args)) { return why; }
-    for (int64_t s : {t.in.row_stride, t.in.head_stride, t.in.batch_stride}) {
-      if (s * static_cast<int64_t>(sizeof(ElementIn)) >= (int64_t(1) << 40)) { return "input strides must be < 2^40 bytes (TMA)"; }
-    }
-    if (num_tiles == 0) { return nullptr; }  // checked, nothing to do; TMA cannot encode an empty tensor
-    if (num_tiles > INT_MAX) { return "more than 2^31 - 1 tiles"; }
     typename Epilogue::ShapedKV const shape_in{rows, t.in.head_dim, num_heads * group, batch_extent};
     auto const m_in = make_tensor(make_gmem_ptr(static_cast<ElementIn const*>(t.in.ptr)), shape_in, stride_of(t.in));
-    params.tensors[i] = {Epilogue::to_underlying_arguments(ep_args),  // encodes the output's TMA descriptor
-                         make_tma_copy(SM90_TMA_LOAD{}, m_in, typename Kernel::SmemLayoutIn{}, typename Kernel::TileShape{}, _1{}),
+    params.tensors[i] = {epilogue[i], make_tma_copy(SM90_TMA_LOAD{}, m_in, typename Kernel::SmemLayoutIn{}, typename Kernel::TileShape{}, _1{}),
                          shape_in, t.scale};
   }
   params.num_tensors = num_tensors;
