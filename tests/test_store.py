@@ -68,10 +68,11 @@ def test_store_batched(dtype, d, seq_idx, batch, heads):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_store_empty_batch(dtype):
+@pytest.mark.parametrize("arch", [0, 80])
+def test_store_empty_batch(dtype, arch):
     shape = (0, 128, 4, 128)
     dk = canary_buffer(shape, dtype)
-    fe.store(fresh_accum(shape), fresh_accum(shape), dk, canary_buffer(shape, dtype))
+    fe.store(fresh_accum(shape), fresh_accum(shape), dk, canary_buffer(shape, dtype), _arch=arch)
     torch.cuda.synchronize()
 
 
@@ -101,7 +102,8 @@ def test_store_strided_views(dtype, d):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_store_size_one_dims_with_odd_strides(dtype):
+@pytest.mark.parametrize("arch", [0, 80])
+def test_store_size_one_dims_with_odd_strides(dtype, arch):
     # batch 1 and heads 1 with strides no one could use: normalized, not rejected
     s, d = 200, 128
     base = canary_buffer((s * d + 64,), dtype)
@@ -109,7 +111,7 @@ def test_store_size_one_dims_with_odd_strides(dtype):
     dv_buf = canary_buffer((1, s, 1, d), dtype)
     dv = dv_buf.as_strided((1, s, 1, d), (7, d, 1, 1))
     accum = fresh_accum((1, s, 1, d)).as_strided((1, s, 1, d), (1, d, 3, 1))
-    check_store(base, dv_buf, dk, dv, accum, fresh_accum((1, s, 1, d)))
+    check_store(base, dv_buf, dk, dv, accum, fresh_accum((1, s, 1, d)), store_kw={"_arch": arch})
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
