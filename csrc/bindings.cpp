@@ -80,6 +80,13 @@ bool compiled_for(char const* arch) {
   return false;
 }
 
+// Whether a build for `archs` has kernels for a GPU of compute capability (major, minor): an sm_90
+// GPU with sm_90a code, or an sm_8x GPU with sm_80 code (validation.py's rule).
+bool has_kernels_for(int major, int minor, std::vector<std::string> const& archs) {
+  auto const has = [&](char const* arch) { return std::find(archs.begin(), archs.end(), arch) != archs.end(); };
+  return (major == 9 && minor == 0 && has("sm_90a")) || (major == 8 && has("sm_80"));
+}
+
 // (major, minor) per device, read once (op calls stay free of driver queries).
 std::pair<int, int> device_capability(int device) {
   static std::mutex mutex;
@@ -417,8 +424,7 @@ int resolve_arch(char const* op, at::Device device, int64_t requested) {
   std::string const capability = "sm_" + num(major) + num(minor);
   bool const sm90 = major == 9 && minor == 0;
   bool const hopper = sm90 && compiled_for("sm_90a");
-  bool const ampere = major == 8 && compiled_for("sm_80");
-  if (!(hopper || ampere)) {
+  if (!has_kernels_for(major, minor, compiled_archs())) {
     std::string archs;
     for (auto const& a : compiled_archs()) { archs += (archs.empty() ? "" : ", ") + a; }
     fail(op, "device", "a GPU of compute capability sm_90 (compiled for " + archs + ")",
