@@ -113,7 +113,7 @@ def run(shape, dim, device, bench, paths):
                                     grad_bytes)
     rows = []
     for name, (fn, nbytes) in fns.items():
-        del paths[:]
+        paths.clear()
         ms = bench(fn)
         row = {"name": name, "dim": dim, "shape": list(shape), "ms": ms, "TBps": nbytes / ms / 1e9}
         if paths:
@@ -136,23 +136,12 @@ def main():
         if not torch.cuda.is_available():
             sys.exit("needs a CUDA GPU (or --dry-run)")
         shape, device, bench = (4, 8, 4, 8192, 128), "cuda", bench_gpu
-    paths = []
-    real_reduce = R._reduce
-
-    def spy(*a, **k):  # which backward path ran (kernel or the plain-PyTorch fallback)
-        path = real_reduce(*a, **k)
-        paths.append(path)
-        return path
-
-    R._reduce = spy
     rows, agree = [], {}
-    try:
+    with R._recording_paths() as paths:  # which backward path ran (kernel or the plain-PyTorch fallback)
         for dim in (1, 2):
             r, frac = run(shape, dim, device, bench, paths)
             rows += r
             agree[str(dim)] = frac
-    finally:
-        R._reduce = real_reduce
     by = {(r["dim"], r["name"]): r["ms"] for r in rows}
     speedup = {str(dim): {"backward": by[(dim, "original_backward")] / by[(dim, "repeat_kv_backward")],
                           "kernel": by[(dim, "original_group_sum")] / by.get((dim, "gqa_reduce_kernel"),

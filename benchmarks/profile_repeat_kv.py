@@ -60,10 +60,12 @@ def host_layers(x, y, g, n_rep, dim):
     view = (lambda t: t.transpose(1, 2)) if dim == 1 else (lambda t: t)  # noqa: E731
     layout = R._layout_of(x)
     g_rows, out_rows = view(g).contiguous(), torch.empty_like(view(out), memory_format=torch.contiguous_format)
+    # the backward op is C++ down to the launch (its autograd too): no Python layer between the op
+    # and the gqa_reduce implementation to time any more; fe.gqa_reduce and the gqa_reduce op are the
+    # standalone costs of the same launch
     return {
         "autograd.grad": host_us(lambda: torch.autograd.grad(y, x, g, retain_graph=True)),
         "torch.ops.repeat_kv_backward": host_us(lambda: torch.ops.flash_epilogue.repeat_kv_backward(g, n_rep, dim, layout)),
-        "R._reduce": host_us(lambda: R._reduce(g, n_rep, dim, out)),
         "fe.gqa_reduce": host_us(lambda: fe.gqa_reduce(view(g), num_heads_kv=out.shape[dim], out=view(out))),
         "torch.ops.gqa_reduce": host_us(lambda: torch.ops.flash_epilogue.gqa_reduce(view(g), None, view(out), None)),
         "torch.ops.gqa_reduce, contiguous (b,s,h,d)": host_us(

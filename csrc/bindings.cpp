@@ -22,6 +22,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <map>
@@ -78,6 +79,13 @@ bool compiled_for(char const* arch) {
     if (a == arch) { return true; }
   }
   return false;
+}
+
+// Whether a build for `archs` has kernels for a GPU of compute capability (major, minor): an sm_90
+// GPU with sm_90a code, or an sm_8x GPU with sm_80 code (validation.py's rule).
+bool has_kernels_for(int major, int minor, std::vector<std::string> const& archs) {
+  auto const has = [&](char const* arch) { return std::find(archs.begin(), archs.end(), arch) != archs.end(); };
+  return (major == 9 && minor == 0 && has("sm_90a")) || (major == 8 && has("sm_80"));
 }
 
 // (major, minor) per device, read once (op calls stay free of driver queries).
@@ -417,8 +425,7 @@ int resolve_arch(char const* op, at::Device device, int64_t requested) {
   std::string const capability = "sm_" + num(major) + num(minor);
   bool const sm90 = major == 9 && minor == 0;
   bool const hopper = sm90 && compiled_for("sm_90a");
-  bool const ampere = major == 8 && compiled_for("sm_80");
-  if (!(hopper || ampere)) {
+  if (!has_kernels_for(major, minor, compiled_archs())) {
     std::string archs;
     for (auto const& a : compiled_archs()) { archs += (archs.empty() ? "" : ", ") + a; }
     fail(op, "device", "a GPU of compute capability sm_90 (compiled for " + archs + ")",
@@ -981,6 +988,265 @@ void gqa_reduce_cuda(at::Tensor const& dk_partial, OptTensor const& dv_partial, 
   finish_launch(op, dispatch<GqaReduceLauncher>(dk.scalar_type(), p.head_dim, path, args, scope.stream));
 }
 
+
+// ---- repeat_kv (flash_epilogue/repeat_kv.py): the KV-head expand and its group-sum backward
+//
+// Both ops and their autograd are here so that a torch.autograd.grad through repeat_kv runs no
+// Python: as torch.library custom ops with a Python register_autograd and the gqa_reduce wrapper
+// they cost 124-139 us of host time per backward on the H200, more than the 92-97 us kernel
+// (benchmarks/NOTES.md). The package keeps the public wrapper (its argument errors are
+// FlashEpilogueInputError) and the fake kernels. The checks below are the ops' own, for direct
+// callers of torch.ops.flash_epilogue.repeat_kv*.
+
+// x (or grad) is 4-D, n_rep >= 1, dim names the heads dim; returns dim normalized to 1 or 2.
+int64_t check_repeat_kv_args(char const* op, char const* name, char const* heads, at::Tensor const& t, int64_t n_rep,
+                             int64_t dim) {
+  if (t.dim() != 4) {
+    fail(op, std::string(name) + ": rank",
+         std::string("4 dims: (batch, ") + heads + ", seqlen, head_dim) for dim=1, (batch, seqlen, " + heads +
+             ", head_dim) for dim=2",
+         rank_got(t));
+  }
+  if (n_rep < 1) { fail(op, "n_rep", "a positive int", num(n_rep)); }
+  if (dim != 1 && dim != 2 && dim != -3 && dim != -2) {
+    fail(op, "dim", "1 (or -3) or 2 (or -2): the KV-head dim of a 4-D tensor", num(dim));
+  }
+  return dim < 0 ? dim + 4 : dim;
+}
+
+std::string list_str(c10::IntArrayRef values) {  // as Python prints a list: [0, 1, 2]
+  std::string s = "[";
+  for (size_t i = 0; i < values.size(); ++i) { s += (i ? ", " : "") + std::to_string(values[i]); }
+  return s + "]";
+}
+
+// Test hooks (tests/test_repeat_kv.py, benchmarks/bench_repeat_kv.py). Which way each backward
+// reduce went ("kernel", "kernel_copy", "reference"), recorded only while asked: otherwise a call
+// pays one relaxed load. And a switch that lets CPU tensors take the kernel path, whose gqa_reduce
+// call then goes through the dispatcher (a test registers a recording CPU kernel for it), so the
+// CPU tests see the kernel path's decisions and arguments.
+std::atomic<bool> record_reduce_paths{false};
+std::atomic<bool> cpu_as_kernel_device{false};
+std::mutex reduce_paths_mutex;
+std::vector<std::string> reduce_paths;
+
+void note_reduce_path(char const* path) {
+  if (!record_reduce_paths.load(std::memory_order_relaxed)) { return; }
+  std::lock_guard<std::mutex> lock(reduce_paths_mutex);
+  reduce_paths.emplace_back(path);
+}
+
+// Whether gqa_reduce has kernels for tensors on `device` (see has_kernels_for).
+bool repeat_kv_kernel_device(at::Device device) {
+  if (device.is_cpu()) { return cpu_as_kernel_device.load(std::memory_order_relaxed); }
+  if (!device.is_cuda()) { return false; }
+  auto const [major, minor] = device_capability(device.has_index() ? device.index() : c10::cuda::current_device());
+  return has_kernels_for(major, minor, compiled_archs());
+}
+
+// The launchers' grid limits (launch_args.h): rows < 2^31, batch and heads < 65536.
+constexpr int64_t kMaxRows = (int64_t{1} << 31) - 1, kMaxBatchOrHeads = 65535;
+
+// Whether gqa_reduce can sum `grad` (heads in dim 1 or 2): its dtype, head dim, grid limits and
+// device; a non-empty gradient.
+bool repeat_kv_kernel_supports(at::Tensor const& grad, int64_t dim) {
+  at::ScalarType const dtype = grad.scalar_type();
+  int64_t const d = grad.size(3), seqlen = grad.size(3 - dim);  // (b, h, s, d) for dim 1, (b, s, h, d) for dim 2
+  return (dtype == at::kBFloat16 || dtype == at::kHalf) && d % 8 == 0 && 0 < d && d <= 256 && grad.numel() > 0 &&
+         seqlen <= kMaxRows && grad.size(0) <= kMaxBatchOrHeads && grad.size(dim) <= kMaxBatchOrHeads &&
+         repeat_kv_kernel_device(grad.device());
+}
+
+// gqa_reduce reads `t` (batch, seqlen, heads, d) in place: last dim contiguous, the other strides
+// (of dims longer than 1) non-negative multiples of 16 bytes, a 16-byte aligned start.
+bool kernel_layout_ok(at::Tensor const& t) {
+  int64_t const multiple = 16 / t.element_size();
+  if (t.size(3) > 1 && t.stride(3) != 1) { return false; }
+  for (int64_t i = 0; i < 3; ++i) {
+    if (t.size(i) > 1 && (t.stride(i) < 0 || t.stride(i) % multiple != 0)) { return false; }
+  }
+  return address(t) % 16 == 0;
+}
+
+// gqa_reduce's (batch, seqlen, heads, d) view of a tensor whose heads are in `dim`.
+at::Tensor kernel_view(at::Tensor const& t, int64_t dim) { return dim == 1 ? t.transpose(1, 2) : t; }
+
+// repeat_kv.group_sum_reference's arithmetic into `out`: for every KV head, 0 + g_0 + ... + g_{n-1}
+// in fp32 (fp64 for fp64/complex128, the gradient's dtype if wider still) in head order, then one
+// rounding to out's dtype. The same ATen calls in the same order, so the same bits.
+void group_sum_reference(at::Tensor const& grad, int64_t n_rep, int64_t dim, at::Tensor const& out) {
+  at::ScalarType const acc_dtype = at::promote_types(grad.scalar_type(), at::kFloat);
+  at::Tensor acc = out.scalar_type() == acc_dtype ? out : at::empty(out.sizes(), grad.options().dtype(acc_dtype));
+  acc.zero_();
+  at::Tensor const grouped = grad.unflatten(dim, {out.size(dim), n_rep});
+  for (int64_t j = 0; j < n_rep; ++j) { acc.add_(grouped.select(dim + 1, j)); }  // exact upcast, then an fp32 add
+  if (!acc.is_same(out)) { out.copy_(acc); }  // round to nearest even, once
+}
+
+void call_gqa_reduce_op(at::Tensor const& partial, at::Tensor const& out) {
+  static auto const op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("flash_epilogue::gqa_reduce", "")
+                             .typed<void(at::Tensor const&, OptTensor const&, at::Tensor const&, OptTensor const&,
+                                         OptTensor const&, OptTensor const&, double, double, int64_t)>();
+  op.call(partial, std::nullopt, out, std::nullopt, std::nullopt, std::nullopt, 1.0, 1.0, 0);
+}
+
+// Sum the groups of `grad` into `out` (x's gradient): one gqa_reduce launch where the kernels take
+// the gradient, else group_sum_reference. Bitwise the same either way.
+void reduce_groups(at::Tensor const& grad, int64_t n_rep, int64_t dim, at::Tensor const& out) {
+  if (!repeat_kv_kernel_supports(grad, dim)) {
+    group_sum_reference(grad, n_rep, dim, out);
+    note_reduce_path("reference");
+    return;
+  }
+  at::Tensor partial = kernel_view(grad, dim);
+  char const* path = "kernel";
+  if (!kernel_layout_ok(partial)) {
+    // e.g. the stride-0 gradient of a .sum(), or a misaligned start: one copy into a new (aligned,
+    // contiguous) tensor, then the kernel; the result does not depend on it
+    partial = kernel_view(grad.clone(at::MemoryFormat::Contiguous), dim);
+    path = "kernel_copy";
+  }
+  at::Tensor const out_view = kernel_view(out, dim);
+  if (partial.is_cuda()) {
+    // straight to the implementation: the dispatcher and the Python wrapper cost host time, and
+    // its checks still run (they are what keeps a bad descriptor from being built)
+    gqa_reduce_cuda(partial, std::nullopt, out_view, std::nullopt, std::nullopt, std::nullopt, 1.0, 1.0, 0);
+  } else {
+    call_gqa_reduce_op(partial, out_view);  // CPU tensors come here only under the test hook
+  }
+  note_reduce_path(path);
+}
+
+// repeat_kv: x repeated n_rep times along dim as a new contiguous tensor (one copy, as the
+// original's expand + reshape makes).
+at::Tensor repeat_kv_impl(at::Tensor const& x, int64_t n_rep, int64_t dim) {
+  dim = check_repeat_kv_args("repeat_kv", "x", "kv_heads", x, n_rep, dim);
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end()), expanded = shape;
+  shape[dim] *= n_rep;
+  expanded.insert(expanded.begin() + dim + 1, n_rep);
+  at::Tensor out = at::empty(shape, x.options());
+  out.view(expanded).copy_(x.unsqueeze(dim + 1).expand(expanded));
+  return out;
+}
+
+// repeat_kv_backward: the group sum of grad (heads in dim), allocated with its first three dims in
+// memory in the order `layout` (outermost first; x's layout, see layout_of), dense, the last dim
+// contiguous (repeat_kv.py's _empty_in_layout).
+at::Tensor repeat_kv_backward_impl(at::Tensor const& grad, int64_t n_rep, int64_t dim, c10::IntArrayRef layout) {
+  constexpr char const* op = "repeat_kv_backward";
+  dim = check_repeat_kv_args(op, "grad", "heads", grad, n_rep, dim);
+  std::array<int64_t, 4> shape = {grad.size(0), grad.size(1), grad.size(2), grad.size(3)};
+  if (shape[dim] % n_rep != 0) {
+    fail(op, "grad: heads", "a multiple of n_rep = " + num(n_rep) + " in dim " + num(dim),
+         num(shape[dim]) + " (shape " + num(grad.sizes()) + ")");
+  }
+  shape[dim] /= n_rep;
+  std::array<bool, 3> seen = {false, false, false};
+  bool permutation = layout.size() == 3;
+  for (int64_t i : layout) {
+    permutation = permutation && 0 <= i && i < 3 && !seen[i];
+    if (permutation) { seen[i] = true; }
+  }
+  if (!permutation) { fail(op, "layout", "a permutation of [0, 1, 2]", list_str(layout)); }
+  // the strides at::empty gives the permuted shape (a size-0 dim counts as 1), permuted back
+  std::array<int64_t, 4> const order = {layout[0], layout[1], layout[2], 3};
+  std::array<int64_t, 4> strides;
+  int64_t stride = 1;
+  for (int i = 3; i >= 0; --i) {
+    strides[order[i]] = stride;
+    stride *= std::max<int64_t>(shape[order[i]], 1);
+  }
+  at::Tensor out = at::empty_strided(shape, strides, grad.options());
+  reduce_groups(grad, n_rep, dim, out);
+  return out;
+}
+
+// The order of x's first three dims in memory, outermost first (repeat_kv.py's _layout_of): x's
+// gradient is allocated in this order. Ties (size-1 dims, equal strides) keep the logical order.
+// Symbolic strides (torch.compile, dynamic shapes) are compared through guards.
+std::vector<int64_t> layout_of(at::Tensor const& x) {
+  c10::SymIntArrayRef const strides = x.sym_strides();
+  std::vector<int64_t> order = {0, 1, 2};
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return strides[a] > strides[b]; });
+  return order;
+}
+
+// The ops called through the dispatcher from autograd (traced by torch.compile, differentiated
+// again under create_graph).
+at::Tensor call_repeat_kv(at::Tensor const& x, int64_t n_rep, int64_t dim) {
+  static auto const op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("flash_epilogue::repeat_kv", "")
+                             .typed<at::Tensor(at::Tensor const&, int64_t, int64_t)>();
+  return op.call(x, n_rep, dim);
+}
+
+at::Tensor call_repeat_kv_backward(at::Tensor const& grad, int64_t n_rep, int64_t dim, c10::IntArrayRef layout) {
+  static auto const op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("flash_epilogue::repeat_kv_backward", "")
+                             .typed<at::Tensor(at::Tensor const&, int64_t, int64_t, c10::IntArrayRef)>();
+  return op.call(grad, n_rep, dim, layout);
+}
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// repeat_kv's backward is repeat_kv_backward into x's layout.
+struct RepeatKvFunction : torch::autograd::Function<RepeatKvFunction> {
+  static at::Tensor forward(AutogradContext* ctx, at::Tensor const& x, int64_t n_rep, int64_t dim) {
+    at::Tensor out;
+    {
+      at::AutoDispatchBelowADInplaceOrView below_autograd;
+      out = call_repeat_kv(x, n_rep, dim);  // checks x's rank before layout_of reads three strides
+    }
+    ctx->saved_data["n_rep"] = n_rep;
+    ctx->saved_data["dim"] = dim;
+    ctx->saved_data["layout"] = layout_of(x);
+    return out;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    int64_t const n_rep = ctx->saved_data["n_rep"].toInt(), dim = ctx->saved_data["dim"].toInt();
+    std::vector<int64_t> const layout = ctx->saved_data["layout"].toIntVector();
+    return {call_repeat_kv_backward(grads[0], n_rep, dim, layout), at::Tensor(), at::Tensor()};
+  }
+};
+
+// The reduce is linear: its adjoint repeats each KV head's gradient n_rep times (double backward).
+struct RepeatKvBackwardFunction : torch::autograd::Function<RepeatKvBackwardFunction> {
+  static at::Tensor forward(AutogradContext* ctx, at::Tensor const& grad, int64_t n_rep, int64_t dim,
+                            c10::IntArrayRef layout) {
+    ctx->saved_data["n_rep"] = n_rep;
+    ctx->saved_data["dim"] = dim;
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return call_repeat_kv_backward(grad, n_rep, dim, layout);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {call_repeat_kv(grads[0], ctx->saved_data["n_rep"].toInt(), ctx->saved_data["dim"].toInt()), at::Tensor(),
+            at::Tensor(), at::Tensor()};
+  }
+};
+
+// Without a gradient to record (a first-order backward runs with grad mode off, also no_grad
+// forwards) the op runs without an autograd node, as generated autograd kernels do: no node to
+// allocate and fill on the backward's path (0.5 us of the op's 4 us on a tiny CPU tensor here).
+bool records_grad(at::Tensor const& t) { return at::GradMode::is_enabled() && t.requires_grad(); }
+
+at::Tensor repeat_kv_autograd(at::Tensor const& x, int64_t n_rep, int64_t dim) {
+  if (!records_grad(x)) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return call_repeat_kv(x, n_rep, dim);
+  }
+  return RepeatKvFunction::apply(x, n_rep, dim);
+}
+
+at::Tensor repeat_kv_backward_autograd(at::Tensor const& grad, int64_t n_rep, int64_t dim, c10::IntArrayRef layout) {
+  if (!records_grad(grad)) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return call_repeat_kv_backward(grad, n_rep, dim, layout);
+  }
+  return RepeatKvBackwardFunction::apply(grad, n_rep, dim, layout);
+}
+
 }  // namespace
 }  // namespace flash_epilogue
 
@@ -999,6 +1265,8 @@ TORCH_LIBRARY(flash_epilogue, m) {
         "Tensor? seqused=None, int _arch=0) -> ()");
   m.def("gqa_reduce(Tensor dk_partial, Tensor? dv_partial, Tensor(a!) dk, Tensor(b!)? dv, *, Tensor? cu_seqlens=None, "
         "Tensor? seqused=None, float scale_dk=1.0, float scale_dv=1.0, int _arch=0) -> ()");
+  m.def("repeat_kv(Tensor x, int n_rep, int dim) -> Tensor");
+  m.def("repeat_kv_backward(Tensor grad, int n_rep, int dim, int[] layout) -> Tensor");
 }
 
 // One registration per backend: CUDA tensors run the kernels; CPU tensors get every metadata check
@@ -1015,6 +1283,17 @@ static void register_impls(torch::Library& m) {
 
 TORCH_LIBRARY_IMPL(flash_epilogue, CUDA, m) { register_impls(m); }
 TORCH_LIBRARY_IMPL(flash_epilogue, CPU, m) { register_impls(m); }
+
+// repeat_kv's kernels are plain ATen calls plus gqa_reduce on a GPU with kernels: one kernel for
+// every backend (the Python fake kernels serve Meta and FakeTensor), and autograd in C++.
+TORCH_LIBRARY_IMPL(flash_epilogue, CompositeExplicitAutograd, m) {
+  m.impl("repeat_kv", &flash_epilogue::repeat_kv_impl);
+  m.impl("repeat_kv_backward", &flash_epilogue::repeat_kv_backward_impl);
+}
+TORCH_LIBRARY_IMPL(flash_epilogue, Autograd, m) {
+  m.impl("repeat_kv", &flash_epilogue::repeat_kv_autograd);
+  m.impl("repeat_kv_backward", &flash_epilogue::repeat_kv_backward_autograd);
+}
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "flash_epilogue CUDA kernels; the ops are registered as torch.ops.flash_epilogue.*";
@@ -1044,6 +1323,31 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return configs;
       },
       "every (op, dtype, head dim, arch) this build has a kernel for");
+  // repeat_kv's routing, for tests and benchmarks (flash_epilogue/repeat_kv.py wraps them)
+  m.def("_has_kernels_for", &flash_epilogue::has_kernels_for, "whether a build for these archs has kernels for a GPU "
+        "of compute capability (major, minor)");
+  m.def("_repeat_kv_kernel_device", &flash_epilogue::repeat_kv_kernel_device,
+        "whether repeat_kv's backward can run gqa_reduce for tensors on this device");
+  m.def("_repeat_kv_kernel_supports", &flash_epilogue::repeat_kv_kernel_supports,
+        "whether repeat_kv's backward runs gqa_reduce on this gradient (heads in dim 1 or 2)");
+  m.def(
+      "_repeat_kv_record_paths",
+      [](bool on) {
+        std::lock_guard<std::mutex> lock(flash_epilogue::reduce_paths_mutex);
+        flash_epilogue::reduce_paths.clear();
+        flash_epilogue::record_reduce_paths.store(on);
+      },
+      "start (True) or stop recording the paths repeat_kv's backward takes; clears the record");
+  m.def(
+      "_repeat_kv_paths",
+      [] {
+        std::lock_guard<std::mutex> lock(flash_epilogue::reduce_paths_mutex);
+        return flash_epilogue::reduce_paths;
+      },
+      "the paths recorded so far, in call order: 'kernel', 'kernel_copy' or 'reference'");
+  m.def(
+      "_repeat_kv_cpu_as_kernel_device", [](bool on) { flash_epilogue::cpu_as_kernel_device.store(on); },
+      "test hook: CPU tensors take repeat_kv's kernel path, its gqa_reduce call through the dispatcher");
   m.def("build_info", [] {
     pybind11::dict info;
     info["version"] = std::to_string(FLASH_EPILOGUE_VERSION_MAJOR) + "." + std::to_string(FLASH_EPILOGUE_VERSION_MINOR) +

@@ -29,13 +29,22 @@ SCHEMAS = {
     "Tensor? seqused=None, int _arch=0) -> ()",
     "gqa_reduce": "gqa_reduce(Tensor dk_partial, Tensor? dv_partial, Tensor(a!) dk, Tensor(b!)? dv, *, "
     "Tensor? cu_seqlens=None, Tensor? seqused=None, float scale_dk=1.0, float scale_dv=1.0, int _arch=0) -> ()",
+    # autograd: transformers' repeat_kv and its group-sum backward (x's gradient allocated with its
+    # first three dims in memory in the order `layout`)
+    "repeat_kv": "repeat_kv(Tensor x, int n_rep, int dim) -> Tensor",
+    "repeat_kv_backward": "repeat_kv_backward(Tensor grad, int n_rep, int dim, int[] layout) -> Tensor",
 }
+
+# Ops that work without the kernels (plain PyTorch): without the extension, repeat_kv.py defines
+# them with kernels of their own rather than with the raising ones below.
+PYTHON_FALLBACK_OPS = ("repeat_kv", "repeat_kv_backward")
 
 _fallback_library = None
 
 
 def define_fallback_ops(reason: str) -> None:
-    """Define every schema with CPU/CUDA kernels that raise a clear error naming `reason`."""
+    """Define every schema but PYTHON_FALLBACK_OPS with CPU/CUDA kernels that raise a clear error
+    naming `reason`."""
     global _fallback_library
     if _fallback_library is not None:
         return
@@ -43,6 +52,8 @@ def define_fallback_ops(reason: str) -> None:
 
     lib = torch.library.Library(LIBRARY, "DEF")
     for name, schema in SCHEMAS.items():
+        if name in PYTHON_FALLBACK_OPS:
+            continue
         lib.define(schema)
 
         def unavailable(*args, _name=name, **kwargs):

@@ -13,24 +13,26 @@ bitwise reproducible, through :func:`flash_epilogue.gqa_reduce` when the kernels
 gradient (a CUDA bf16/fp16 tensor on a GPU the package has kernels for, head dim a multiple of
 8 up to 256), else through the same arithmetic in plain PyTorch (see :func:`group_sum_reference`).
 
-Both directions are ``torch.library`` custom ops (``torch.ops.flash_epilogue.repeat_kv`` and
-``repeat_kv_backward``) with fake kernels and registered autograd (double backward included),
-so they trace under ``torch.compile(fullgraph=True)``, export, and run in CUDA graphs.
+Both directions are ops of the C++ extension (``torch.ops.flash_epilogue.repeat_kv`` and
+``repeat_kv_backward``, csrc/bindings.cpp) with their autograd in C++ (double backward included),
+so a backward through them runs no Python; the fake kernels are here. They trace under
+``torch.compile(fullgraph=True)``, export, and run in CUDA graphs. Without the extension (not
+built, or built before these ops) this module defines the same ops in Python, whose backward is
+the plain-PyTorch sum.
 """
-import functools
+import collections.abc
+import contextlib
 import operator
-from typing import List, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
-from . import _extension
-from ._config import HEAD_DIM_MULTIPLE, MAX_HEAD_DIM
+from . import _extension, _schemas
 from .validation import FlashEpilogueInputError
 
 __all__ = ["repeat_kv", "group_sum_reference"]
 
 _OP = "repeat_kv"
-KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def _fail(arg: str, expected, got):
@@ -93,6 +95,21 @@ def repeat_kv(x: torch.Tensor, n_rep: int, dim: int = 1) -> torch.Tensor:
 # shapes and layouts
 
 
+def _check_op_args(op: str, name: str, heads: str, t: torch.Tensor, n_rep: int, dim: int) -> int:
+    """The ops' own checks (csrc/bindings.cpp's check_repeat_kv_args, same order and messages): t
+    4-D, n_rep >= 1, dim naming the heads dim; returns dim normalized to 1 or 2."""
+    if t.dim() != 4:
+        raise FlashEpilogueInputError(
+            f"flash_epilogue.{op}: {name}: rank: expected 4 dims: (batch, {heads}, seqlen, head_dim) for dim=1, "
+            f"(batch, seqlen, {heads}, head_dim) for dim=2, got {t.dim()} dims, shape {tuple(t.shape)}")
+    if n_rep < 1:
+        raise FlashEpilogueInputError(f"flash_epilogue.{op}: n_rep: expected a positive int, got {n_rep}")
+    if dim not in (1, 2, -3, -2):
+        raise FlashEpilogueInputError(
+            f"flash_epilogue.{op}: dim: expected 1 (or -3) or 2 (or -2): the KV-head dim of a 4-D tensor, got {dim}")
+    return dim % 4
+
+
 def _repeated_shape(shape: Sequence[int], n_rep: int, dim: int) -> list[int]:
     out = list(shape)
     out[dim] = out[dim] * n_rep
@@ -113,7 +130,7 @@ def _reduced_shape(shape: Sequence[int], n_rep: int, dim: int, op: str) -> list[
 def _layout_of(x: torch.Tensor) -> list[int]:
     """The order of x's first three dims in memory, outermost first (the head dim is placed
     innermost regardless): x's gradient is allocated in this order. Ties (size-1 dims, equal
-    strides) keep the logical order."""
+    strides) keep the logical order. (The C++ autograd's layout_of.)"""
     return sorted(range(3), key=lambda i: -x.stride(i))
 
 
@@ -134,7 +151,7 @@ def _empty_in_layout(shape: Sequence[int], layout: Sequence[int], like: torch.Te
 
 
 # ---------------------------------------------------------------------------------------------
-# the group reduce: kernel or plain PyTorch
+# the group reduce in plain PyTorch
 
 
 def group_sum_reference(grad: torch.Tensor, n_rep: int, dim: int = 1,
@@ -143,7 +160,8 @@ def group_sum_reference(grad: torch.Tensor, n_rep: int, dim: int = 1,
     head k, ``acc = 0; acc += g[k*n_rep + j] for j in 0..n_rep-1`` in fp32 (fp64 for fp64 or
     complex128 gradients, in the gradient's dtype if it is wider still), then one rounding to the
     gradient's dtype, written into ``out`` (default: a new contiguous tensor). Bitwise what the
-    gqa_reduce kernel computes (and what repeat_kv's backward falls back to)."""
+    gqa_reduce kernel computes, and what repeat_kv's backward falls back to (the C++ op makes the
+    same ATen calls: csrc/bindings.cpp, group_sum_reference)."""
     dim = dim % 4
     shape = _reduced_shape(grad.shape, n_rep, dim, "repeat_kv_backward")
     if out is None:
@@ -159,107 +177,103 @@ def group_sum_reference(grad: torch.Tensor, n_rep: int, dim: int = 1,
     return out
 
 
-@functools.lru_cache(maxsize=None)
-def _capability(index: int) -> tuple[int, int]:
-    return tuple(torch.cuda.get_device_capability(index))
+# ---------------------------------------------------------------------------------------------
+# the ops: C++ (csrc/bindings.cpp), else defined here
+
+# Whether the loaded extension defines the ops (a build older than them does not).
+_CPP = _extension._C is not None and hasattr(torch.ops.flash_epilogue, "repeat_kv")
 
 
 def _kernel_device(device: torch.device) -> bool:
-    """Whether gqa_reduce has kernels for this device: an sm_90 GPU with an sm_90a build, or an
-    sm_8x GPU with an sm_80 build (the package's own rule, see flash_epilogue.validation)."""
-    if device.type != "cuda" or _extension._C is None:
-        return False
-    archs = _extension.compiled_archs()
-    major, minor = _capability(device.index if device.index is not None else torch.cuda.current_device())
-    return ((major, minor) == (9, 0) and "sm_90a" in archs) or (major == 8 and "sm_80" in archs)
-
-
-# the launchers' grid limits (csrc/bindings.cpp): rows < 2^31, batch and heads < 65536
-_MAX_ROWS, _MAX_BATCH_OR_HEADS = 2**31 - 1, 65535
+    """Whether the backward can run gqa_reduce for tensors on `device`: an sm_90 GPU with an sm_90a
+    build, or an sm_8x GPU with an sm_80 build (the C++ op decides; never without it)."""
+    return _CPP and _extension._C is not None and _extension._C._repeat_kv_kernel_device(device)
 
 
 def _kernel_supports(grad: torch.Tensor, dim: int) -> bool:
-    """dtype, head dim, grid limits and device the kernel has; a non-empty gradient."""
-    d = grad.shape[-1]
-    seqlen = grad.shape[3 - dim]  # (b, h, s, d) for dim 1, (b, s, h, d) for dim 2
-    return (grad.dtype in KERNEL_DTYPES and d % HEAD_DIM_MULTIPLE == 0 and 0 < d <= MAX_HEAD_DIM
-            and grad.numel() > 0 and seqlen <= _MAX_ROWS and grad.shape[0] <= _MAX_BATCH_OR_HEADS
-            and grad.shape[dim] <= _MAX_BATCH_OR_HEADS and _kernel_device(grad.device))
+    """Whether the backward runs gqa_reduce on `grad` (heads in dim 1 or 2): dtype, head dim, grid
+    limits and device the kernel has, a non-empty gradient (the C++ op's own decision)."""
+    return _CPP and _extension._C._repeat_kv_kernel_supports(grad, dim)
 
 
-def _kernel_layout_ok(t: torch.Tensor) -> bool:
-    """gqa_reduce reads `t` (batch, seqlen, heads, d) in place: last dim contiguous, the other
-    strides (of dims longer than 1) non-negative multiples of 16 bytes, a 16-byte aligned start."""
-    mult = 16 // t.element_size()
-    if t.shape[-1] > 1 and t.stride(-1) != 1:
-        return False
-    for size, stride in zip(t.shape[:-1], t.stride()[:-1]):
-        if size > 1 and (stride < 0 or stride % mult != 0):
-            return False
-    return t.data_ptr() % 16 == 0
+_python_paths: Optional[list] = None  # the Python ops' record while _recording_paths is active
 
 
-def _kernel_view(t: torch.Tensor, dim: int) -> torch.Tensor:
-    """gqa_reduce's (batch, seqlen, heads, d) view of a tensor whose heads are in `dim`."""
-    return t.transpose(1, 2) if dim == 1 else t
+def _note_path(path: str) -> None:
+    if _python_paths is not None:
+        _python_paths.append(path)
 
 
-def _reduce(grad: torch.Tensor, n_rep: int, dim: int, out: torch.Tensor) -> str:
-    """Sum the groups of `grad` into `out`; returns the path taken ("kernel", "kernel_copy" or
-    "reference"; the tests look)."""
-    if not _kernel_supports(grad, dim):
-        group_sum_reference(grad, n_rep, dim, out=out)
-        return "reference"
-    path = "kernel"
-    if not _kernel_layout_ok(_kernel_view(grad, dim)):
-        # e.g. the stride-0 gradient of a .sum(), or a misaligned start: one copy into a new
-        # (aligned, contiguous) tensor, then the kernel; the result does not depend on it
-        grad = grad.clone(memory_format=torch.contiguous_format)
-        path = "kernel_copy"
-    num_heads_kv = out.shape[dim]
-    from .ops import gqa_reduce  # noqa: PLC0415 (ops is imported by the package before this module)
+class _RecordedPaths(collections.abc.Sequence):
+    """The backward paths recorded so far ("kernel", "kernel_copy", "reference"), in call order:
+    a live view (the C++ op keeps its own record)."""
 
-    gqa_reduce(_kernel_view(grad, dim), num_heads_kv=num_heads_kv, out=_kernel_view(out, dim))
-    return path
+    def _paths(self) -> list:
+        return list(_extension._C._repeat_kv_paths()) if _CPP else list(_python_paths or ())
+
+    def __getitem__(self, i):
+        return self._paths()[i]
+
+    def __len__(self) -> int:
+        return len(self._paths())
+
+    def __iter__(self):  # one read of the record, not one per element
+        return iter(self._paths())
+
+    def __eq__(self, other) -> bool:
+        return self._paths() == list(other) if isinstance(other, collections.abc.Sequence) else NotImplemented
+
+    def clear(self) -> None:
+        if _CPP:
+            _extension._C._repeat_kv_record_paths(True)
+        elif _python_paths is not None:
+            _python_paths.clear()
+
+    def __repr__(self) -> str:
+        return repr(self._paths())
 
 
-# ---------------------------------------------------------------------------------------------
-# the custom ops
+@contextlib.contextmanager
+def _recording_paths():
+    """Record which way each backward reduce goes while inside (tests and benchmarks look); yields
+    the record (_RecordedPaths)."""
+    global _python_paths
+    if _CPP:
+        _extension._C._repeat_kv_record_paths(True)
+    else:
+        _python_paths = []
+    try:
+        yield _RecordedPaths()
+    finally:
+        if _CPP:
+            _extension._C._repeat_kv_record_paths(False)
+        else:
+            _python_paths = None
 
 
-@torch.library.custom_op("flash_epilogue::repeat_kv", mutates_args=())
-def _repeat_kv_op(x: torch.Tensor, n_rep: int, dim: int) -> torch.Tensor:
-    """x repeated n_rep times along dim (1 or 2) as a new contiguous tensor."""
-    expanded = _expanded_shape(x.shape, n_rep, dim)
+def _repeat_kv_python(x, n_rep, dim):
+    """x repeated n_rep times along dim as a new contiguous tensor (the C++ op's repeat_kv_impl)."""
+    dim = _check_op_args("repeat_kv", "x", "kv_heads", x, n_rep, dim)
+    expanded = list(x.shape)
+    expanded.insert(dim + 1, n_rep)
     out = x.new_empty(_repeated_shape(x.shape, n_rep, dim))
     out.view(expanded).copy_(x.unsqueeze(dim + 1).expand(expanded))  # one copy, as reshape's
     return out
 
 
-def _expanded_shape(shape: Sequence[int], n_rep: int, dim: int) -> list[int]:
-    out = list(shape)
-    out.insert(dim + 1, n_rep)
-    return out
-
-
-@_repeat_kv_op.register_fake
-def _repeat_kv_fake(x, n_rep, dim):
-    return x.new_empty(_repeated_shape(x.shape, n_rep, dim))
-
-
-@torch.library.custom_op("flash_epilogue::repeat_kv_backward", mutates_args=())
-def _repeat_kv_backward_op(grad: torch.Tensor, n_rep: int, dim: int, layout: List[int]) -> torch.Tensor:
-    """The group sum of grad (heads in dim) in fp32 head order, in the memory order `layout`."""
+def _backward_output(grad, n_rep, dim, layout) -> torch.Tensor:
+    """repeat_kv_backward's checks, then its uninitialized output in the memory order `layout`."""
     op = "repeat_kv_backward"
-    out = _empty_in_layout(_reduced_shape(grad.shape, n_rep, dim, op), _check_layout(layout, op), grad)
-    _reduce(grad, n_rep, dim, out)
-    return out
-
-
-@_repeat_kv_backward_op.register_fake
-def _repeat_kv_backward_fake(grad, n_rep, dim, layout):
-    op = "repeat_kv_backward"
+    dim = _check_op_args(op, "grad", "heads", grad, n_rep, dim)
     return _empty_in_layout(_reduced_shape(grad.shape, n_rep, dim, op), _check_layout(layout, op), grad)
+
+
+def _repeat_kv_backward_python(grad, n_rep, dim, layout):
+    """The group sum of grad in the memory order `layout`, in plain PyTorch (no kernels here)."""
+    out = _backward_output(grad, n_rep, dim, layout)
+    group_sum_reference(grad, n_rep, dim, out=out)
+    _note_path("reference")
+    return out
 
 
 def _setup_repeat(ctx, inputs, output):
@@ -281,5 +295,29 @@ def _backward_reduce(ctx, grad):
     return torch.ops.flash_epilogue.repeat_kv(grad, ctx.n_rep, ctx.dim), None, None, None
 
 
-_repeat_kv_op.register_autograd(_backward_repeat, setup_context=_setup_repeat)
-_repeat_kv_backward_op.register_autograd(_backward_reduce, setup_context=_setup_reduce)
+def _define_python_ops() -> torch.library.Library:
+    """The ops without the extension: the schemas the C++ extension defines, plain-PyTorch kernels
+    for every backend, and their autograd in Python."""
+    lib = torch.library.Library(_schemas.LIBRARY, "FRAGMENT")
+    for name, kernel in (("repeat_kv", _repeat_kv_python), ("repeat_kv_backward", _repeat_kv_backward_python)):
+        lib.define(_schemas.SCHEMAS[name])
+        lib.impl(name, kernel, "CompositeExplicitAutograd")
+    torch.library.register_autograd("flash_epilogue::repeat_kv", _backward_repeat, setup_context=_setup_repeat,
+                                    lib=lib)
+    torch.library.register_autograd("flash_epilogue::repeat_kv_backward", _backward_reduce,
+                                    setup_context=_setup_reduce, lib=lib)
+    return lib
+
+
+_python_library = None if _CPP else _define_python_ops()
+
+
+@torch.library.register_fake("flash_epilogue::repeat_kv")
+def _repeat_kv_fake(x, n_rep, dim):
+    dim = _check_op_args("repeat_kv", "x", "kv_heads", x, n_rep, dim)
+    return x.new_empty(_repeated_shape(x.shape, n_rep, dim))
+
+
+@torch.library.register_fake("flash_epilogue::repeat_kv_backward")
+def _repeat_kv_backward_fake(grad, n_rep, dim, layout):
+    return _backward_output(grad, n_rep, dim, layout)

@@ -3,7 +3,9 @@
 CPU tests: the forward against the original expand+reshape, argument errors, the plain-PyTorch
 backward (bitwise the kernel's arithmetic), the gradient's layout, gradcheck/gradgradcheck, opcheck,
 torch.compile(fullgraph=True) (aot_eager), and which path the backward takes (the kernel call is
-intercepted: what it is given, and that the strided gradient is read in place).
+intercepted: what it is given, and that the strided gradient is read in place). With the extension
+built these run the C++ ops and their C++ autograd; without it, the Python definitions (a
+subprocess test runs those either way).
 
 GPU tests (marked gpu): the forward bitwise, the kernel backward bitwise against the plain-PyTorch
 one and within a derived bound of the fp64 sum, an SDPA GQA layer against
@@ -19,12 +21,17 @@ rounding by at most u * |result| (plus half a subnormal spacing, smallest_normal
     |result - sum_j g_j| <= u * |sum_j g_j| + 2 * n * u32 * M + smallest_normal * u.
 """
 import importlib
-
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 import flash_epilogue as fe
+from flash_epilogue import _extension
 from flash_epilogue.reference import gqa_reduce_reference
 
 R = importlib.import_module("flash_epilogue.repeat_kv")  # the module (fe.repeat_kv is the function)
@@ -68,18 +75,11 @@ def assert_within_exact_bound(got, grad, n_rep, dim):
 
 
 @pytest.fixture
-def paths(monkeypatch):
-    """The backward paths taken ("kernel", "kernel_copy", "reference"), in call order."""
-    taken = []
-    real = R._reduce
-
-    def spy(*args, **kwargs):
-        path = real(*args, **kwargs)
-        taken.append(path)
-        return path
-
-    monkeypatch.setattr(R, "_reduce", spy)
-    return taken
+def paths():
+    """The backward paths taken ("kernel", "kernel_copy", "reference"), in call order (the op's
+    own record)."""
+    with R._recording_paths() as taken:
+        yield taken
 
 
 def same_layout(a, b):
@@ -152,12 +152,44 @@ def test_errors():
     # negative dims name the same dims
     assert torch.equal(fe.repeat_kv(x, 2, dim=-3), fe.repeat_kv(x, 2, dim=1))
     assert torch.equal(fe.repeat_kv(x, 2, dim=-2), fe.repeat_kv(x, 2, dim=2))
-    # the backward op checks what it is given
-    with pytest.raises(fe.FlashEpilogueInputError, match=r"repeat_kv_backward: grad: heads: expected a multiple of "
-                                                         r"n_rep = 3 in dim 1, got 4"):
-        torch.ops.flash_epilogue.repeat_kv_backward(torch.zeros(1, 4, 2, 8), 3, 1, [0, 1, 2])
-    with pytest.raises(fe.FlashEpilogueInputError, match=r"layout: expected a permutation of \[0, 1, 2\]"):
-        torch.ops.flash_epilogue.repeat_kv_backward(torch.zeros(1, 4, 2, 8), 2, 1, [0, 1, 1])
+    # the ops check what they are given: the C++ ops raise ValueError, as every op of the extension
+    # does (FlashEpilogueInputError, a ValueError, is the Python wrappers'); the Python definitions
+    # without the extension raise FlashEpilogueInputError. Same messages, real and fake kernels.
+    op_error = ValueError if R._CPP else fe.FlashEpilogueInputError
+    g = torch.zeros(1, 4, 2, 8)
+    op_cases = [
+        (torch.ops.flash_epilogue.repeat_kv_backward, (g, 3, 1, [0, 1, 2]),
+         r"repeat_kv_backward: grad: heads: expected a multiple of n_rep = 3 in dim 1, "
+         r"got 4 \(shape \(1, 4, 2, 8\)\)$"),
+        (torch.ops.flash_epilogue.repeat_kv_backward, (g, 2, 1, [0, 1, 1]),
+         r"repeat_kv_backward: layout: expected a permutation of \[0, 1, 2\], got \[0, 1, 1\]$"),
+        (torch.ops.flash_epilogue.repeat_kv_backward, (g, 2, 1, [0, 1]),
+         r"repeat_kv_backward: layout: expected a permutation of \[0, 1, 2\], got \[0, 1\]$"),
+        (torch.ops.flash_epilogue.repeat_kv_backward, (g[0], 2, 1, [0, 1, 2]),
+         r"repeat_kv_backward: grad: rank: expected 4 dims: \(batch, heads, seqlen, head_dim\) for dim=1, "
+         r"\(batch, seqlen, heads, head_dim\) for dim=2, got 3 dims, shape \(4, 2, 8\)$"),
+        (torch.ops.flash_epilogue.repeat_kv_backward, (g, 0, 1, [0, 1, 2]),
+         r"repeat_kv_backward: n_rep: expected a positive int, got 0$"),
+        (torch.ops.flash_epilogue.repeat_kv_backward, (g, 2, 3, [0, 1, 2]),
+         r"repeat_kv_backward: dim: expected 1 \(or -3\) or 2 \(or -2\): the KV-head dim of a 4-D tensor, got 3$"),
+        (torch.ops.flash_epilogue.repeat_kv, (x[0], 2, 1),
+         r"repeat_kv: x: rank: expected 4 dims: \(batch, kv_heads, seqlen, head_dim\) for dim=1, "
+         r"\(batch, seqlen, kv_heads, head_dim\) for dim=2, got 3 dims, shape \(2, 4, 8\)$"),
+        (torch.ops.flash_epilogue.repeat_kv, (x, -1, 1), r"repeat_kv: n_rep: expected a positive int, got -1$"),
+        (torch.ops.flash_epilogue.repeat_kv, (x, 2, 0), r"repeat_kv: dim: expected 1 \(or -3\) or 2 \(or -2\).*got 0$"),
+    ]
+    for op, args, pattern in op_cases:
+        with pytest.raises(op_error, match=r"^flash_epilogue\." + pattern) as raised:
+            op(*args)
+        assert type(raised.value) is op_error
+        mode = FakeTensorMode()
+        fake_args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+        with mode, pytest.raises(fe.FlashEpilogueInputError, match=r"^flash_epilogue\." + pattern):
+            op(*fake_args)
+    # the ops normalize negative dims as the wrapper does
+    assert torch.equal(torch.ops.flash_epilogue.repeat_kv(x, 2, -3), fe.repeat_kv(x, 2, dim=1))
+    assert torch.equal(torch.ops.flash_epilogue.repeat_kv_backward(g, 2, -2, [0, 1, 2]),
+                       R.group_sum_reference(g, 2, 2))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -280,26 +312,37 @@ def test_compile_fullgraph(dynamic):
 
 
 class ReduceRecorder:
-    """Stands in for flash_epilogue.ops.gqa_reduce: records its arguments and computes the
-    kernel's result with the reference."""
+    """Stands in for the CPU kernel of torch.ops.flash_epilogue.gqa_reduce (the op the backward
+    launches): records its arguments and computes the kernel's result with the reference.
+    num_heads_kv is out's head count (the op has no such argument); kwargs holds the keyword
+    arguments that differ from the op's defaults (the dispatcher passes only those)."""
 
     def __init__(self):
         self.calls = []
 
-    def __call__(self, dk_partial, dv_partial=None, *, num_heads_kv, out=None, **kwargs):
+    def __call__(self, dk_partial, dv_partial, dk, dv, **kwargs):
+        num_heads_kv = dk.shape[-2]
         self.calls.append({"partial": dk_partial, "dv_partial": dv_partial, "num_heads_kv": num_heads_kv,
-                           "out": out, "kwargs": kwargs})
-        gqa_reduce_reference(dk_partial, num_heads_kv, out=out, sequential=True)
-        return out
+                           "out": dk, "dv": dv, "kwargs": kwargs})
+        gqa_reduce_reference(dk_partial, num_heads_kv, out=dk, sequential=True)
 
 
 @pytest.fixture
-def kernel_device(monkeypatch):
-    """Pretend the kernels run on the CPU: the routing takes the kernel path, into a recorder."""
-    monkeypatch.setattr(R, "_kernel_device", lambda device: True)
+def kernel_device():
+    """Pretend the kernels run on the CPU: the C++ op's routing takes the kernel path for CPU
+    tensors (a test hook of the extension) and launches gqa_reduce through the dispatcher, whose CPU
+    kernel is a recorder here."""
+    if not R._CPP:
+        pytest.skip(f"the kernel path needs the C++ extension: {fe.UNAVAILABLE_REASON}")
     recorder = ReduceRecorder()
-    monkeypatch.setattr(fe.ops, "gqa_reduce", recorder)
-    return recorder
+    lib = torch.library.Library("flash_epilogue", "IMPL")
+    lib.impl("gqa_reduce", recorder, "CPU")
+    _extension._C._repeat_kv_cpu_as_kernel_device(True)
+    try:
+        yield recorder
+    finally:
+        _extension._C._repeat_kv_cpu_as_kernel_device(False)
+        lib._destroy()
 
 
 @pytest.mark.parametrize("dim", [1, 2])
@@ -317,7 +360,8 @@ def test_kernel_reads_the_gradient_in_place(dim, kernel_device, paths):
             out_view = out.transpose(1, 2) if dim == 1 else out
             # the gradient in place (no copy), the single-tensor form, out = x's gradient seen as (b, s, h_k, d)
             assert call["partial"].data_ptr() == grad.data_ptr() and call["partial"].stride() == view.stride()
-            assert call["dv_partial"] is None and call["num_heads_kv"] == hk and call["kwargs"] == {}
+            assert call["dv_partial"] is None and call["dv"] is None
+            assert call["num_heads_kv"] == hk and call["kwargs"] == {}
             assert call["out"].data_ptr() == out.data_ptr() and call["out"].stride() == out_view.stride()
             assert call["out"].shape == view.shape[:2] + (hk, 64)
             assert torch.equal(bits(out), bits(R.group_sum_reference(grad, n_rep, dim)))
@@ -354,18 +398,75 @@ def test_unsupported_inputs_take_the_reference_path(kernel_device, paths):
 
 
 def test_kernel_device_rule(monkeypatch):
-    from flash_epilogue import _extension
-
     assert not R._kernel_device(torch.device("cpu")) and not R._kernel_device(torch.device("meta"))
-    monkeypatch.setattr(_extension, "_C", object())
-    for cap, archs, ok in (((9, 0), ("sm_90a",), True), ((8, 0), ("sm_90a",), False),
-                           ((8, 6), ("sm_80", "sm_90a"), True), ((10, 0), ("sm_80", "sm_90a"), False),
-                           ((9, 0), ("sm_80",), False)):
-        monkeypatch.setattr(R, "_capability", lambda index, cap=cap: cap)
-        monkeypatch.setattr(_extension, "compiled_archs", lambda archs=archs: archs)
-        assert R._kernel_device(torch.device("cuda", 1)) is ok, (cap, archs)
+    if R._CPP:
+        # the rule the C++ op applies to a CUDA device's compute capability and the build's archs
+        for cap, archs, ok in (((9, 0), ("sm_90a",), True), ((8, 0), ("sm_90a",), False),
+                               ((8, 6), ("sm_80", "sm_90a"), True), ((10, 0), ("sm_80", "sm_90a"), False),
+                               ((9, 0), ("sm_80",), False)):
+            assert _extension._C._has_kernels_for(*cap, list(archs)) is ok, (cap, archs)
     monkeypatch.setattr(_extension, "_C", None)  # kernels not built: never
     assert not R._kernel_device(torch.device("cuda", 0))
+
+
+def test_the_cpp_ops_and_autograd_run_when_built():
+    # with the extension loaded, what these CPU tests exercise is the C++ ops and C++ autograd
+    if not fe.kernels_available():
+        pytest.skip(f"no extension: {fe.UNAVAILABLE_REASON}")
+    assert R._CPP and R._python_library is None
+    x = torch.randn(2, 2, 3, 8, requires_grad=True)
+    y = fe.repeat_kv(x, 2)
+    assert "RepeatKvFunction" in y.grad_fn.name()
+    (gx,) = torch.autograd.grad(y, x, torch.randn(y.shape, requires_grad=True), create_graph=True)
+    assert "RepeatKvBackwardFunction" in gx.grad_fn.name()
+
+
+@pytest.mark.parametrize("dim", [1, 2])
+def test_backward_output_strides_are_the_fakes(dim):
+    # the op allocates x's gradient itself (empty_strided in C++): the same strides as the fake
+    # kernel's empty + permute, size-0 and size-1 dims included
+    for shape in ((2, 6, 5, 8), (1, 2, 1, 8), (0, 4, 3, 8), (2, 4, 0, 8), (3, 2, 1, 1)):
+        if dim == 2:
+            shape = (shape[0], shape[2], shape[1], shape[3])
+        g = torch.randn(shape)
+        for layout in ([0, 1, 2], [0, 2, 1], [1, 0, 2], [1, 2, 0], [2, 0, 1], [2, 1, 0]):
+            got = torch.ops.flash_epilogue.repeat_kv_backward(g, 2, dim, layout)
+            want = R._repeat_kv_backward_fake(g, 2, dim, layout)
+            assert got.shape == want.shape and got.stride() == want.stride(), (shape, layout)
+            assert torch.equal(got, R.group_sum_reference(g, 2, dim))
+
+
+def test_python_ops_without_the_extension():
+    # FLASH_EPILOGUE_DISABLE_KERNELS=1: the package defines the ops in Python (plain-PyTorch
+    # backward): forward, backward into x's layout, double backward, fake kernels, errors
+    code = """
+import torch, flash_epilogue as fe, importlib
+R = importlib.import_module("flash_epilogue.repeat_kv")
+assert not fe.kernels_available() and not R._CPP and R._python_library is not None
+x = torch.randn(2, 5, 3, 16).transpose(1, 2).requires_grad_()
+y = fe.repeat_kv(x, 4)
+assert torch.equal(y, x.repeat_interleave(4, dim=1)) and y.is_contiguous()
+g = torch.randn(y.shape).bfloat16().float()
+with R._recording_paths() as paths:
+    (gx,) = torch.autograd.grad(y, x, g)
+    assert paths == ["reference"], paths
+assert torch.equal(gx, R.group_sum_reference(g, 4, 1)) and gx.stride() == x.stride()
+x64 = torch.randn(1, 3, 2, 8, dtype=torch.float64, requires_grad=True)
+assert torch.autograd.gradgradcheck(lambda t: fe.repeat_kv(t, 3, dim=2), (x64,))
+with torch.device("meta"):
+    m = torch.ops.flash_epilogue.repeat_kv_backward(torch.empty(2, 8, 3, 16), 4, 1, [0, 2, 1])
+assert m.shape == (2, 2, 3, 16) and m.stride() == (96, 16, 32, 1)
+try:
+    torch.ops.flash_epilogue.repeat_kv_backward(torch.zeros(1, 4, 2, 8), 3, 1, [0, 1, 2])
+except fe.FlashEpilogueInputError as e:
+    print("RAISED", e)
+"""
+    env = dict(os.environ, FLASH_EPILOGUE_DISABLE_KERNELS="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parent.parent)
+    assert out.returncode == 0, out.stderr
+    assert ("RAISED flash_epilogue.repeat_kv_backward: grad: heads: expected a multiple of n_rep = 3 in dim 1, "
+            "got 4 (shape (1, 4, 2, 8))") in out.stdout
 
 
 # ---------------------------------------------------------------------------------------------
