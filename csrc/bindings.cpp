@@ -210,8 +210,11 @@ void check_reduced_shape(char const* op, char const* name, at::Tensor const& t, 
   }
 }
 
+// The head dims the kernels take (a compiled config rounds up to the next of kCompiledHeadDims).
+bool head_dim_supported(int64_t d) { return d > 0 && d % 8 == 0 && d <= 256; }
+
 void check_head_dim(char const* op, std::string const& name, int64_t d) {
-  if (d <= 0 || d % 8 != 0 || d > 256) { fail(op, name + ": head dim", "a multiple of 8 in [8, 256]", num(d)); }
+  if (!head_dim_supported(d)) { fail(op, name + ": head dim", "a multiple of 8 in [8, 256]", num(d)); }
 }
 
 void check_last_stride(char const* op, char const* name, at::Tensor const& t) {
@@ -383,8 +386,12 @@ int64_t check_seqlens_meta(char const* op, OptTensor const& cu_seqlens, OptTenso
 
 // What the kernels index with 32-bit ints (the grid's y and z with 16 bits). Not a check of the
 // Python validation: inputs past these limits raise this op's message through the wrappers.
+bool within_grid_limits(int64_t rows, int64_t heads, int64_t batch) {
+  return rows < (int64_t(1) << 31) && heads < 65536 && batch < 65536;
+}
+
 void check_limits(char const* op, char const* name, at::Tensor const& t, int64_t rows, int64_t heads, int64_t batch) {
-  if (!(rows < (int64_t(1) << 31) && heads < 65536 && batch < 65536)) {
+  if (!within_grid_limits(rows, heads, batch)) {
     fail(op, std::string(name) + ": shape", "rows < 2^31 and heads, batch < 65536", num(t.sizes()));
   }
 }
@@ -1044,17 +1051,13 @@ bool repeat_kv_kernel_device(at::Device device) {
   return has_kernels_for(major, minor, compiled_archs());
 }
 
-// The launchers' grid limits (launch_args.h): rows < 2^31, batch and heads < 65536.
-constexpr int64_t kMaxRows = (int64_t{1} << 31) - 1, kMaxBatchOrHeads = 65535;
-
 // Whether gqa_reduce can sum `grad` (heads in dim 1 or 2): its dtype, head dim, grid limits and
-// device; a non-empty gradient.
+// device (what gqa_reduce_cuda's check_head_dim and check_limits accept); a non-empty gradient.
 bool repeat_kv_kernel_supports(at::Tensor const& grad, int64_t dim) {
   at::ScalarType const dtype = grad.scalar_type();
-  int64_t const d = grad.size(3), seqlen = grad.size(3 - dim);  // (b, h, s, d) for dim 1, (b, s, h, d) for dim 2
-  return (dtype == at::kBFloat16 || dtype == at::kHalf) && d % 8 == 0 && 0 < d && d <= 256 && grad.numel() > 0 &&
-         seqlen <= kMaxRows && grad.size(0) <= kMaxBatchOrHeads && grad.size(dim) <= kMaxBatchOrHeads &&
-         repeat_kv_kernel_device(grad.device());
+  int64_t const seqlen = grad.size(3 - dim);  // (b, h, s, d) for dim 1, (b, s, h, d) for dim 2
+  return (dtype == at::kBFloat16 || dtype == at::kHalf) && head_dim_supported(grad.size(3)) && grad.numel() > 0 &&
+         within_grid_limits(seqlen, grad.size(dim), grad.size(0)) && repeat_kv_kernel_device(grad.device());
 }
 
 // gqa_reduce reads `t` (batch, seqlen, heads, d) in place: last dim contiguous, the other strides
