@@ -167,8 +167,7 @@ char const* launch_gqa_reduce_streamed(GqaReduceLaunchArgs const& args, cudaStre
     return launch_tile_stream<Kernel>(tensors, num_tensors, args.rows, args.num_heads_kv, group, args.batch,
                                       args.cu_seqlens, args.seqused, stream);
   };
-  bool const tma_store = args.use_tma && args.cu_seqlens == nullptr && args.seqused == nullptr;
-  return tma_store ? streamed(std::false_type{}) : streamed(std::true_type{});
+  return uses_tma_store(args) ? streamed(std::false_type{}) : streamed(std::true_type{});
 }
 
 }  // namespace detail
@@ -178,7 +177,7 @@ char const* launch_gqa_postprocess(GqaPostprocessLaunchArgs const& args, cudaStr
   using Element = element_of<kDType>;
   using ArchTag = arch_tag_of<kArch>;
   if constexpr (kArch >= 90) {
-    if (args.use_tma && args.cu_seqlens == nullptr && args.seqused == nullptr) {
+    if (uses_tma_store(args)) {
       return detail::launch_gqa_postprocess_variant<Element, kHeadDim, ArchTag, false>(args, stream);
     }
   }

@@ -44,6 +44,13 @@ inline cute::Stride<int64_t, cute::_1, int64_t, int64_t> stride_of(TensorDesc co
   return {t.row_stride, cute::_1{}, t.head_stride, t.batch_stride};
 }
 
+// Whether a launch takes the collective's TMA store path (sm_90): asked for, and no sequence
+// metadata (the predicated path honours cu_seqlens / seqused).
+template <class LaunchArgs>
+bool uses_tma_store(LaunchArgs const& args) {
+  return args.use_tma && args.cu_seqlens == nullptr && args.seqused == nullptr;
+}
+
 // CollectiveEpilogueBwd's arguments for outputs dk/dv (dv.ptr may be null: dK only).
 template <class Epilogue, class Element>
 typename Epilogue::Arguments epilogue_arguments(TensorDesc const& dk, TensorDesc const& dv, int rows, int heads,
@@ -173,13 +180,12 @@ template <OutputDType kDType, int kHeadDim, int kArch>
 char const* launch_store(StoreLaunchArgs const& args, cudaStream_t stream) {
   using Element = element_of<kDType>;
   using ArchTag = arch_tag_of<kArch>;
-  bool const tma_store = args.use_tma && args.cu_seqlens == nullptr && args.seqused == nullptr;
   if constexpr (kArch >= 90 && kHeadDim <= 64) {
     // Small tiles (32 KB of fp32): one CTA per tile, two per SM, measured faster on the H200 than
     // streaming them (8x4096x4x64: 34.1 vs 36.2 us, varlen 37.0 vs 39.1;
     // benchmarks/results/store_hd64_c1d2807.json).
-    return tma_store ? launch_store_variant<Element, kHeadDim, ArchTag, /*kVarlen=*/false>(args, stream)
-                     : launch_store_variant<Element, kHeadDim, ArchTag, /*kVarlen=*/true>(args, stream);
+    return uses_tma_store(args) ? launch_store_variant<Element, kHeadDim, ArchTag, /*kVarlen=*/false>(args, stream)
+                                : launch_store_variant<Element, kHeadDim, ArchTag, /*kVarlen=*/true>(args, stream);
   } else if constexpr (kArch >= 90) {
     using Config = BwdTileConfig<kHeadDim, ArchTag>;
     StreamedTensor const tensors[2] = {{args.dk, args.dk_accum}, {args.dv, args.dv_accum}};
@@ -188,7 +194,7 @@ char const* launch_store(StoreLaunchArgs const& args, cudaStream_t stream) {
       return launch_tile_stream<Kernel>(tensors, 2, args.rows, args.num_heads, 1, args.batch, args.cu_seqlens,
                                         args.seqused, stream);
     };
-    return tma_store ? streamed(std::false_type{}) : streamed(std::true_type{});
+    return uses_tma_store(args) ? streamed(std::false_type{}) : streamed(std::true_type{});
   } else {
     // sm_80 has no TMA: one CTA per tile, and the collective's predicated path.
     return launch_store_variant<Element, kHeadDim, ArchTag, /*kVarlen=*/true>(args, stream);
