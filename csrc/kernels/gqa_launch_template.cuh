@@ -33,10 +33,9 @@ dim3 tile_grid(int rows, int heads, int batch, bool varlen) {
 template <class Kernel>
 char const* launch(dim3 grid, typename Kernel::Params const& params, cudaStream_t stream) {
   if (grid.x == 0 || grid.y == 0 || grid.z == 0) { return nullptr; }
-  auto kernel = epilogue_device_kernel<Kernel>;
   int const smem_bytes = Kernel::kSharedStorageSize;
-  if (set_smem_limit_once(kernel, smem_bytes) != cudaSuccess) { return nullptr; }  // reported by cudaGetLastError
-  kernel<<<grid, Kernel::kNumThreads, smem_bytes, stream>>>(params);
+  if (set_smem_limit_once<Kernel>(smem_bytes) != cudaSuccess) { return nullptr; }  // reported by cudaGetLastError
+  epilogue_device_kernel<Kernel><<<grid, Kernel::kNumThreads, smem_bytes, stream>>>(params);
   return nullptr;
 }
 

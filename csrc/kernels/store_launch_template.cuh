@@ -6,6 +6,7 @@
 // sm_80 path. Also the launcher of TileStreamKernel that gqa_reduce shares.
 
 #include <algorithm>
+#include <atomic>
 #include <climits>
 
 #include <cute/tensor.hpp>
@@ -20,19 +21,24 @@ namespace flash_epilogue {
 template <OutputDType kDType>
 using element_of = std::conditional_t<kDType == OutputDType::kBFloat16, cutlass::bfloat16_t, cutlass::half_t>;
 
-// Raise the kernel's dynamic shared-memory limit once per device (the attribute is per device).
-template <class KernelFn>
-cudaError_t set_smem_limit_once(KernelFn kernel, int smem_bytes) {
-  static_assert(sizeof(KernelFn) > 0);
+// Raise Kernel's dynamic shared-memory limit once per device (the attribute is per device).
+// Keyed by the kernel class, not by the kernel's function-pointer type: two kernels with the same
+// Params (a driver derived from another) have the same pointer type, and a cache shared between
+// them skipped the second kernel's attribute, whose launch then failed with "invalid argument".
+template <class Kernel>
+cudaError_t set_smem_limit_once(int smem_bytes) {
   constexpr int kMaxDevices = 64;
-  static int configured_bytes[kMaxDevices] = {};
+  static std::atomic<int> configured_bytes[kMaxDevices] = {};  // host threads launch concurrently
   int device = 0;
   if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) { return err; }
-  if (device < kMaxDevices && configured_bytes[device] >= smem_bytes) { return cudaSuccess; }
+  if (device < kMaxDevices && configured_bytes[device].load(std::memory_order_relaxed) >= smem_bytes) {
+    return cudaSuccess;
+  }
   // Always raise it: the default 48 KB limit counts the kernel's static shared memory too, so a
   // 48 KB dynamic request plus a few static bytes fails to launch ("invalid argument").
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
-  if (err == cudaSuccess && device < kMaxDevices) { configured_bytes[device] = smem_bytes; }
+  cudaError_t err = cudaFuncSetAttribute(epilogue_device_kernel<Kernel>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         smem_bytes);
+  if (err == cudaSuccess && device < kMaxDevices) { configured_bytes[device].store(smem_bytes, std::memory_order_relaxed); }
   return err;
 }
 
@@ -101,10 +107,9 @@ char const* launch_store_variant(StoreLaunchArgs const& args, cudaStream_t strea
                                   {epilogue[1], static_cast<float const*>(args.dv_accum.ptr), stride_of(args.dv_accum)}},
                                  args.num_heads, args.batch};
   dim3 const grid(num_tiles, 2 * args.num_heads, batch_extent);
-  auto kernel = epilogue_device_kernel<Kernel>;
   int const smem_bytes = Kernel::kSharedStorageSize;
-  if (set_smem_limit_once(kernel, smem_bytes) != cudaSuccess) { return nullptr; }  // reported by cudaGetLastError
-  kernel<<<grid, Kernel::kNumThreads, smem_bytes, stream>>>(params);
+  if (set_smem_limit_once<Kernel>(smem_bytes) != cudaSuccess) { return nullptr; }  // reported by cudaGetLastError
+  epilogue_device_kernel<Kernel><<<grid, Kernel::kNumThreads, smem_bytes, stream>>>(params);
   return nullptr;
 }
 
@@ -170,9 +175,8 @@ char const* launch_tile_stream(StreamedTensor const* tensors, int num_tensors, i
   params.num_tiles = static_cast<int>(num_tiles);
   // One persistent CTA per SM (each holds most of the SM's shared memory).
   int const grid = static_cast<int>(std::min<int64_t>(num_tiles, std::max(multiprocessor_count(), 1)));
-  auto kernel = epilogue_device_kernel<Kernel>;
-  if (set_smem_limit_once(kernel, Kernel::kSharedStorageSize) != cudaSuccess) { return nullptr; }  // reported by cudaGetLastError
-  kernel<<<grid, Kernel::kNumThreads, Kernel::kSharedStorageSize, stream>>>(params);
+  if (set_smem_limit_once<Kernel>(Kernel::kSharedStorageSize) != cudaSuccess) { return nullptr; }  // reported by cudaGetLastError
+  epilogue_device_kernel<Kernel><<<grid, Kernel::kNumThreads, Kernel::kSharedStorageSize, stream>>>(params);
   return nullptr;
 }
 

@@ -138,7 +138,8 @@ struct TileStreamKernel {
 
   // Thread 0: TMA-load member `member` of tile `work` into `stage`. Rows past the tensor and
   // columns past d arrive as zeros; rows of the next sequence (varlen) are loaded too and never
-  // stored. The inputs are read once: evict them first from L2.
+  // stored. No L2 eviction hint: EVICT_FIRST, the obvious one for inputs read once, measured 4-7%
+  // slower than no hint or EVICT_NORMAL for store and gqa_reduce (benchmarks/results/load_hint_773c027.json).
   CUTLASS_DEVICE static void issue_load(Params const& params, TileWork const& work, int member, ElementIn* stage,
                                         uint64_t& full_barrier) {
     using namespace cute;
@@ -150,8 +151,7 @@ struct TileStreamKernel {
     Tensor s_in = make_tensor(make_smem_ptr(stage), SmemLayoutIn{});  // (BLK_N, BLK_D)
     auto cta_tma = t.tma_load_in.get_slice(_0{});
     Barrier::arrive_and_expect_tx(&full_barrier, kStageBytes);  // OOB-filled bytes count too
-    copy(t.tma_load_in.with(full_barrier, 0, TMA::CacheHintSm90::EVICT_FIRST), cta_tma.partition_S(g_in),
-         cta_tma.partition_D(s_in));
+    copy(t.tma_load_in.with(full_barrier), cta_tma.partition_S(g_in), cta_tma.partition_D(s_in));
   }
 
   CUTLASS_DEVICE void operator()(Params const& params, char* smem) const {
