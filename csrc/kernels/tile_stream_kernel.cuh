@@ -138,7 +138,7 @@ struct TileStreamKernel {
 
   // Thread 0: TMA-load member `member` of tile `work` into `stage`. Rows past the tensor and
   // columns past d arrive as zeros; rows of the next sequence (varlen) are loaded too and never
-  // stored. No L2 eviction hint: EVICT_FIRST, the obvious one for inputs read once, measured 4-7%
+  // stored. No L2 eviction hint: EVICT_FIRST, the obvious one for inputs read once, measured 4-8%
   // slower than no hint or EVICT_NORMAL for store and gqa_reduce (benchmarks/results/load_hint_773c027.json).
   CUTLASS_DEVICE static void issue_load(Params const& params, TileWork const& work, int member, ElementIn* stage,
                                         uint64_t& full_barrier) {
