@@ -15,6 +15,7 @@
 #include <torch/library.h>
 #include <torch/version.h>
 
+#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
@@ -1096,6 +1097,20 @@ void call_gqa_reduce_op(at::Tensor const& partial, at::Tensor const& out) {
 
 // Sum the groups of `grad` into `out` (x's gradient): one gqa_reduce launch where the kernels take
 // the gradient, else group_sum_reference. Bitwise the same either way.
+// FLASH_EPILOGUE_DEBUG as flash_epilogue.refresh_env_flags last read it (_C._set_debug_sync). The
+// Python wrappers synchronize after their launches; repeat_kv's backward runs here, off them (in
+// autograd's engine), so it waits for its kernel itself. Never under CUDA-graph capture, where a
+// synchronize is an error.
+std::atomic<bool> debug_sync_enabled{false};
+
+void debug_sync(char const* op, at::Tensor const& t) {
+  if (!debug_sync_enabled.load(std::memory_order_relaxed)) { return; }
+  if (c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None) { return; }
+  cudaError_t const err = cudaStreamSynchronize(c10::cuda::getCurrentCUDAStream(t.get_device()).stream());
+  TORCH_CHECK(err == cudaSuccess, "flash_epilogue.", op, ": the kernel failed on ", t.device(), ": ",
+              cudaGetErrorString(err));
+}
+
 void reduce_groups(at::Tensor const& grad, int64_t n_rep, int64_t dim, at::Tensor const& out) {
   if (!repeat_kv_kernel_supports(grad, dim)) {
     group_sum_reference(grad, n_rep, dim, out);
@@ -1115,6 +1130,7 @@ void reduce_groups(at::Tensor const& grad, int64_t n_rep, int64_t dim, at::Tenso
     // straight to the implementation: the dispatcher and the Python wrapper cost host time, and
     // its checks still run (they are what keeps a bad descriptor from being built)
     gqa_reduce_cuda(partial, std::nullopt, out_view, std::nullopt, std::nullopt, std::nullopt, 1.0, 1.0, 0);
+    debug_sync("repeat_kv_backward", partial);
   } else {
     call_gqa_reduce_op(partial, out_view);  // CPU tensors come here only under the test hook
   }
@@ -1333,6 +1349,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether repeat_kv's backward can run gqa_reduce for tensors on this device");
   m.def("_repeat_kv_kernel_supports", &flash_epilogue::repeat_kv_kernel_supports,
         "whether repeat_kv's backward runs gqa_reduce on this gradient (heads in dim 1 or 2)");
+  m.def(
+      "_set_debug_sync", [](bool on) { flash_epilogue::debug_sync_enabled.store(on); },
+      "FLASH_EPILOGUE_DEBUG for the C++ paths (repeat_kv's backward): synchronize after the launch");
+  m.def(
+      "_debug_sync", [] { return flash_epilogue::debug_sync_enabled.load(); },
+      "whether the C++ paths synchronize after their launches (FLASH_EPILOGUE_DEBUG)");
   m.def(
       "_repeat_kv_record_paths",
       [](bool on) {

@@ -28,7 +28,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from . import _extension  # noqa: F401 (defines the ops, or their fallbacks)
+from . import _extension  # defines the ops, or their fallbacks
 from . import validation
 from .gqa import GQAAccumulator
 
@@ -51,6 +51,8 @@ def refresh_env_flags() -> None:
     global _DEBUG, _CHECK_INPUTS
     _DEBUG = _env_flag("FLASH_EPILOGUE_DEBUG")
     _CHECK_INPUTS = _env_flag("FLASH_EPILOGUE_CHECK_INPUTS") or _DEBUG
+    if _extension._C is not None and hasattr(_extension._C, "_set_debug_sync"):
+        _extension._C._set_debug_sync(_DEBUG)  # repeat_kv's backward synchronizes in C++
 
 
 refresh_env_flags()

@@ -248,10 +248,15 @@ def test_env_flags_are_read_at_import_and_refreshed(monkeypatch):
     assert not fe_ops._DEBUG  # not re-read on every call (host time)
     fe.refresh_env_flags()
     assert fe_ops._DEBUG and fe_ops._CHECK_INPUTS
+    C = fe._extension._C
+    if C is not None:
+        assert C._debug_sync()  # repeat_kv's backward synchronizes in C++
     monkeypatch.setenv("FLASH_EPILOGUE_DEBUG", "0")
     monkeypatch.setenv("FLASH_EPILOGUE_CHECK_INPUTS", "1")
     fe.refresh_env_flags()
     assert not fe_ops._DEBUG and fe_ops._CHECK_INPUTS
+    if C is not None:
+        assert not C._debug_sync()
     # conftest re-reads them before each test, once monkeypatch has restored the environment
 
 

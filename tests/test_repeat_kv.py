@@ -698,8 +698,14 @@ def test_gpu_compile_fullgraph(dynamic, paths):
 
 
 @pytest.mark.gpu
-def test_gpu_cuda_graph(paths):
-    # forward and backward captured once; replays read new contents of the static input and gradient
+@pytest.mark.parametrize("debug", (False, True), ids=("", "debug"))
+def test_gpu_cuda_graph(paths, debug, monkeypatch):
+    # forward and backward captured once; replays read new contents of the static input and gradient.
+    # FLASH_EPILOGUE_DEBUG: the C++ backward synchronizes after its kernel, except under capture
+    if debug:
+        monkeypatch.setenv("FLASH_EPILOGUE_DEBUG", "1")
+        fe.refresh_env_flags()
+        assert _extension._C._debug_sync()
     gen = cuda_gen(6)
     x = torch.randn(2, 2, 300, 128, device="cuda", generator=gen).bfloat16().requires_grad_()
     gy = torch.randn(2, 8, 300, 128, device="cuda", generator=gen).bfloat16()
