@@ -9,6 +9,9 @@ import os
 import flash_epilogue
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# The kernel (nvcc, no torch headers) and the binding (the host compiler, torch): ninja builds them
+# side by side, and nvcc never parses torch's headers.
+SOURCES = ("epilogue_example.cu", "example_binding.cpp")
 NVCC_FLAGS = ["-std=c++20", "-O3", "--expt-relaxed-constexpr", "-gencode=arch=compute_90a,code=sm_90a",
               "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
               "-U__CUDA_NO_BFLOAT16_OPERATORS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__"]
@@ -18,6 +21,6 @@ def load(verbose: bool = False):
     from torch.utils.cpp_extension import load as load_extension
 
     return load_extension(name="flash_epilogue_custom_kernel_example",
-                          sources=[os.path.join(HERE, "epilogue_example.cu")],
+                          sources=[os.path.join(HERE, f) for f in SOURCES],
                           extra_include_paths=flash_epilogue.get_include(),
                           extra_cuda_cflags=NVCC_FLAGS, verbose=verbose)

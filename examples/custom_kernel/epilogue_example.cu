@@ -5,12 +5,11 @@
 // only loads the fp32 values from global memory into those fragments, so the example stays small;
 // everything from `Epilogue{}.store(...)` on is what your kernel would do.
 //
-// Layout: (seqlen, heads, 128) contiguous, one sequence. Build: see README.md beside this file.
+// Layout: (seqlen, heads, 128) contiguous, one sequence. This file is torch-free (nvcc compiles it
+// without torch's headers); example_binding.cpp checks the tensors and calls
+// launch_backward_tail. Build: see README.md beside this file.
 
-#include <torch/extension.h>
-
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
+#include "epilogue_example.h"
 
 #include "flash_epilogue/bwd_config.h"
 #include "flash_epilogue/epilogue_bwd.h"
@@ -60,36 +59,25 @@ __global__ void __launch_bounds__(Config::kNumThreads, 1)
   Epilogue{}.store(params, tdKrdK, tdVrdV, storage, tiled_mma, thread_idx, make_tuple(n_block, head, 0));
 }
 
-void run(torch::Tensor const& dk_accum, torch::Tensor const& dv_accum, torch::Tensor& dk, torch::Tensor& dv) {
-  TORCH_CHECK(dk_accum.is_cuda() && dk_accum.is_contiguous() && dk_accum.scalar_type() == torch::kFloat &&
-                  dk_accum.dim() == 3 && dk_accum.size(2) == kHeadDim,
-              "dk_accum: expected a contiguous CUDA fp32 (seqlen, heads, 128) tensor");
-  TORCH_CHECK(dv_accum.sizes() == dk_accum.sizes() && dv_accum.is_contiguous(), "dv_accum: expected dk_accum's shape");
-  TORCH_CHECK(dk.sizes() == dk_accum.sizes() && dv.sizes() == dk_accum.sizes() && dk.is_contiguous() &&
-                  dv.is_contiguous() && dk.scalar_type() == torch::kBFloat16 && dv.scalar_type() == torch::kBFloat16,
-              "dk, dv: expected contiguous bf16 tensors of dk_accum's shape");
-  int const seqlen = static_cast<int>(dk.size(0)), heads = static_cast<int>(dk.size(1));
-  if (seqlen == 0 || heads == 0) { return; }
-  c10::cuda::CUDAGuard const guard(dk.device());
-
+char const* launch_backward_tail(float const* dk_accum, float const* dv_accum, void* dk, void* dv, int seqlen,
+                                 int heads, cudaStream_t stream) {
+  if (seqlen == 0 || heads == 0) { return nullptr; }
   // (seqlen, d, heads, batch = 1) for the collective
   typename Epilogue::ShapedKV const shape{seqlen, kHeadDim, heads, 1};
   typename Epilogue::StridedKV const stride{int64_t(heads) * kHeadDim, _1{}, kHeadDim, int64_t(seqlen) * heads * kHeadDim};
-  typename Epilogue::Arguments const args{reinterpret_cast<Element*>(dk.data_ptr()), shape, stride,
-                                          reinterpret_cast<Element*>(dv.data_ptr()), shape, stride,
-                                          /*cu_seqlens=*/nullptr, /*seqused=*/nullptr};
-  char const* why = Epilogue::can_implement(args);
-  TORCH_CHECK(why == nullptr, "CollectiveEpilogueBwd cannot run these arguments: ", why);
+  typename Epilogue::Arguments const args{static_cast<Element*>(dk), shape, stride, static_cast<Element*>(dv), shape,
+                                          stride, /*cu_seqlens=*/nullptr, /*seqused=*/nullptr};
+  if (char const* why = Epilogue::can_implement(args)) { return why; }
   auto const params = Epilogue::to_underlying_arguments(args);
 
   int const smem_bytes = sizeof(typename Epilogue::TensorStorage);
-  C10_CUDA_CHECK(cudaFuncSetAttribute(my_backward_tail, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
+  if (cudaError_t err = cudaFuncSetAttribute(my_backward_tail, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+      err != cudaSuccess) {
+    return cudaGetErrorString(err);
+  }
   dim3 const grid((seqlen + Config::kBlockN - 1) / Config::kBlockN, heads);
-  my_backward_tail<<<grid, Config::kNumThreads, smem_bytes, c10::cuda::getCurrentCUDAStream().stream()>>>(
-      params, dk_accum.data_ptr<float>(), dv_accum.data_ptr<float>(), seqlen, heads);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  my_backward_tail<<<grid, Config::kNumThreads, smem_bytes, stream>>>(params, dk_accum, dv_accum, seqlen, heads);
+  return nullptr;  // a launch error is left for the caller's cudaGetLastError
 }
 
 }  // namespace example
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("run", &example::run, "fp32 dK/dV (seqlen, heads, 128) -> bf16, in place"); }
