@@ -1,6 +1,8 @@
-"""The kernels to read with Nsight Compute: `store` beside torch's `.to` on the same tensors, and
-gqa_postprocess / gqa_reduce, which reach the streaming ceiling through the same collective
-(benchmarks/NOTES.md v0.4 asks why `store` does not). Each op runs once to warm up, then once
+"""The kernels to read with Nsight Compute: `store` beside torch's `.to` and bench_ops' plain Triton
+conversion on the same tensors; gqa_postprocess / gqa_reduce fp32, which reach the streaming
+ceiling through the same collective (benchmarks/NOTES.md v0.4 asks why `store` does not); and
+gqa_reduce with bf16 partials beside bench_ops' Triton group sum (0.94-0.96 of it, NOTES v0.6), at
+the first shape and at hdim 64 (8, 4096, 4, 8, 64). Each op runs once to warm up, then once
 between cudaProfilerStart/Stop, so `ncu --profile-from-start off` captures exactly those calls:
 
     ncu --clock-control none --profile-from-start off --section SpeedOfLight ... \\
@@ -11,6 +13,7 @@ Shape (b, s, h_k, g, d) = (4, 8192, 8, 4, 128): bench_ops' first shape.
 import torch
 
 import flash_epilogue as fe
+from bench_ops import triton_kernels  # benchmarks/ is sys.path[0] when run as a script
 
 
 def main():
@@ -23,11 +26,21 @@ def main():
     pk, pv = torch.randn(b, s, hk * g, d, device=dev), torch.randn(b, s, hk * g, d, device=dev)
     acc = fe.gqa_accumulator(hk, d, batch=b, seqlen=s, device=dev)
     fe.gqa_accumulate(pk, pv, acc)
+    triton = triton_kernels()
+    bk, bv = pk.bfloat16(), pv.bfloat16()
+    b64, s64, hk64, g64, d64 = 8, 4096, 4, 8, 64
+    qk, qv = (torch.randn(b64, s64, hk64 * g64, d64, device=dev, dtype=torch.bfloat16) for _ in range(2))
+    o64k, o64v = (torch.empty(b64, s64, hk64, d64, device=dev, dtype=torch.bfloat16) for _ in range(2))
     calls = {
         "store": lambda: torch.ops.flash_epilogue.store(ak, av, ok, ov),
         "torch .to (dK, dV)": lambda: (ak.to(torch.bfloat16), av.to(torch.bfloat16)),
+        "triton cvt2 (dK, dV)": lambda: triton["cvt2"](ak, ok, av, ov),
         "gqa_postprocess": lambda: fe.gqa_postprocess(acc, ok, ov),
         "gqa_reduce fp32": lambda: fe.gqa_reduce(pk, pv, num_heads_kv=hk, out=(ok, ov)),
+        "gqa_reduce bf16": lambda: fe.gqa_reduce(bk, bv, num_heads_kv=hk, out=(ok, ov)),
+        "triton gsum2 bf16": lambda: triton["gsum2"](bk, ok, bv, ov),
+        "gqa_reduce bf16 hdim 64": lambda: fe.gqa_reduce(qk, qv, num_heads_kv=hk64, out=(o64k, o64v)),
+        "triton gsum2 bf16 hdim 64": lambda: triton["gsum2"](qk, o64k, qv, o64v),
     }
     for fn in calls.values():
         fn()

@@ -12,6 +12,8 @@
 # $OUT (summary: gpu_tests.json). ncu: Nsight Compute over benchmarks/ncu_ops.py -> ncu_ops.ncu-rep +
 # ncu_ops_details.csv (needs the Firecracker runtime's hardware counters; NCU_TIMEOUT_S bounds it).
 # TEST_FILES: what pytest runs (default: tests); TEST_TIMEOUT_S bounds it, BENCH_TIMEOUT_S bench_ops.
+# GPU_CHECK_DEADLINE_S: the seconds the whole script may take; test, bench_ops and sanitize shrink
+# to fit, and test / bench_ops are skipped (and say so) when they cannot.
 # Needs the nvidia-cutlass wheel in .whl/ (carried: the device machine has no registry):
 #   pip download --no-deps nvidia-cutlass==4.2.0.0 -d .whl
 set -uo pipefail
@@ -29,8 +31,20 @@ export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1
 status=0
 has() { [[ ",$STAGES," == *",$1,"* ]]; }
+# GPU_CHECK_DEADLINE_S (seconds after this script started, e.g. what the device call has left):
+# fits_in NEED CAP prints min(CAP, what is left before the deadline less a 15 s margin) and fails
+# when that is under NEED, so a stage that cannot finish is skipped instead of cut off mid-way.
+fits_in() {
+  local need=$1 cap=$2
+  [ -z "${GPU_CHECK_DEADLINE_S:-}" ] && { echo "$cap"; return 0; }
+  local left=$(( GPU_CHECK_DEADLINE_S - SECONDS - 15 ))
+  (( left < cap )) && cap=$left
+  echo "$cap"
+  (( cap >= need ))
+}
 
-if ! has build && [ -f .prebuilt/prebuilt.tgz ]; then
+# (only where there is a GPU: run elsewhere, it would overwrite a local build's _build_info.py)
+if ! has build && [ -f .prebuilt/prebuilt.tgz ] && nvidia-smi -L > /dev/null 2>&1; then
   tar xzf .prebuilt/prebuilt.tgz
   echo "using the prebuilt extension of commit $(cat .prebuilt_commit 2>/dev/null) (this run: $COMMIT)"
 fi
@@ -46,9 +60,11 @@ if has pack; then
   tar czf "$OUT/prebuilt.tgz" flash_epilogue/_C*.so flash_epilogue/_build_info.py .prebuilt_commit
 fi
 
-if has test; then
+if has test && ! TEST_TIMEOUT_S=$(fits_in 60 "${TEST_TIMEOUT_S:-1800}"); then
+  echo "test: skipped, ${TEST_TIMEOUT_S} s left before GPU_CHECK_DEADLINE_S"
+elif has test; then
   # A hung test (a deadlocked spin-wait) must not take the rest of the call with it.
-  timeout "${TEST_TIMEOUT_S:-1800}" python3 -m pytest ${TEST_FILES:-tests} -q -rs -p no:cacheprovider --durations=25 \
+  timeout "${TEST_TIMEOUT_S}" python3 -m pytest ${TEST_FILES:-tests} -q -rs -p no:cacheprovider --durations=25 \
     --junitxml="$OUT/junit.xml" > "$OUT/tests.log" 2>&1 || status=1
   tail -15 "$OUT/tests.log"
   python3 - "$OUT" "$COMMIT" <<'PY'
@@ -70,12 +86,9 @@ PY
 fi
 
 if has sanitize; then
-  # GPU_CHECK_DEADLINE_S (seconds after this script started): fit the sanitizer into what is left.
-  if [ -n "${GPU_CHECK_DEADLINE_S:-}" ]; then
-    left=$(( GPU_CHECK_DEADLINE_S - SECONDS - 15 ))
-    export SANITIZE_BUDGET_S=$(( left < ${SANITIZE_BUDGET_S:-290} ? left : ${SANITIZE_BUDGET_S:-290} ))
-    echo "sanitize budget: ${SANITIZE_BUDGET_S} s"
-  fi
+  # fit the sanitizer into what is left before GPU_CHECK_DEADLINE_S
+  export SANITIZE_BUDGET_S=$(fits_in 0 "${SANITIZE_BUDGET_S:-290}")
+  [ -n "${GPU_CHECK_DEADLINE_S:-}" ] && echo "sanitize budget: ${SANITIZE_BUDGET_S} s"
   bash scripts/sanitize.sh "$OUT" "$COMMIT" || status=1
 fi
 
@@ -98,9 +111,11 @@ if has ncu; then
   [ -f "$OUT/ncu_ops.ncu-rep" ] && ncu --import "$OUT/ncu_ops.ncu-rep" --page details --csv > "$OUT/ncu_ops_details.csv" 2>>"$OUT/ncu.log"
 fi
 
-if has bench_ops; then
+if has bench_ops && ! BENCH_TIMEOUT_S=$(fits_in 120 "${BENCH_TIMEOUT_S:-400}"); then
+  echo "bench_ops: skipped, ${BENCH_TIMEOUT_S} s left before GPU_CHECK_DEADLINE_S (it needs about 110)"
+elif has bench_ops; then
   # Bounded like the tests: a kernel that hangs must leave the call's other results to come back.
-  timeout "${BENCH_TIMEOUT_S:-400}" python3 benchmarks/bench_ops.py --out "$OUT" --commit "$COMMIT" 2>&1 | tee "$OUT/bench_ops.log" || status=1
+  timeout "${BENCH_TIMEOUT_S}" python3 benchmarks/bench_ops.py --out "$OUT" --commit "$COMMIT" 2>&1 | tee "$OUT/bench_ops.log" || status=1
 fi
 # The device tool returns at most 8 files: bundle the logs.
 (cd "$OUT" && files=$(ls *.log junit.xml 2>/dev/null; true) && [ -n "$files" ] && tar czf logs.tgz $files && rm -f $files)
