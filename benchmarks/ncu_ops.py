@@ -2,7 +2,9 @@
 conversion on the same tensors; gqa_postprocess / gqa_reduce fp32, which reach the streaming
 ceiling through the same collective (benchmarks/NOTES.md v0.4 asks why `store` does not); and
 gqa_reduce with bf16 partials beside bench_ops' Triton group sum (0.94-0.96 of it, NOTES v0.6), at
-the first shape and at hdim 64 (8, 4096, 4, 8, 64). Each op runs once to warm up, then once
+the first shape and at hdim 64 (8, 4096, 4, 8, 64); and gqa_accumulate non-deterministic beside
+deterministic (1.33x its time, NOTES v0.6): whether the deterministic order costs DRAM traffic
+(accumulator tiles evicted between two members' adds) or only waiting. Each op runs once to warm up, then once
 between cudaProfilerStart/Stop, so `ncu --profile-from-start off` captures exactly those calls:
 
     ncu --clock-control none --profile-from-start off --section SpeedOfLight ... \\
@@ -26,6 +28,7 @@ def main():
     pk, pv = torch.randn(b, s, hk * g, d, device=dev), torch.randn(b, s, hk * g, d, device=dev)
     acc = fe.gqa_accumulator(hk, d, batch=b, seqlen=s, device=dev)
     fe.gqa_accumulate(pk, pv, acc)
+    acc_det = fe.gqa_accumulator(hk, d, batch=b, seqlen=s, device=dev, deterministic=True)
     triton = triton_kernels()
     bk, bv = pk.bfloat16(), pv.bfloat16()
     b64, s64, hk64, g64, d64 = 8, 4096, 4, 8, 64
@@ -41,6 +44,8 @@ def main():
         "triton gsum2 bf16": lambda: triton["gsum2"](bk, ok, bv, ov),
         "gqa_reduce bf16 hdim 64": lambda: fe.gqa_reduce(qk, qv, num_heads_kv=hk64, out=(o64k, o64v)),
         "triton gsum2 bf16 hdim 64": lambda: triton["gsum2"](qk, o64k, qv, o64v),
+        "gqa_accumulate": lambda: fe.gqa_accumulate(pk, pv, acc, deterministic=False),
+        "gqa_accumulate deterministic": lambda: fe.gqa_accumulate(pk, pv, acc_det, deterministic=True),
     }
     for fn in calls.values():
         fn()
