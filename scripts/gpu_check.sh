@@ -11,7 +11,8 @@
 # sanitize.json + sanitize_logs.tgz; about 5 minutes, budget SANITIZE_BUDGET_S). Logs and results go to
 # $OUT (summary: gpu_tests.json). ncu: Nsight Compute over benchmarks/ncu_ops.py -> ncu_ops.ncu-rep +
 # ncu_ops_details.csv (needs the Firecracker runtime's hardware counters; NCU_TIMEOUT_S bounds it).
-# TEST_FILES: what pytest runs (default: tests); TEST_TIMEOUT_S bounds it, BENCH_TIMEOUT_S bench_ops.
+# TEST_FILES: what pytest runs (default: tests); TEST_TIMEOUT_S bounds it (TEST_MAXFAIL: stop after
+# that many failures, default 30), BENCH_TIMEOUT_S bench_ops.
 # GPU_CHECK_DEADLINE_S: the seconds the whole script may take; test, bench_ops and sanitize shrink
 # to fit, and test / bench_ops are skipped (and say so) when they cannot.
 # Needs the nvidia-cutlass wheel in .whl/ (carried: the device machine has no registry):
@@ -63,9 +64,12 @@ fi
 if has test && ! TEST_TIMEOUT_S=$(fits_in 60 "${TEST_TIMEOUT_S:-1800}"); then
   echo "test: skipped, ${TEST_TIMEOUT_S} s left before GPU_CHECK_DEADLINE_S"
 elif has test; then
-  # A hung test (a deadlocked spin-wait) must not take the rest of the call with it.
-  timeout "${TEST_TIMEOUT_S}" python3 -m pytest ${TEST_FILES:-tests} -q -rs -p no:cacheprovider --durations=25 \
-    --junitxml="$OUT/junit.xml" > "$OUT/tests.log" 2>&1 || status=1
+  # A hung test (a deadlocked spin-wait) must not take the rest of the call with it. SIGINT first:
+  # pytest then still prints the failures so far and writes junit.xml (a SIGTERM'd run left neither,
+  # session 6). TEST_MAXFAIL stops a run whose every test fails (a poisoned process) early, with
+  # the first tracebacks in tests.log.
+  timeout -s INT -k 20 "${TEST_TIMEOUT_S}" python3 -m pytest ${TEST_FILES:-tests} -q -rs -p no:cacheprovider \
+    --durations=25 --maxfail="${TEST_MAXFAIL:-30}" --junitxml="$OUT/junit.xml" > "$OUT/tests.log" 2>&1 || status=1
   tail -15 "$OUT/tests.log"
   python3 - "$OUT" "$COMMIT" <<'PY'
 import datetime, json, sys, xml.etree.ElementTree as ET
