@@ -52,6 +52,7 @@ import json
 import math
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -896,9 +897,19 @@ def run_gpu(args, ops: list[Op], shapes: list[Shape]) -> dict:
     impls = [i for i in IMPLS if i in args.impls]
     rows, errors, skipped, compile_s = [], [], [], {}
     compile_spent = 0.0
+    # SIGINT (gpu_check.sh's `timeout -s INT` when a device call runs short): finish the row being
+    # measured, then stop and write the rows so far, marked "interrupted" (a hung kernel is still
+    # killed: timeout -k)
+    interrupted = []
+    signal.signal(signal.SIGINT, lambda *_: interrupted.append(time.time() - t_start))
     for op in ops:
+        if interrupted:
+            break
         repeats = args.store_repeats if op.name in ("store", "store_varlen") else 1
         for shape in shapes_for(op.name, shapes):
+            if interrupted:
+                log(f"[{interrupted[0]:6.1f} s] INTERRUPTED: writing the {len(rows)} rows measured so far")
+                break
             label = f"{op.name}[{op.dtype_name}] {shape.name}"
             nbytes = op.traffic(shape)
             try:
@@ -961,17 +972,19 @@ def run_gpu(args, ops: list[Op], shapes: list[Shape]) -> dict:
             del insts, pristine
             gc.collect()
             torch.cuda.empty_cache()
-        log(f"[{time.time() - t_start:6.1f} s] {op.name}[{op.dtype_name}] done")
+        if not interrupted:
+            log(f"[{time.time() - t_start:6.1f} s] {op.name}[{op.dtype_name}] done")
     host = None
     tiny = [s for s in shapes if s.name.startswith("tiny_")]
-    if tiny and "store" in args.ops:
+    if tiny and "store" in args.ops and not interrupted:
         try:
             host = tiny_host_times(tiny[0])
         except Exception as e:  # noqa: BLE001
             errors.append({"op": "host_loop", "name": tiny[0].name, "impl": "", "error": repr(e)[:500]})
-    copy_end = copy_roofline(args.warmup, args.rep)
-    log(f"copy roofline at the end: {copy_end:.3f} TB/s; total {time.time() - t_start:.0f} s "
-        f"(compile warm-ups {compile_spent:.0f} s)")
+    copy_end = None if interrupted else copy_roofline(args.warmup, args.rep)
+    if copy_end is not None:
+        log(f"copy roofline at the end: {copy_end:.3f} TB/s; total {time.time() - t_start:.0f} s "
+            f"(compile warm-ups {compile_spent:.0f} s)")
     now = datetime.datetime.now(datetime.timezone.utc)
     return {
         "gpu": env["gpu"], "date": now.date().isoformat(), "commit": args.commit, "copy_TBps": copy_start,
@@ -987,7 +1000,7 @@ def run_gpu(args, ops: list[Op], shapes: list[Shape]) -> dict:
                    "rotation": "buffer copies cycled so a problem's set is >= 3x L2",
                    "scales": {"gqa_postprocess": [SCALE_DK, SCALE_DV], "gqa_reduce": [1.0, 1.0]}},
         "host_loop_us": host, "compile_warmup_s": compile_s, "errors": errors, "skipped": skipped,
-        "elapsed_s": round(time.time() - t_start, 1),
+        "elapsed_s": round(time.time() - t_start, 1), "interrupted": bool(interrupted),
     }
 
 
@@ -1106,6 +1119,8 @@ def print_tables(result: dict) -> None:
     rows = result["rows"]
     copy = result.get("copy_TBps") or 0
     log(f"\nTB/s (ms) per op and shape; copy roofline {copy:.2f} TB/s")
+    if result.get("interrupted"):
+        log("PARTIAL: the run was interrupted (SIGINT); rows and targets after that point are missing")
     log(f"{'op':20s} {'dtype':8s} {'shape':34s} " + " ".join(f"{i:>17s}" for i in IMPLS))
     seen = []
     idx = _index(rows)

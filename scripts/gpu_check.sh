@@ -119,7 +119,7 @@ if has bench_ops && ! BENCH_TIMEOUT_S=$(fits_in 120 "${BENCH_TIMEOUT_S:-400}"); 
   echo "bench_ops: skipped, ${BENCH_TIMEOUT_S} s left before GPU_CHECK_DEADLINE_S (it needs about 110)"
 elif has bench_ops; then
   # Bounded like the tests: a kernel that hangs must leave the call's other results to come back.
-  timeout "${BENCH_TIMEOUT_S}" python3 benchmarks/bench_ops.py --out "$OUT" --commit "$COMMIT" 2>&1 | tee "$OUT/bench_ops.log" || status=1
+  timeout -s INT -k 30 "${BENCH_TIMEOUT_S}" python3 benchmarks/bench_ops.py --out "$OUT" --commit "$COMMIT" 2>&1 | tee "$OUT/bench_ops.log" || status=1
 fi
 # The device tool returns at most 8 files: bundle the logs.
 (cd "$OUT" && files=$(ls *.log junit.xml 2>/dev/null; true) && [ -n "$files" ] && tar czf logs.tgz $files && rm -f $files)
