@@ -1095,8 +1095,6 @@ void call_gqa_reduce_op(at::Tensor const& partial, at::Tensor const& out) {
   op.call(partial, std::nullopt, out, std::nullopt, std::nullopt, std::nullopt, 1.0, 1.0, 0);
 }
 
-// Sum the groups of `grad` into `out` (x's gradient): one gqa_reduce launch where the kernels take
-// the gradient, else group_sum_reference. Bitwise the same either way.
 // FLASH_EPILOGUE_DEBUG as flash_epilogue.refresh_env_flags last read it (_C._set_debug_sync). The
 // Python wrappers synchronize after their launches; repeat_kv's backward runs here, off them (in
 // autograd's engine), so it waits for its kernel itself. Never under CUDA-graph capture, where a
@@ -1111,6 +1109,8 @@ void debug_sync(char const* op, at::Tensor const& t) {
               cudaGetErrorString(err));
 }
 
+// Sum the groups of `grad` into `out` (x's gradient): one gqa_reduce launch where the kernels take
+// the gradient, else group_sum_reference. Bitwise the same either way.
 void reduce_groups(at::Tensor const& grad, int64_t n_rep, int64_t dim, at::Tensor const& out) {
   if (!repeat_kv_kernel_supports(grad, dim)) {
     group_sum_reference(grad, n_rep, dim, out);
