@@ -30,15 +30,6 @@ dim3 tile_grid(int rows, int heads, int batch, bool varlen) {
   return dim3(tiles, heads, varlen ? 1 : batch);
 }
 
-template <class Kernel>
-char const* launch(dim3 grid, typename Kernel::Params const& params, cudaStream_t stream) {
-  if (grid.x == 0 || grid.y == 0 || grid.z == 0) { return nullptr; }
-  int const smem_bytes = Kernel::kSharedStorageSize;
-  if (set_smem_limit_once<Kernel>(smem_bytes) != cudaSuccess) { return nullptr; }  // reported by cudaGetLastError
-  epilogue_device_kernel<Kernel><<<grid, Kernel::kNumThreads, smem_bytes, stream>>>(params);
-  return nullptr;
-}
-
 }  // namespace detail
 
 template <int kHeadDim, int kArch>
@@ -82,9 +73,9 @@ char const* launch_gqa_accumulate(GqaAccumulateLaunchArgs const& args, cudaStrea
     params.num_units = static_cast<int>(units);
     params.chunk_units = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(units, (int64_t(24) << 20) / tile_bytes)));
     dim3 const grid(tiles.x * tiles.y * tiles.z, 1, 1);
-    return detail::launch<Kernel>(grid, params, stream);
+    return launch_kernel<Kernel>(grid, params, stream);
   }
-  return detail::launch<Kernel>(tiles, params, stream);
+  return launch_kernel<Kernel>(tiles, params, stream);
 }
 
 template <int kHeadDim, int kArch>
@@ -98,7 +89,7 @@ char const* launch_gqa_accum_to_dense(GqaDenseLaunchArgs const& args, cudaStream
                                  static_cast<float*>(args.out.ptr),
                                  detail::shape_of(args.out, args.rows, args.num_heads_kv, batch_extent),
                                  stride_of(args.out), args.batch, args.cu_seqlens, args.seqused};
-  return detail::launch<Kernel>(detail::tile_grid<Config::kBlockN>(args.rows, args.num_heads_kv, args.batch, varlen),
+  return launch_kernel<Kernel>(detail::tile_grid<Config::kBlockN>(args.rows, args.num_heads_kv, args.batch, varlen),
                                 params, stream);
 }
 
@@ -122,7 +113,7 @@ char const* launch_gqa_postprocess_variant(GqaPostprocessLaunchArgs const& args,
                                  args.num_heads_kv, args.batch};
   dim3 grid = tile_grid<Config::kBlockN>(args.rows, args.num_heads_kv, args.batch, varlen);
   grid.y *= 2;  // heads of dK, then heads of dV
-  return launch<Kernel>(grid, params, stream);
+  return launch_kernel<Kernel>(grid, params, stream);
 }
 
 template <class Element, class ElementIn, int kHeadDim, class ArchTag, bool kVarlen>
@@ -151,7 +142,7 @@ char const* launch_gqa_reduce_variant(GqaReduceLaunchArgs const& args, cudaStrea
   params.batch = args.batch;
   dim3 grid = tile_grid<Config::kBlockN>(args.rows, args.num_heads_kv, args.batch, varlen);
   grid.y *= has_dv ? 2 : 1;  // heads of dK, then heads of dV
-  return launch<Kernel>(grid, params, stream);
+  return launch_kernel<Kernel>(grid, params, stream);
 }
 
 // The sm_90 path: TileStreamKernel sums each group's partials as they stream through shared memory.

@@ -42,6 +42,17 @@ cudaError_t set_smem_limit_once(int smem_bytes) {
   return err;
 }
 
+// Launch Kernel over `grid` with its shared storage (nothing for an empty grid). Returns nullptr:
+// a launch error is left for the caller's cudaGetLastError.
+template <class Kernel>
+char const* launch_kernel(dim3 grid, typename Kernel::Params const& params, cudaStream_t stream) {
+  if (grid.x == 0 || grid.y == 0 || grid.z == 0) { return nullptr; }
+  int const smem_bytes = Kernel::kSharedStorageSize;
+  if (set_smem_limit_once<Kernel>(smem_bytes) != cudaSuccess) { return nullptr; }  // reported by cudaGetLastError
+  epilogue_device_kernel<Kernel><<<grid, Kernel::kNumThreads, smem_bytes, stream>>>(params);
+  return nullptr;
+}
+
 template <int kArch>
 using arch_tag_of = std::conditional_t<kArch >= 90, cutlass::arch::Sm90, cutlass::arch::Sm80>;
 
@@ -106,11 +117,7 @@ char const* launch_store_variant(StoreLaunchArgs const& args, cudaStream_t strea
   typename Kernel::Params params{{{epilogue[0], static_cast<float const*>(args.dk_accum.ptr), stride_of(args.dk_accum)},
                                   {epilogue[1], static_cast<float const*>(args.dv_accum.ptr), stride_of(args.dv_accum)}},
                                  args.num_heads, args.batch};
-  dim3 const grid(num_tiles, 2 * args.num_heads, batch_extent);
-  int const smem_bytes = Kernel::kSharedStorageSize;
-  if (set_smem_limit_once<Kernel>(smem_bytes) != cudaSuccess) { return nullptr; }  // reported by cudaGetLastError
-  epilogue_device_kernel<Kernel><<<grid, Kernel::kNumThreads, smem_bytes, stream>>>(params);
-  return nullptr;
+  return launch_kernel<Kernel>(dim3(num_tiles, 2 * args.num_heads, batch_extent), params, stream);
 }
 
 // The current device's multiprocessor count, cached per device (0 if it cannot be read).
@@ -175,9 +182,7 @@ char const* launch_tile_stream(StreamedTensor const* tensors, int num_tensors, i
   params.num_tiles = static_cast<int>(num_tiles);
   // One persistent CTA per SM (each holds most of the SM's shared memory).
   int const grid = static_cast<int>(std::min<int64_t>(num_tiles, std::max(multiprocessor_count(), 1)));
-  if (set_smem_limit_once<Kernel>(Kernel::kSharedStorageSize) != cudaSuccess) { return nullptr; }  // reported by cudaGetLastError
-  epilogue_device_kernel<Kernel><<<grid, Kernel::kNumThreads, Kernel::kSharedStorageSize, stream>>>(params);
-  return nullptr;
+  return launch_kernel<Kernel>(dim3(grid), params, stream);
 }
 
 template <OutputDType kDType, int kHeadDim, int kArch>
