@@ -67,11 +67,13 @@ char const* launch_gqa_accumulate(GqaAccumulateLaunchArgs const& args, cudaStrea
     // Counters and ticket start at zero on this stream, before every launch (graph-capturable).
     if (cudaMemsetAsync(args.semaphores, 0, (2 * counters + 1) * sizeof(int), stream) != cudaSuccess) { return nullptr; }
     // One CTA per work item, in ticket order (see GqaAccumulateKernel). A chunk's accumulator tiles
-    // take about 24 MB, well inside the H100/H200 L2 (50/60 MB) beside the streamed partials.
+    // take about 12 MB: on the H200, det/non-det was 1.05-1.10 with 12 MB chunks, 1.08-1.15 with 6,
+    // and 1.29-1.42 with 24 (a quarter to a half of the 60 MB L2 beside the streamed partials, and the
+    // accumulator tiles no longer stay there between members' adds; results/det_chunk_7b744b7.json).
     int64_t const units = static_cast<int64_t>(tiles.x) * tiles.z * 2 * args.num_heads_kv;
     int64_t const tile_bytes = static_cast<int64_t>(Kernel::Traits::kAccumTileElems) * sizeof(float);
     params.num_units = static_cast<int>(units);
-    params.chunk_units = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(units, (int64_t(24) << 20) / tile_bytes)));
+    params.chunk_units = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(units, (int64_t(12) << 20) / tile_bytes)));
     dim3 const grid(tiles.x * tiles.y * tiles.z, 1, 1);
     return launch_kernel<Kernel>(grid, params, stream);
   }

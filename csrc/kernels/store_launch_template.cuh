@@ -197,6 +197,19 @@ char const* launch_store(StoreLaunchArgs const& args, cudaStream_t stream) {
                                 : launch_store_variant<Element, kHeadDim, ArchTag, /*kVarlen=*/true>(args, stream);
   } else if constexpr (kArch >= 90) {
     using Config = BwdTileConfig<kHeadDim, ArchTag>;
+    if constexpr (kHeadDim > 128) {
+      // Up to two tiles per SM at hdim 192/256 (72-80 KB tiles, two or three stages), the streaming
+      // kernel's prologue is not paid back: one CTA per tile was 4-11% faster on the H200 for 112-206
+      // tiles (hdim 128: 5-10% slower at 64-4096; benchmarks/results/small_store_7b744b7.json).
+      bool const is_varlen = args.cu_seqlens != nullptr;
+      int64_t const n_tiles = is_varlen ? args.rows / Config::kBlockN + args.batch
+                                        : (args.rows + Config::kBlockN - 1) / Config::kBlockN;
+      int64_t const total_tiles = 2 * n_tiles * args.num_heads * (is_varlen ? 1 : args.batch);
+      if (total_tiles <= 2 * int64_t(multiprocessor_count())) {
+        return uses_tma_store(args) ? launch_store_variant<Element, kHeadDim, ArchTag, /*kVarlen=*/false>(args, stream)
+                                    : launch_store_variant<Element, kHeadDim, ArchTag, /*kVarlen=*/true>(args, stream);
+      }
+    }
     StreamedTensor const tensors[2] = {{args.dk, args.dk_accum}, {args.dv, args.dv_accum}};
     auto streamed = [&](auto varlen) {
       using Kernel = TileStreamKernel<Config, Element, float, decltype(varlen)::value, /*kReduce=*/false>;
