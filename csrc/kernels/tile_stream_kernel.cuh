@@ -80,17 +80,15 @@ struct TileStreamKernel {
   static constexpr int kStageBytes = kStageElems * static_cast<int>(sizeof(ElementIn));
   static_assert(kStageBytes % 1024 == 0, "stages must keep the 1024-byte alignment of the swizzled layouts");
 
-  // The collective's shared memory. Each tile is stored as the collective's dK alone, so only the
-  // storage's first 16-bit tile is used (kSmemBytesDkOnly), no larger than an input stage (fp32 or
-  // 16-bit): the tile's last stage serves as its output buffer once read into registers. (Until
-  // v0.7 16-bit stages had a region of both tiles of their own: one to two stages fewer.)
+  // The collective's shared memory. An fp32 stage is as large as the collective's storage (two
+  // 16-bit tiles), so the tile's last stage serves as its output buffer once read into registers;
+  // 16-bit stages are half that size and the collective gets a region of its own.
   using OutputStorage = typename Epilogue::TensorStorage;
-  static constexpr bool kOutputInStage = kStageBytes >= Epilogue::kSmemBytesDkOnly;
-  static constexpr int kOutputBytes = kOutputInStage ? 0 : Epilogue::kSmemBytesDkOnly;
+  static constexpr bool kOutputInStage = kStageBytes >= static_cast<int>(sizeof(OutputStorage));
+  static constexpr int kOutputBytes = kOutputInStage ? 0 : static_cast<int>(sizeof(OutputStorage));
   static constexpr int kSmemCapacity = 227 * 1024;  // sm_90's opt-in dynamic shared memory per CTA
   static constexpr int kBarrierBytes = 1024;        // the stages' mbarriers, with room to spare
-  static constexpr int kMaxStages = 12;
-  static constexpr int kStages = cute::min(kMaxStages, (kSmemCapacity - kBarrierBytes - kOutputBytes) / kStageBytes);
+  static constexpr int kStages = cute::min(6, (kSmemCapacity - kBarrierBytes - kOutputBytes) / kStageBytes);
   static_assert(kStages >= 2, "the shared memory must hold at least two input stages");
   static constexpr int kOutputOffset = kStages * kStageBytes;
   static constexpr int kBarrierOffset = kOutputOffset + kOutputBytes;

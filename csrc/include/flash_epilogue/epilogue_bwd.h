@@ -24,8 +24,7 @@
 //   * dK and dV may have different head dims (d, dv <= kHeadDim): each has its own shape,
 //     stride and TMA descriptor; the tile is sized for kHeadDim = max(d, dv).
 //   * dV is optional: with ptr_dV == nullptr only dK is written (tdVrdV is ignored), e.g. for a
-//     single-tensor group reduce. Only storage.smem_dk is then touched: the TensorStorage may be
-//     backed by its first kSmemBytesDkOnly bytes.
+//     single-tensor group reduce.
 
 #include <climits>
 
@@ -141,8 +140,6 @@ struct CollectiveEpilogueBwd {
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutdKV>, SmemAlignmentdKV> smem_dk;
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutdKV>, SmemAlignmentdKV> smem_dv;
   };
-  // The part of a TensorStorage a dK-only store uses (see the contract above).
-  static constexpr int kSmemBytesDkOnly = static_cast<int>(sizeof(decltype(TensorStorage::smem_dk)));
 
   using ShapedKV = cute::Shape<int32_t, int32_t, int32_t, int32_t>;  // (seqlen or total_tokens, d, head, batch)
   using StridedKV = cute::Stride<int64_t, cute::_1, int64_t, int64_t>;
