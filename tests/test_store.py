@@ -162,13 +162,14 @@ def test_store_many_tiles_per_cta(dtype, d):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("d", (192, 256))
+@pytest.mark.parametrize("d", (128, 192, 256))
 @pytest.mark.parametrize("extra_heads", (0, 1))
-def test_store_at_the_per_tile_threshold(dtype, d, extra_heads):
-    # sm_90 at hdim > 128: up to 2 tiles per SM (dK's and dV's) take one CTA per tile, one more
-    # takes the streaming kernel; both sides of the switch, with a partial tile per head
+def test_store_at_the_small_problem_threshold(dtype, d, extra_heads):
+    # sm_90 small problems take other kernels: at hdim 128 up to one tile per SM (dK's and dV's)
+    # streams 64-row tiles with two CTAs per SM, at hdim 192/256 up to two take one CTA per tile;
+    # one tile more takes the streaming kernel. Both sides of each switch, a partial tile per head.
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    s, h = block_n(d) - 3, sms + extra_heads
+    s, h = block_n(d) - 3, (sms // 2 if d == 128 else sms) + extra_heads
     dk_buf, dv_buf = canary_buffer((1, s + 2, h, d), dtype), canary_buffer((1, s + 2, h, d), dtype)
     dk, dv = dk_buf[:, 1 : s + 1], dv_buf[:, 1 : s + 1]
     check_store(dk_buf, dv_buf, dk, dv, fresh_accum((1, s, h, d)), fresh_accum((1, s, h, d)))

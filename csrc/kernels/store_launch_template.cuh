@@ -180,8 +180,9 @@ char const* launch_tile_stream(StreamedTensor const* tensors, int num_tensors, i
   params.batch = batch;
   params.num_n_tiles = static_cast<int>(n_tiles);
   params.num_tiles = static_cast<int>(num_tiles);
-  // One persistent CTA per SM (each holds most of the SM's shared memory).
-  int const grid = static_cast<int>(std::min<int64_t>(num_tiles, std::max(multiprocessor_count(), 1)));
+  // Persistent CTAs, kMinBlocksPerSm per SM (each holds that share of the SM's shared memory).
+  int64_t const resident = int64_t(Kernel::kMinBlocksPerSm) * std::max(multiprocessor_count(), 1);
+  int const grid = static_cast<int>(std::min<int64_t>(num_tiles, resident));
   return launch_kernel<Kernel>(dim3(grid), params, stream);
 }
 
@@ -211,6 +212,18 @@ char const* launch_store(StoreLaunchArgs const& args, cudaStream_t stream) {
       }
     }
     StreamedTensor const tensors[2] = {{args.dk, args.dk_accum}, {args.dv, args.dv_accum}};
+    if constexpr (kHeadDim == 128) {
+      // At most one 128-row tile per SM (dK's and dV's): (64, 128) tiles, two CTAs per SM of 3
+      // stages each. On the H200 (results/store_block64_7116d02.json) 11% faster at 128 tiles
+      // (1, 8192, 1, 128), 6% at 64 (1, 512, 8, 128); 2% slower at 512 and on the large shapes,
+      // where one CTA per SM and 128-row tiles stay. The TMA-store (batched) path only.
+      using SmallProblemConfig = BwdTileConfigSm90Base<128, 64, 256, /*kSwapAB=*/false, /*kAtomLayoutNdKV=*/1>;
+      int64_t const tiles = 2 * int64_t((args.rows + Config::kBlockN - 1) / Config::kBlockN) * args.num_heads * args.batch;
+      if (uses_tma_store(args) && tiles <= multiprocessor_count()) {
+        using Kernel = TileStreamKernel<SmallProblemConfig, Element, float, /*kVarlen=*/false, /*kReduce=*/false, /*kCtasPerSm=*/2>;
+        return launch_tile_stream<Kernel>(tensors, 2, args.rows, args.num_heads, 1, args.batch, nullptr, nullptr, stream);
+      }
+    }
     auto streamed = [&](auto varlen) {
       using Kernel = TileStreamKernel<Config, Element, float, decltype(varlen)::value, /*kReduce=*/false>;
       return launch_tile_stream<Kernel>(tensors, 2, args.rows, args.num_heads, 1, args.batch, args.cu_seqlens,

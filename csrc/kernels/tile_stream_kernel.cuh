@@ -39,8 +39,9 @@ namespace flash_epilogue {
 
 // kReduce: the tile is 0 + p_0 + ... + p_{group-1} in head order, times the tensor's scale
 // (gqa_reduce; the same bits as GqaReduceKernel). Otherwise the single input tile as it is (store:
-// an exact cast, -0.0 stays -0.0).
-template <class Config_, class Element_, class ElementIn_, bool kVarlen_, bool kReduce_>
+// an exact cast, -0.0 stays -0.0). kCtasPerSm: CTAs sharing an SM, each with that share of its
+// shared memory and registers (2: small problems, see launch_store).
+template <class Config_, class Element_, class ElementIn_, bool kVarlen_, bool kReduce_, int kCtasPerSm = 1>
 struct TileStreamKernel {
   using Config = Config_;
   using Element = Element_;
@@ -63,8 +64,8 @@ struct TileStreamKernel {
   static constexpr int kNumConsumerThreads = Config::kNumThreads;
   static constexpr int kNumConsumerWarps = kNumConsumerThreads / cutlass::NumThreadsPerWarp;
   static constexpr int kNumThreads = kNumConsumerThreads + cutlass::NumThreadsPerWarpGroup;
-  static constexpr int kMinBlocksPerSm = 1;
-  static constexpr int kRegistersAtLaunch = (65536 / kNumThreads) / 8 * 8;  // what __launch_bounds__(kNumThreads, 1) allows
+  static constexpr int kMinBlocksPerSm = kCtasPerSm;
+  static constexpr int kRegistersAtLaunch = (65536 / (kNumThreads * kCtasPerSm)) / 8 * 8;  // what __launch_bounds__ allows
   static constexpr int kProducerRegisters = 24;
   static constexpr int kConsumerRegisters = cute::min(
       240, (kRegistersAtLaunch * kNumThreads - kProducerRegisters * cutlass::NumThreadsPerWarpGroup) / kNumConsumerThreads / 8 * 8);
@@ -86,9 +87,11 @@ struct TileStreamKernel {
   using OutputStorage = typename Epilogue::TensorStorage;
   static constexpr bool kOutputInStage = kStageBytes >= static_cast<int>(sizeof(OutputStorage));
   static constexpr int kOutputBytes = kOutputInStage ? 0 : static_cast<int>(sizeof(OutputStorage));
-  static constexpr int kSmemCapacity = 227 * 1024;  // sm_90's opt-in dynamic shared memory per CTA
+  // sm_90's opt-in dynamic shared memory per CTA (228 KB per SM, less 1 KB the system reserves per CTA)
+  static constexpr int kSmemCapacity = (228 / kCtasPerSm - 1) * 1024;
   static constexpr int kBarrierBytes = 1024;        // the stages' mbarriers, with room to spare
   static constexpr int kStages = cute::min(6, (kSmemCapacity - kBarrierBytes - kOutputBytes) / kStageBytes);
+  static_assert(kCtasPerSm == 1 || kCtasPerSm == 2, "one or two CTAs per SM");
   static_assert(kStages >= 2, "the shared memory must hold at least two input stages");
   static constexpr int kOutputOffset = kStages * kStageBytes;
   static constexpr int kBarrierOffset = kOutputOffset + kOutputBytes;
