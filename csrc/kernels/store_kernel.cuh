@@ -1,9 +1,11 @@
 #pragma once
 
-// The `store` driver of the sm_80 path, and of sm_90 at head dims <= 64 (elsewhere sm_90 runs
-// TileStreamKernel, tile_stream_kernel.cuh): one CTA per (n_block, head, batch) tile loads the fp32 dK or dV of that tile from global memory
-// straight into the C fragment of FA3's dK/dV TiledMma (as if the mainloop had just computed it)
-// and hands it to CollectiveEpilogueBwd::store. Also the fragment helpers every driver shares.
+// The `store` driver of the sm_80 path, and of sm_90 at head dims <= 64 and on small problems at
+// head dims 192/256 (elsewhere sm_90 runs TileStreamKernel, tile_stream_kernel.cuh; launch_store
+// chooses): one CTA per (n_block, head, batch) tile loads the fp32 dK or dV of that tile from
+// global memory straight into the C fragment of FA3's dK/dV TiledMma (as if the mainloop had just
+// computed it) and hands it to CollectiveEpilogueBwd::store. Also the fragment helpers every
+// driver shares.
 
 #include <cute/tensor.hpp>
 #include <cutlass/arch/arch.h>

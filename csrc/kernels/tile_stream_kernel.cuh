@@ -1,10 +1,11 @@
 #pragma once
 
-// The sm_90 driver of `store` and `gqa_reduce`: one persistent CTA per SM walks its share of the
-// tiles. A producer warp streams the inputs of the next tiles into a ring of shared-memory stages
-// through TMA loads; the consumer warps (the collective's epilogue threads) read each tile out of
-// its stage into the C fragment (as the mainloop would leave it), and CollectiveEpilogueBwd
-// converts and stores it. Full/empty mbarriers per stage hand the stages back and forth.
+// The sm_90 driver of `store` and `gqa_reduce`: persistent CTAs, one per SM (two for small `store`
+// problems, kCtasPerSm), each walking its share of the tiles. A producer warp streams the inputs of
+// the next tiles into a ring of shared-memory stages through TMA loads; the consumer warps (the
+// collective's epilogue threads) read each tile out of its stage into the C fragment (as the
+// mainloop would leave it), and CollectiveEpilogueBwd converts and stores it. Full/empty
+// mbarriers per stage hand the stages back and forth.
 //
 // Why not one CTA per tile with loads straight into registers (StoreKernel and GqaReduceKernel, the
 // sm_80 path)? There, an SM alternates between a load phase and a store phase, and gqa_reduce's
