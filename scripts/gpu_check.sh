@@ -8,7 +8,9 @@
 # host_time.json), pack (the built extension -> $OUT/prebuilt.tgz, to carry as .prebuilt/prebuilt.tgz into a
 # later call that skips `build`: a cold machine then needs no 160 s rebuild), sanitize
 # (scripts/sanitize.sh: compute-sanitizer memcheck/synccheck/racecheck/initcheck over every op ->
-# sanitize.json + sanitize_logs.tgz; about 5 minutes, budget SANITIZE_BUDGET_S). Logs and results go to
+# sanitize.json + sanitize_logs.tgz; about 5 minutes, budget SANITIZE_BUDGET_S), small_shapes
+# (benchmarks/probe_small_shapes.py: the small-shape rows from a CUDA graph, plainly and as the host's
+# issue rate -> small_shapes.json; about 40 s). Logs and results go to
 # $OUT (summary: gpu_tests.json). ncu: Nsight Compute over benchmarks/ncu_ops.py -> ncu_ops.ncu-rep +
 # ncu_ops_details.csv (needs the Firecracker runtime's hardware counters; NCU_TIMEOUT_S bounds it).
 # TEST_FILES: what pytest runs (default: tests); TEST_TIMEOUT_S bounds it (TEST_MAXFAIL: stop after
@@ -102,6 +104,11 @@ fi
 
 if has bench_host; then
   python3 benchmarks/bench_host.py --json "$OUT/host_time.json" 2>&1 | tee "$OUT/bench_host.log" || status=1
+fi
+
+if has small_shapes; then
+  timeout -s INT -k 20 "${SMALL_SHAPES_TIMEOUT_S:-180}" python3 benchmarks/probe_small_shapes.py > "$OUT/small_shapes.log" 2>&1 || status=1
+  tail -3 "$OUT/small_shapes.log"
 fi
 
 if has ncu; then
