@@ -4,7 +4,9 @@ ceiling through the same collective (benchmarks/NOTES.md v0.4 asks why `store` d
 gqa_reduce with bf16 partials beside bench_ops' Triton group sum (0.94-0.96 of it, NOTES v0.6), at
 the first shape and at hdim 64 (8, 4096, 4, 8, 64); and gqa_accumulate non-deterministic beside
 deterministic (1.33x its time, NOTES v0.6): whether the deterministic order costs DRAM traffic
-(accumulator tiles evicted between two members' adds) or only waiting. Each op runs once to warm up, then once
+(accumulator tiles evicted between two members' adds) or only waiting; and at the tiny shape
+(1, 512, 8, 4, 128), `store` beside Triton's conversion and the deterministic accumulate: where the
+1.6 us of kernel time over Triton go (NOTES v0.7, probe_small_shapes). Each op runs once to warm up, then once
 between cudaProfilerStart/Stop, so `ncu --profile-from-start off` captures exactly those calls:
 
     ncu --clock-control none --profile-from-start off --section SpeedOfLight ... \\
@@ -34,6 +36,10 @@ def main():
     b64, s64, hk64, g64, d64 = 8, 4096, 4, 8, 64
     qk, qv = (torch.randn(b64, s64, hk64 * g64, d64, device=dev, dtype=torch.bfloat16) for _ in range(2))
     o64k, o64v = (torch.empty(b64, s64, hk64, d64, device=dev, dtype=torch.bfloat16) for _ in range(2))
+    tk, tv = (torch.randn(1, 512, 8, 128, device=dev) for _ in range(2))
+    tok, tov = (torch.empty(1, 512, 8, 128, device=dev, dtype=torch.bfloat16) for _ in range(2))
+    tpk, tpv = (torch.randn(1, 512, 32, 128, device=dev) for _ in range(2))
+    tiny_acc_det = fe.gqa_accumulator(8, 128, batch=1, seqlen=512, device=dev, deterministic=True)
     calls = {
         "store": lambda: torch.ops.flash_epilogue.store(ak, av, ok, ov),
         "torch .to (dK, dV)": lambda: (ak.to(torch.bfloat16), av.to(torch.bfloat16)),
@@ -46,6 +52,9 @@ def main():
         "triton gsum2 bf16 hdim 64": lambda: triton["gsum2"](qk, o64k, qv, o64v),
         "gqa_accumulate": lambda: fe.gqa_accumulate(pk, pv, acc, deterministic=False),
         "gqa_accumulate deterministic": lambda: fe.gqa_accumulate(pk, pv, acc_det, deterministic=True),
+        "store tiny": lambda: torch.ops.flash_epilogue.store(tk, tv, tok, tov),
+        "triton cvt2 tiny": lambda: triton["cvt2"](tk, tok, tv, tov),
+        "gqa_accumulate deterministic tiny": lambda: fe.gqa_accumulate(tpk, tpv, tiny_acc_det, deterministic=True),
     }
     for fn in calls.values():
         fn()
