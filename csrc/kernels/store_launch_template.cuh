@@ -201,7 +201,9 @@ char const* launch_store(StoreLaunchArgs const& args, cudaStream_t stream) {
     if constexpr (kHeadDim > 128) {
       // Up to two tiles per SM at hdim 192/256 (72-80 KB tiles, two or three stages), the streaming
       // kernel's prologue is not paid back: one CTA per tile was 4-11% faster on the H200 for 112-206
-      // tiles (hdim 128: 5-10% slower at 64-4096; benchmarks/results/small_store_7b744b7.json).
+      // tiles (hdim 128: 5-10% slower at 64-4096; benchmarks/results/small_store_7b744b7.json). Measured
+      // batched; varlen / seqused follow the same rule through the per-tile predicated path (timed by
+      // no benchmark yet).
       bool const is_varlen = args.cu_seqlens != nullptr;
       int64_t const n_tiles = is_varlen ? args.rows / Config::kBlockN + args.batch
                                         : (args.rows + Config::kBlockN - 1) / Config::kBlockN;
