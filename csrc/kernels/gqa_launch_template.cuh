@@ -26,8 +26,7 @@ AccumReader<Traits> reader_of(AccumDesc const& a) {
 // Grid over (tiles, heads, batch) as the store driver maps it.
 template <int kBlockN>
 dim3 tile_grid(int rows, int heads, int batch, bool varlen) {
-  int const tiles = varlen ? rows / kBlockN + batch : (rows + kBlockN - 1) / kBlockN;
-  return dim3(tiles, heads, varlen ? 1 : batch);
+  return dim3(static_cast<unsigned>(row_tiles<kBlockN>(rows, batch, varlen)), heads, varlen ? 1 : batch);
 }
 
 }  // namespace detail

@@ -95,6 +95,13 @@ char const* output_epilogue_params(TensorDesc const* outputs, int count, int row
   return nullptr;
 }
 
+// Row tiles per head: batched, of `rows`; varlen, of the kBlockN-aligned padded tile space that
+// tile_to_block_and_batch walks (sized from the shapes alone, no host read of cu_seqlens).
+template <int kBlockN>
+int64_t row_tiles(int64_t rows, int batch, bool varlen) {
+  return varlen ? rows / kBlockN + batch : (rows + kBlockN - 1) / kBlockN;
+}
+
 template <class Element, int kHeadDim, class ArchTag, bool kVarlen>
 char const* launch_store_variant(StoreLaunchArgs const& args, cudaStream_t stream) {
   using namespace cute;
@@ -104,8 +111,7 @@ char const* launch_store_variant(StoreLaunchArgs const& args, cudaStream_t strea
   bool const is_varlen = args.cu_seqlens != nullptr;
   int const batch_extent = is_varlen ? 1 : args.batch;
 
-  int const num_tiles = is_varlen ? args.rows / Config::kBlockN + args.batch
-                                  : (args.rows + Config::kBlockN - 1) / Config::kBlockN;
+  int const num_tiles = static_cast<int>(row_tiles<Config::kBlockN>(args.rows, args.batch, is_varlen));
   if (num_tiles == 0 || args.num_heads == 0 || batch_extent == 0) { return nullptr; }
   // One collective per output (the driver splits dK and dV over CTAs).
   TensorDesc const outputs[2] = {args.dk, args.dv};
@@ -150,7 +156,7 @@ char const* launch_tile_stream(StreamedTensor const* tensors, int num_tensors, i
   constexpr int kBlockN = Kernel::kBlockN;
   bool const varlen = cu_seqlens != nullptr;
   int const batch_extent = varlen ? 1 : batch;
-  int64_t const n_tiles = varlen ? rows / kBlockN + batch : (rows + kBlockN - 1) / kBlockN;
+  int64_t const n_tiles = row_tiles<kBlockN>(rows, batch, varlen);
   int64_t const num_tiles = n_tiles * num_tensors * num_heads * batch_extent;
 
   for (int i = 0; i < num_tensors; ++i) {
@@ -198,17 +204,17 @@ char const* launch_store(StoreLaunchArgs const& args, cudaStream_t stream) {
                                 : launch_store_variant<Element, kHeadDim, ArchTag, /*kVarlen=*/true>(args, stream);
   } else if constexpr (kArch >= 90) {
     using Config = BwdTileConfig<kHeadDim, ArchTag>;
+    // Output tiles of dK and dV together, at Config's tile size: small problems take other kernels.
+    bool const is_varlen = args.cu_seqlens != nullptr;
+    [[maybe_unused]] int64_t const output_tiles =
+        2 * row_tiles<Config::kBlockN>(args.rows, args.batch, is_varlen) * args.num_heads * (is_varlen ? 1 : args.batch);
     if constexpr (kHeadDim > 128) {
       // Up to two tiles per SM at hdim 192/256 (72-80 KB tiles, two or three stages), the streaming
       // kernel's prologue is not paid back: one CTA per tile was 4-11% faster on the H200 for 112-206
       // tiles (hdim 128: 5-10% slower at 64-4096; benchmarks/results/small_store_7b744b7.json). Measured
       // batched; varlen / seqused follow the same rule through the per-tile predicated path (timed by
       // no benchmark yet).
-      bool const is_varlen = args.cu_seqlens != nullptr;
-      int64_t const n_tiles = is_varlen ? args.rows / Config::kBlockN + args.batch
-                                        : (args.rows + Config::kBlockN - 1) / Config::kBlockN;
-      int64_t const total_tiles = 2 * n_tiles * args.num_heads * (is_varlen ? 1 : args.batch);
-      if (total_tiles <= 2 * int64_t(multiprocessor_count())) {
+      if (output_tiles <= 2 * int64_t(multiprocessor_count())) {
         return uses_tma_store(args) ? launch_store_variant<Element, kHeadDim, ArchTag, /*kVarlen=*/false>(args, stream)
                                     : launch_store_variant<Element, kHeadDim, ArchTag, /*kVarlen=*/true>(args, stream);
       }
@@ -220,8 +226,7 @@ char const* launch_store(StoreLaunchArgs const& args, cudaStream_t stream) {
       // (1, 8192, 1, 128), 6% at 64 (1, 512, 8, 128); 2% slower at 512 and on the large shapes,
       // where one CTA per SM and 128-row tiles stay. The TMA-store (batched) path only.
       using SmallProblemConfig = BwdTileConfigSm90Base<128, 64, 256, /*kSwapAB=*/false, /*kAtomLayoutNdKV=*/1>;
-      int64_t const tiles = 2 * int64_t((args.rows + Config::kBlockN - 1) / Config::kBlockN) * args.num_heads * args.batch;
-      if (uses_tma_store(args) && tiles <= multiprocessor_count()) {
+      if (uses_tma_store(args) && output_tiles <= multiprocessor_count()) {
         using Kernel = TileStreamKernel<SmallProblemConfig, Element, float, /*kVarlen=*/false, /*kReduce=*/false, /*kCtasPerSm=*/2>;
         return launch_tile_stream<Kernel>(tensors, 2, args.rows, args.num_heads, 1, args.batch, nullptr, nullptr, stream);
       }
