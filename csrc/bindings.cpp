@@ -634,7 +634,6 @@ void store_cuda(at::Tensor const& dk_accum, at::Tensor const& dv_accum, at::Tens
   args.batch = static_cast<int>(p.batch);
   args.cu_seqlens = p.varlen ? cu_seqlens->data_ptr<int>() : nullptr;
   args.seqused = seqused.has_value() ? seqused->data_ptr<int>() : nullptr;
-  args.use_tma = !p.varlen && !seqused.has_value();
   finish_launch(op, dispatch<StoreLauncher>(dk.scalar_type(), p.head_dim, path, args, scope.stream));
 }
 
@@ -870,7 +869,6 @@ void gqa_postprocess_cuda(at::Tensor const& dk_accum, at::Tensor const& dv_accum
   args.seqused = seqused.has_value() ? seqused->data_ptr<int>() : nullptr;
   args.scale_dk = static_cast<float>(scale_dk);
   args.scale_dv = static_cast<float>(scale_dv);
-  args.use_tma = !p.varlen && !seqused.has_value();
   finish_launch(op, dispatch<GqaPostprocessLauncher>(dk.scalar_type(), p.head_dim, path, args, scope.stream));
 }
 
@@ -992,7 +990,6 @@ void gqa_reduce_cuda(at::Tensor const& dk_partial, OptTensor const& dv_partial, 
   args.seqused = seqused.has_value() ? seqused->data_ptr<int>() : nullptr;
   args.scale_dk = static_cast<float>(scale_dk);
   args.scale_dv = static_cast<float>(scale_dv);
-  args.use_tma = !p.varlen && !seqused.has_value();
   finish_launch(op, dispatch<GqaReduceLauncher>(dk.scalar_type(), p.head_dim, path, args, scope.stream));
 }
 

@@ -262,6 +262,25 @@ def test_store_bad_metadata_unchecked_stays_inside_the_tensor(cu, used, arch):
         fe.store(acc, acc, dk, dv, **seq, check_inputs=True)
 
 
+@pytest.mark.parametrize("d", (64, 96, 128, 256))
+def test_store_varlen_full_tiles_strided(d):
+    # sm_90 stores a varlen tile by TMA when all its rows lie inside the sequence (and seqused),
+    # by predicated stores otherwise. Tiles ending exactly at a sequence's end or at seqused, a
+    # sequence of full tiles only, and strided views (padding columns and rows around them) whose
+    # canaries a box one row or column too long would overwrite.
+    n = block_n(d)
+    lens = [2 * n, n + 3, 3 * n, 1, 4 * n + 1]
+    used = [2 * n, n, 2 * n, 1, 3 * n - 1]
+    cu = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32).cuda()
+    seqused = torch.tensor(used, dtype=torch.int32, device="cuda")
+    total, h = int(cu[-1]), 3
+    for seq in ({"cu_seqlens": cu}, {"cu_seqlens": cu, "seqused": seqused}):
+        dk_buf = canary_buffer((total + 5, h, d + 16), torch.bfloat16)
+        dv_buf = canary_buffer((total + 5, h + 1, d), torch.bfloat16)
+        dk, dv = dk_buf[2 : 2 + total, :, :d], dv_buf[3 : 3 + total, 1:]
+        check_store(dk_buf, dv_buf, dk, dv, fresh_accum((total, h, d)), fresh_accum((total, h, d)), **seq)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_store_varlen_all_sequences_empty(dtype):
     total, h, d = 200, 2, 64

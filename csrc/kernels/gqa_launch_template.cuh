@@ -158,7 +158,7 @@ char const* launch_gqa_reduce_streamed(GqaReduceLaunchArgs const& args, cudaStre
     return launch_tile_stream<Kernel>(tensors, num_tensors, args.rows, args.num_heads_kv, group, args.batch,
                                       args.cu_seqlens, args.seqused, stream);
   };
-  return uses_tma_store(args) ? streamed(std::false_type{}) : streamed(std::true_type{});
+  return without_sequence_metadata(args) ? streamed(std::false_type{}) : streamed(std::true_type{});
 }
 
 }  // namespace detail
@@ -168,7 +168,7 @@ char const* launch_gqa_postprocess(GqaPostprocessLaunchArgs const& args, cudaStr
   using Element = element_of<kDType>;
   using ArchTag = arch_tag_of<kArch>;
   if constexpr (kArch >= 90) {
-    if (uses_tma_store(args)) {
+    if (without_sequence_metadata(args)) {
       return detail::launch_gqa_postprocess_variant<Element, kHeadDim, ArchTag, false>(args, stream);
     }
   }

@@ -31,7 +31,6 @@ struct StoreLaunchArgs {
   int batch = 0;                  // number of sequences (cu_seqlens.numel() - 1 in varlen)
   int const* cu_seqlens = nullptr;  // device, (batch + 1,) or null
   int const* seqused = nullptr;     // device, (batch,) or null
-  bool use_tma = true;              // false: the predicated path (forced by cu_seqlens/seqused)
 };
 
 // Zero the valid rows of selected sequences and heads, inside a row window.
@@ -74,7 +73,6 @@ struct GqaPostprocessLaunchArgs {
   int const* cu_seqlens = nullptr;
   int const* seqused = nullptr;
   float scale_dk = 1.f, scale_dv = 1.f;
-  bool use_tma = true;
 };
 
 struct GqaDenseLaunchArgs {
@@ -93,7 +91,6 @@ struct GqaReduceLaunchArgs {
   int const* cu_seqlens = nullptr;
   int const* seqused = nullptr;
   float scale_dk = 1.f, scale_dv = 1.f;
-  bool use_tma = true;
 };
 
 // Each returns nullptr on success, else why the arguments cannot run (a launch error is left for

@@ -230,7 +230,7 @@ struct StoreKernel {
   using Config = Config_;
   using Element = Element_;
   using ArchTag = ArchTag_;
-  static constexpr bool kVarlen = kVarlen_;  // the predicated path (cu_seqlens and/or seqused)
+  static constexpr bool kVarlen = kVarlen_;  // cu_seqlens and/or seqused (the collective's Varlen)
   static constexpr int kBlockN = Config::kBlockN;
   static constexpr int kHeadDim = Config::kHeadDim;
   static constexpr int kNumThreads = Config::kNumThreads;

@@ -61,11 +61,12 @@ inline cute::Stride<int64_t, cute::_1, int64_t, int64_t> stride_of(TensorDesc co
   return {t.row_stride, cute::_1{}, t.head_stride, t.batch_stride};
 }
 
-// Whether a launch takes the collective's TMA store path (sm_90): asked for, and no sequence
-// metadata (the predicated path honours cu_seqlens / seqused).
+// Whether a launch takes the kernels' batched instantiation (the collective's Varlen = false: TMA
+// stores only, no sequence metadata). With cu_seqlens / seqused the Varlen one stores the tiles
+// inside their sequence by TMA and the rest through predicated stores (sm_90).
 template <class LaunchArgs>
-bool uses_tma_store(LaunchArgs const& args) {
-  return args.use_tma && args.cu_seqlens == nullptr && args.seqused == nullptr;
+bool without_sequence_metadata(LaunchArgs const& args) {
+  return args.cu_seqlens == nullptr && args.seqused == nullptr;
 }
 
 // CollectiveEpilogueBwd's arguments for outputs dk/dv (dv.ptr may be null: dK only).
@@ -200,8 +201,8 @@ char const* launch_store(StoreLaunchArgs const& args, cudaStream_t stream) {
     // Small tiles (32 KB of fp32): one CTA per tile, two per SM, measured faster on the H200 than
     // streaming them (8x4096x4x64: 34.1 vs 36.2 us, varlen 37.0 vs 39.1;
     // benchmarks/results/store_hd64_c1d2807.json).
-    return uses_tma_store(args) ? launch_store_variant<Element, kHeadDim, ArchTag, /*kVarlen=*/false>(args, stream)
-                                : launch_store_variant<Element, kHeadDim, ArchTag, /*kVarlen=*/true>(args, stream);
+    return without_sequence_metadata(args) ? launch_store_variant<Element, kHeadDim, ArchTag, /*kVarlen=*/false>(args, stream)
+                                           : launch_store_variant<Element, kHeadDim, ArchTag, /*kVarlen=*/true>(args, stream);
   } else if constexpr (kArch >= 90) {
     using Config = BwdTileConfig<kHeadDim, ArchTag>;
     // Output tiles of dK and dV together, at Config's tile size: small problems take other kernels.
@@ -212,11 +213,11 @@ char const* launch_store(StoreLaunchArgs const& args, cudaStream_t stream) {
       // Up to two tiles per SM at hdim 192/256 (72-80 KB tiles, two or three stages), the streaming
       // kernel's prologue is not paid back: one CTA per tile was 4-11% faster on the H200 for 112-206
       // tiles (hdim 128: 5-10% slower at 64-4096; benchmarks/results/small_store_7b744b7.json). Measured
-      // batched; varlen / seqused follow the same rule through the per-tile predicated path (timed by
-      // no benchmark yet).
+      // batched; varlen / seqused follow the same rule (timed by no benchmark yet).
       if (output_tiles <= 2 * int64_t(multiprocessor_count())) {
-        return uses_tma_store(args) ? launch_store_variant<Element, kHeadDim, ArchTag, /*kVarlen=*/false>(args, stream)
-                                    : launch_store_variant<Element, kHeadDim, ArchTag, /*kVarlen=*/true>(args, stream);
+        return without_sequence_metadata(args)
+                   ? launch_store_variant<Element, kHeadDim, ArchTag, /*kVarlen=*/false>(args, stream)
+                   : launch_store_variant<Element, kHeadDim, ArchTag, /*kVarlen=*/true>(args, stream);
       }
     }
     StreamedTensor const tensors[2] = {{args.dk, args.dk_accum}, {args.dv, args.dv_accum}};
@@ -224,9 +225,9 @@ char const* launch_store(StoreLaunchArgs const& args, cudaStream_t stream) {
       // At most one 128-row tile per SM (dK's and dV's): (64, 128) tiles, two CTAs per SM of 3
       // stages each. On the H200 (results/store_block64_7116d02.json) 11% faster at 128 tiles
       // (1, 8192, 1, 128), 6% at 64 (1, 512, 8, 128); 2% slower at 512 and on the large shapes,
-      // where one CTA per SM and 128-row tiles stay. The TMA-store (batched) path only.
+      // where one CTA per SM and 128-row tiles stay. Batched only.
       using SmallProblemConfig = BwdTileConfigSm90Base<128, 64, 256, /*kSwapAB=*/false, /*kAtomLayoutNdKV=*/1>;
-      if (uses_tma_store(args) && output_tiles <= multiprocessor_count()) {
+      if (without_sequence_metadata(args) && output_tiles <= multiprocessor_count()) {
         using Kernel = TileStreamKernel<SmallProblemConfig, Element, float, /*kVarlen=*/false, /*kReduce=*/false, /*kCtasPerSm=*/2>;
         return launch_tile_stream<Kernel>(tensors, 2, args.rows, args.num_heads, 1, args.batch, nullptr, nullptr, stream);
       }
@@ -236,7 +237,7 @@ char const* launch_store(StoreLaunchArgs const& args, cudaStream_t stream) {
       return launch_tile_stream<Kernel>(tensors, 2, args.rows, args.num_heads, 1, args.batch, args.cu_seqlens,
                                         args.seqused, stream);
     };
-    return uses_tma_store(args) ? streamed(std::false_type{}) : streamed(std::true_type{});
+    return without_sequence_metadata(args) ? streamed(std::false_type{}) : streamed(std::true_type{});
   } else {
     // sm_80 has no TMA: one CTA per tile, and the collective's predicated path.
     return launch_store_variant<Element, kHeadDim, ArchTag, /*kVarlen=*/true>(args, stream);

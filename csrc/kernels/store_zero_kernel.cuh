@@ -26,7 +26,9 @@ struct StoreZeroKernel {
   static constexpr int kNumThreads = Config::kNumThreads;
   static constexpr int kMinBlocksPerSm = 1;
   using TileShape_MNK = cute::Shape<cute::_64, cute::Int<kBlockN>, cute::Int<kHeadDim>>;
-  using Epilogue = CollectiveEpilogueBwd<TileShape_MNK, Element, ArchTag, kNumThreads, /*Varlen=*/true,
+  // store_zero writes from registers through predicated stores on every arch: the collective's
+  // Sm80 instantiation has that path alone, and no TMA descriptors to encode on the host.
+  using Epilogue = CollectiveEpilogueBwd<TileShape_MNK, Element, cutlass::arch::Sm80, kNumThreads, /*Varlen=*/true,
                                          Config::kSwapAB, Config::kAtomLayoutKdKV>;
 
   struct Params {

@@ -24,15 +24,16 @@ using Element = cutlass::bfloat16_t;
 using Config = fe::BwdTileConfig<kHeadDim, cutlass::arch::Sm90>;  // FA3's hdim-128 tile: 128 x 128, 256 threads
 using TiledMma = typename fe::BwdTiledMmaSm90<Config, Element>::TiledMma;
 using TileShape = Shape<_64, Int<Config::kBlockN>, Int<kHeadDim>>;
-// The predicated path (Varlen = true) needs no TMA descriptor; barrier id 9 stays clear of the
-// ids this kernel's own code might use.
+// Varlen = true: the launch may pass cu_seqlens / seqused (here it passes neither). Tiles inside
+// their sequence go out by TMA, the rest through predicated stores. Barrier id 9 stays clear of
+// the ids this kernel's own code might use.
 using Epilogue = fe::CollectiveEpilogueBwd<TileShape, Element, cutlass::arch::Sm90, Config::kNumThreads,
                                            /*Varlen=*/true, Config::kSwapAB, Config::kAtomLayoutKdKV, /*BarrierId=*/9>;
 
 __global__ void __launch_bounds__(Config::kNumThreads, 1)
     my_backward_tail(CUTE_GRID_CONSTANT typename Epilogue::Params const params, float const* dk_accum,
                      float const* dv_accum, int seqlen, int heads) {
-  extern __shared__ __align__(128) char smem[];
+  extern __shared__ __align__(1024) char smem[];  // TMA's 128-byte swizzle repeats every 1024 bytes
   int const n_block = blockIdx.x, head = blockIdx.y, thread_idx = threadIdx.x;
 
   // --- stand-in for the mainloop: fp32 (BLK_N, D) tiles into the C fragments of the dK/dV MMA

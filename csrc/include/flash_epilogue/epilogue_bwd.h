@@ -5,13 +5,19 @@
 // TiledMma (fp32); `store` converts them to the 16-bit output type and writes them to global
 // memory, `store_zero` writes zeros to a tile that no query block touched.
 //
-// Two paths, chosen at compile time:
-//   * TMA (sm_90, not Varlen): registers -> shared memory (stmatrix) -> one elected thread issues
-//     two TMA stores. TMA clips rows >= seqlen and columns >= d (dV: >= dv) by itself.
-//   * predicated (Varlen, and every sm_80 build): registers -> shared memory -> 16-byte vectors
-//     -> global stores predicated on rows < the tile's valid rows and columns < d (dv). Rows are
-//     located through SeqlenInfo (cu_seqlens / seqused, both optional at run time) and clamped
-//     to the tensor's row extent, so nothing past a row or column bound is ever written.
+// Two paths:
+//   * TMA (sm_90): registers -> shared memory (stmatrix) -> one elected thread issues two TMA
+//     stores. TMA clips rows >= seqlen and columns >= d (dV: >= dv) by itself. Varlen tiles take
+//     it too when all kBlockN rows lie inside their sequence (and seqused): such a tile is a plain
+//     box at row offset + n_block * kBlockN of the packed tensor.
+//   * predicated (every sm_80 tile; on sm_90 the Varlen tiles that end a sequence): registers ->
+//     shared memory -> 16-byte vectors -> global stores predicated on rows < the tile's valid rows
+//     and columns < d (dv). Rows are located through SeqlenInfo (cu_seqlens / seqused, both
+//     optional at run time) and clamped to the tensor's row extent, so nothing past a row or
+//     column bound is ever written.
+//   Why TMA for varlen's full tiles (not the seed's choice): the predicated path streamed 6-7%
+//   slower than TMA stores on the H200 (store_varlen at 0.87-0.89 of Triton vs 0.94-0.95 batched,
+//   benchmarks/NOTES.md v0.8), and in a long sequence nearly every tile is full.
 //
 // Contract for a kernel that embeds the collective:
 //   * NumEpilogueThreads threads (whole warps, thread_idx in [0, NumEpilogueThreads)) call
@@ -71,8 +77,9 @@ constexpr auto smem_layout_atom_k_major() {
 //   ArchTag             cutlass::arch::Sm90 (TMA path possible) or Sm80 (predicated path only).
 //   NumEpilogueThreads  threads that hold the dK/dV fragments and call store (whole warps; on sm_90
 //                       whole warpgroups, the MMA warpgroups of the mainloop).
-//   Varlen              true: the predicated path (cu_seqlens and/or seqused honoured); false on
-//                       sm_90: TMA stores, no sequence metadata.
+//   Varlen              true: cu_seqlens and/or seqused honoured (sm_90: TMA stores for the tiles
+//                       inside their sequence, predicated stores for the rest); false: no
+//                       sequence metadata (sm_90: TMA stores only).
 //   dKV_swapAB          the MMA computed dK^T/dV^T: fragments cover (BLK_D, BLK_N).
 //   AtomLayoutKdKV      warpgroups along the head dim (shapes the TMA path's smem atom).
 //   BarrierId           the named barrier the collective uses, 1..15 (default 8: above the ids
@@ -88,7 +95,8 @@ struct CollectiveEpilogueBwd {
   static constexpr bool dKV_swapAB = dKV_swapAB_;
   static constexpr int AtomLayoutKdKV = AtomLayoutKdKV_;
   static constexpr int BarrierId = BarrierId_;
-  static constexpr bool Use_TMA = !Varlen && ArchTag::kMinComputeCapability >= 90;
+  static constexpr bool Use_TMA = ArchTag::kMinComputeCapability >= 90;  // for every tile unless Varlen
+  static constexpr bool Use_Predicated = Varlen || !Use_TMA;              // compiled in; per tile when Varlen
   static constexpr int kBlockN = cute::get<1>(TileShape_MNK{});
   static constexpr int kHeadDim = cute::get<2>(TileShape_MNK{});
 
@@ -109,8 +117,9 @@ struct CollectiveEpilogueBwd {
       cute::Layout<cute::Shape<cute::_1, cute::Int<kGmemElemsPerStore>>>{}));  // one vector per thread and step
   static constexpr bool kEvenN = kBlockN % kGmemRowsPerPass == 0;
 
-  // ---- shared memory. The TMA path uses GMMA's K-major swizzled atoms (what TMA expects);
-  // the predicated path a plain XOR swizzle on 16-byte chunks (conflict-free 16-byte reads).
+  // ---- shared memory. sm_90 uses GMMA's K-major swizzled atoms (what TMA expects; the predicated
+  // path reads them too, in 16-byte chunks); sm_80 a plain XOR swizzle on 16-byte chunks
+  // (conflict-free 16-byte reads).
   using SmemLayoutAtomdKVTMA = decltype(detail::smem_layout_atom_k_major<Element, kHeadDim / AtomLayoutKdKV>());
   using SmemLayoutdKVTMA = decltype(cute::tile_to_shape(SmemLayoutAtomdKVTMA{}, cute::select<1, 2>(TileShape_MNK{})));
   static constexpr int kBlockKSmem = kHeadDim % 64 == 0 ? 64 : (kHeadDim % 32 == 0 ? 32 : 16);
@@ -160,8 +169,8 @@ struct CollectiveEpilogueBwd {
     Element* ptr_dV;    // may be null: dK only
     ShapedKV shape_dV;  // same as shape_dK but for the head dim, which may differ (dv != d)
     StridedKV stride_dV;
-    int const* cu_seqlens = nullptr;  // (batch + 1,), only read by the predicated path
-    int const* seqused = nullptr;     // (batch,), only read by the predicated path
+    int const* cu_seqlens = nullptr;  // (batch + 1,), Varlen only
+    int const* seqused = nullptr;     // (batch,), Varlen only
   };
 
   // Device side.
@@ -208,7 +217,7 @@ struct CollectiveEpilogueBwd {
         cute::get<3>(args.shape_dK) != cute::get<3>(args.shape_dV)) {
       return "dK and dV must agree on rows, heads and batch";
     }
-    if (Use_TMA && (args.cu_seqlens || args.seqused)) { return "the TMA path has no varlen/seqused: use Varlen = true"; }
+    if (!Varlen && (args.cu_seqlens || args.seqused)) { return "cu_seqlens/seqused need Varlen = true"; }
     return nullptr;
   }
 
@@ -285,34 +294,21 @@ struct CollectiveEpilogueBwd {
     if (has_dv) { to_smem(tdVrdV, taccdVsdV); }
     to_smem(tdKrdK, taccdKsdK);
 
+    // Varlen: a tile whose rows all lie inside its sequence is stored by TMA like a batched one.
+    // The same answer in every thread (one tile), so the paths' barriers match.
+    int const rows = get<0>(params.shape_dK);
+    SeqlenInfo<kBlockN> const seqlen_info = Varlen ? SeqlenInfo<kBlockN>{bidb, rows, params.cu_seqlens, params.seqused}
+                                                   : SeqlenInfo<kBlockN>{bidb, rows, nullptr, nullptr};
+    [[maybe_unused]] bool const full_tile = !Varlen || seqlen_info.valid_rows(n_block, rows) >= kBlockN;
     if constexpr (Use_TMA) {
-      cutlass::arch::fence_view_async_shared();  // generic-proxy smem writes -> visible to TMA
-      // Everyone arrives; only the last warp waits, so the others move on at once.
-      named_barrier_arrive(NumEpilogueThreads + cutlass::NumThreadsPerWarp, BarrierId);
-      Tensor mdK = params.tma_store_dK.get_tma_tensor(params.shape_dK);
-      Tensor mdV = params.tma_store_dV.get_tma_tensor(params.shape_dV);
-      Tensor gdK = local_tile(mdK(_, _, bidh, bidb), select<1, 2>(TileShape_MNK{}), make_coord(n_block, _0{}));  // (BLK_N, BLK_D)
-      Tensor gdV = local_tile(mdV(_, _, bidh, bidb), select<1, 2>(TileShape_MNK{}), make_coord(n_block, _0{}));  // (BLK_N, BLK_D)
-      auto block_tma_dK = params.tma_store_dK.get_slice(_0{});
-      auto block_tma_dV = params.tma_store_dV.get_slice(_0{});
-      Tensor tdKgdK = block_tma_dK.partition_D(gdK);  // (TMA, TMA_N, TMA_D)
-      Tensor tdKsdK = block_tma_dK.partition_S(sdK);  // (TMA, TMA_N, TMA_D)
-      Tensor tdVgdV = block_tma_dV.partition_D(gdV);  // (TMA, TMA_N, TMA_D)
-      Tensor tdVsdV = block_tma_dV.partition_S(sdV);  // (TMA, TMA_N, TMA_D)
-      int const warp_idx = __shfl_sync(0xffffffff, thread_idx / cutlass::NumThreadsPerWarp, 0);
-      if (warp_idx == NumEpilogueThreads / cutlass::NumThreadsPerWarp - 1) {
-        named_barrier_sync(NumEpilogueThreads + cutlass::NumThreadsPerWarp, BarrierId);
-        if (cute::elect_one_sync()) {
-          if (has_dv) { cute::copy(params.tma_store_dV, tdVsdV, tdVgdV); }
-          cute::copy(params.tma_store_dK, tdKsdK, tdKgdK);
-          tma_store_arrive();
-        }
+      if (full_tile) {
+        tma_store_tile(params, sdK, sdV, thread_idx, n_block, bidh, Varlen && params.cu_seqlens ? 0 : bidb, seqlen_info.offset);
+        return;
       }
-      // Only the issuing thread has a bulk group: it waits until TMA has read shared memory.
-      tma_store_wait<0>();
-    } else {
+    }
+    if constexpr (Use_Predicated) {
       named_barrier_sync(NumEpilogueThreads, BarrierId);
-      store_from_smem(params, sdK, sdV, thread_idx, block_coord);
+      store_from_smem(params, sdK, sdV, thread_idx, seqlen_info, block_coord);
     }
   }
 
@@ -354,6 +350,40 @@ struct CollectiveEpilogueBwd {
   }
 
  private:
+  // Both shared-memory tiles -> global through TMA: tile n_block of rows [row_offset, ...) of
+  // (head, batch). Every epilogue thread calls it after writing shared memory.
+  template <class SmemTensor>
+  CUTLASS_DEVICE static void tma_store_tile(Params const& params, SmemTensor const& sdK, SmemTensor const& sdV,
+                                            int thread_idx, int n_block, int head, int batch, int row_offset) {
+    using namespace cute;
+    cutlass::arch::fence_view_async_shared();  // generic-proxy smem writes -> visible to TMA
+    // Everyone arrives; only the last warp waits, so the others move on at once.
+    named_barrier_arrive(NumEpilogueThreads + cutlass::NumThreadsPerWarp, BarrierId);
+    auto tile = [&](auto const& tma, auto const& shape) {
+      Tensor m = domain_offset(make_coord(row_offset, _0{}), tma.get_tma_tensor(shape)(_, _, head, batch));  // (rows, d)
+      return local_tile(m, select<1, 2>(TileShape_MNK{}), make_coord(n_block, _0{}));  // (BLK_N, BLK_D)
+    };
+    Tensor gdK = tile(params.tma_store_dK, params.shape_dK);
+    Tensor gdV = tile(params.tma_store_dV, params.shape_dV);
+    auto block_tma_dK = params.tma_store_dK.get_slice(_0{});
+    auto block_tma_dV = params.tma_store_dV.get_slice(_0{});
+    Tensor tdKgdK = block_tma_dK.partition_D(gdK);  // (TMA, TMA_N, TMA_D)
+    Tensor tdKsdK = block_tma_dK.partition_S(sdK);  // (TMA, TMA_N, TMA_D)
+    Tensor tdVgdV = block_tma_dV.partition_D(gdV);  // (TMA, TMA_N, TMA_D)
+    Tensor tdVsdV = block_tma_dV.partition_S(sdV);  // (TMA, TMA_N, TMA_D)
+    int const warp_idx = __shfl_sync(0xffffffff, thread_idx / cutlass::NumThreadsPerWarp, 0);
+    if (warp_idx == NumEpilogueThreads / cutlass::NumThreadsPerWarp - 1) {
+      named_barrier_sync(NumEpilogueThreads + cutlass::NumThreadsPerWarp, BarrierId);
+      if (cute::elect_one_sync()) {
+        if (params.ptr_dV != nullptr) { cute::copy(params.tma_store_dV, tdVsdV, tdVgdV); }
+        cute::copy(params.tma_store_dK, tdKsdK, tdKgdK);
+        tma_store_arrive();
+      }
+    }
+    // Only the issuing thread has a bulk group: it waits until TMA has read shared memory.
+    tma_store_wait<0>();
+  }
+
   // The (BLK_N, BLK_D) global tile of one output, offset to its sequence's start in varlen.
   template <class ShapeT, class StrideT>
   CUTLASS_DEVICE static auto tile_of(Element* ptr, ShapeT const& shape, StrideT const& stride, Params const& params,
@@ -379,10 +409,10 @@ struct CollectiveEpilogueBwd {
 
   template <class SmemTensor>
   CUTLASS_DEVICE void store_from_smem(Params const& params, SmemTensor const& sdK, SmemTensor const& sdV,
-                                      int thread_idx, cute::tuple<int32_t, int32_t, int32_t> const& block_coord) const {
+                                      int thread_idx, SeqlenInfo<kBlockN> const& seqlen_info,
+                                      cute::tuple<int32_t, int32_t, int32_t> const& block_coord) const {
     using namespace cute;
-    auto [n_block, bidh, bidb] = block_coord;
-    SeqlenInfo<kBlockN> const seqlen_info{bidb, get<0>(params.shape_dK), params.cu_seqlens, params.seqused};
+    int const n_block = get<0>(block_coord);
     int const valid_rows = seqlen_info.valid_rows(n_block, get<0>(params.shape_dK));
     Tensor gdK = tile_of(params.ptr_dK, params.shape_dK, params.stride_dK, params, seqlen_info, block_coord);  // (BLK_N, BLK_D)
     Tensor gdV = tile_of(params.ptr_dV, params.shape_dV, params.stride_dV, params, seqlen_info, block_coord);  // (BLK_N, BLK_D)
