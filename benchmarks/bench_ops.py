@@ -759,6 +759,48 @@ def rotating(fns: list[Callable]) -> Callable:
     return lambda: next(it)()
 
 
+def probe_rows(op_names: list[str], shapes: list[Shape], measure: Callable, device: str = "cuda",
+               skip: Optional[Callable] = None) -> list[dict]:
+    """The probe scripts' loop: for each op and shape (unless skip(op, shape)), buffers rotated over
+    >= 3x L2 as here, then a row {op, dtype, shape, copies} updated with measure(op, shape, insts),
+    printed as it comes; each problem's buffers are freed before the next is built."""
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size if device == "cuda" else 0
+    rows = []
+    for op in make_ops(op_names, "op"):
+        for shape in shapes_for(op.name, shapes):
+            if skip is not None and skip(op, shape):
+                continue
+            torch.manual_seed(0)
+            insts = [op.build(shape, device, device == "cuda") for _ in range(rotation(op.footprint(shape), l2))]
+            row = {"op": op.name, "dtype": op.dtype_name, "shape": shape.name, "copies": len(insts)}
+            row.update(measure(op, shape, insts))
+            print(row, flush=True)
+            rows.append(row)
+            del insts
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    return rows
+
+
+def per_impl(op: "Op", shape: Shape, insts: list, timings: Callable,
+             impls: tuple[str, ...] = ("flash_epilogue", "torch_eager", "triton")) -> dict:
+    """{impl: timings(fn)} for the impls op has, fn cycling over insts (run once first); a failing
+    impl gets {"error": ...} instead of ending the probe."""
+    out = {}
+    for impl in impls:
+        if impl not in op.impls:
+            continue
+        try:
+            fn = rotating([op.make(impl, shape, t) for t in insts])
+            fn()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            out[impl] = timings(fn)
+        except Exception as e:  # noqa: BLE001
+            out[impl] = {"error": repr(e)[:300]}
+    return out
+
+
 def _close(got, want, tol: Optional[dict]) -> Optional[str]:
     """None when equal (or within tol), else what differs."""
     for i, (g, w) in enumerate(zip(got, want)):

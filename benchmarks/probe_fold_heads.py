@@ -43,39 +43,33 @@ def folded_reduce(t, hk):
     return lambda: (op(fpk, fpv, fok, fov, cu_seqlens=fcu, seqused=None, scale_dk=1.0, scale_dv=1.0), ok, ov)[1:]
 
 
+def measure(op, shape, insts):
+    fold = folded_store if op.name.startswith("store") else (lambda t: folded_reduce(t, shape.hk))
+    row = {}
+    try:
+        base = [x.clone() for x in op.make("flash_epilogue", shape, insts[0])()]
+        folded = fold(insts[0])()
+        row["folded_bitwise_equal"] = all(torch.equal(a.view(torch.int16), b.view(torch.int16))
+                                          for a, b in zip(base, folded))
+        fns = {"fe": bo.rotating([op.make("flash_epilogue", shape, t) for t in insts]),
+               "fe_folded": bo.rotating([fold(t) for t in insts]),
+               "triton": bo.rotating([op.make("triton", shape, t) for t in insts])}
+        for _ in range(2):  # interleaved, twice: drift shows as disagreement
+            for k, fn in fns.items():
+                fn()
+                torch.cuda.synchronize()
+                row.setdefault(k, []).append(round(1e3 * do_bench(fn, warmup=25, rep=100, return_mode="median"), 2))
+        row["fe/triton"] = round(min(row["triton"]) / min(row["fe"]), 3)
+        row["fe_folded/triton"] = round(min(row["triton"]) / min(row["fe_folded"]), 3)
+    except Exception as e:  # noqa: BLE001
+        row["error"] = repr(e)[:300]
+    return row
+
+
 def main():
-    l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    shapes = bo.all_shapes(quick=False)
-    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": []}
-    for op in bo.make_ops(["store", "store_varlen", "gqa_reduce"], "op"):
-        for shape in bo.shapes_for(op.name, shapes):
-            if op.name == "store_varlen" and shape.packed and not shape.name.startswith("packed_b4_"):
-                continue
-            torch.manual_seed(0)
-            insts = [op.build(shape, "cuda", True) for _ in range(bo.rotation(op.footprint(shape), l2))]
-            row = {"op": op.name, "dtype": op.dtype_name, "shape": shape.name, "copies": len(insts)}
-            fold = (lambda t: folded_store(t)) if op.name.startswith("store") else (lambda t: folded_reduce(t, shape.hk))
-            try:
-                base = [x.clone() for x in op.make("flash_epilogue", shape, insts[0])()]
-                folded = fold(insts[0])()
-                row["folded_bitwise_equal"] = all(torch.equal(a.view(torch.int16), b.view(torch.int16))
-                                                  for a, b in zip(base, folded))
-                fns = {"fe": bo.rotating([op.make("flash_epilogue", shape, t) for t in insts]),
-                       "fe_folded": bo.rotating([fold(t) for t in insts]),
-                       "triton": bo.rotating([op.make("triton", shape, t) for t in insts])}
-                for rep in range(2):  # interleaved, twice: drift shows as disagreement
-                    for k, fn in fns.items():
-                        fn()
-                        torch.cuda.synchronize()
-                        row.setdefault(k, []).append(round(1e3 * do_bench(fn, warmup=25, rep=100, return_mode="median"), 2))
-                row["fe/triton"] = round(min(row["triton"]) / min(row["fe"]), 3)
-                row["fe_folded/triton"] = round(min(row["triton"]) / min(row["fe_folded"]), 3)
-            except Exception as e:  # noqa: BLE001
-                row["error"] = repr(e)[:300]
-            print(row, flush=True)
-            res["rows"].append(row)
-            del insts
-            torch.cuda.empty_cache()
+    rows = bo.probe_rows(["store", "store_varlen", "gqa_reduce"], bo.all_shapes(quick=False), measure,
+                         skip=lambda op, s: op.name == "store_varlen" and s.packed and not s.name.startswith("packed_b4_"))
+    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}
     with open(os.path.join(os.environ.get("OUT", "/tmp"), "fold_heads.json"), "w") as f:
         json.dump(res, f, indent=1)
 

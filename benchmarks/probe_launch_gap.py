@@ -43,35 +43,17 @@ def event_median_us(fn, pre, iters=200) -> float:
 
 
 def main():
-    l2 = torch.cuda.get_device_properties(0).L2_cache_size
     flush_buf = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
     a = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
     pres = {"flush": flush_buf.zero_, "flush_mm": lambda: (flush_buf.zero_(), a @ b), "none": lambda: None}
     wanted = ("tiny_", "b1_s8192_hk1", "b4_s8192_hk8")
     shapes = [s for s in bo.all_shapes(quick=False) if s.name.startswith(wanted)]
-    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "pre": list(PRE_KINDS), "rows": []}
-    for op in bo.make_ops(["store", "store_zero", "gqa_reduce", "gqa_accumulate", "gqa_accumulate_det"], "op"):
-        for shape in bo.shapes_for(op.name, shapes):
-            if op.name != "store" and not shape.name.startswith("tiny_"):
-                continue
-            torch.manual_seed(0)
-            insts = [op.build(shape, "cuda", True) for _ in range(bo.rotation(op.footprint(shape), l2))]
-            row = {"op": op.name, "dtype": op.dtype_name, "shape": shape.name, "copies": len(insts)}
-            for impl in ("flash_epilogue", "torch_eager", "triton"):
-                if impl not in op.impls:
-                    continue
-                try:
-                    fn = bo.rotating([op.make(impl, shape, t) for t in insts])
-                    fn()
-                    torch.cuda.synchronize()
-                    row[impl] = {k: event_median_us(fn, pres[k]) for k in PRE_KINDS}
-                except Exception as e:  # noqa: BLE001
-                    row[impl] = {"error": repr(e)[:300]}
-            print(row, flush=True)
-            res["rows"].append(row)
-            del insts
-            torch.cuda.empty_cache()
+    rows = bo.probe_rows(
+        ["store", "store_zero", "gqa_reduce", "gqa_accumulate", "gqa_accumulate_det"], shapes,
+        lambda op, shape, insts: bo.per_impl(op, shape, insts, lambda fn: {k: event_median_us(fn, pres[k]) for k in PRE_KINDS}),
+        skip=lambda op, shape: op.name != "store" and not shape.name.startswith("tiny_"))
+    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "pre": list(PRE_KINDS), "rows": rows}
     with open(os.path.join(os.environ.get("OUT", "/tmp"), "launch_gap.json"), "w") as f:
         json.dump(res, f, indent=1)
 

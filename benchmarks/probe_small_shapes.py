@@ -35,31 +35,15 @@ def issue_us(fn, n=2000):
 
 
 def main():
-    l2 = torch.cuda.get_device_properties(0).L2_cache_size
     shapes = [s for s in bo.all_shapes(quick=False) if s.name.startswith(("tiny_", "b1_s8192_hk1"))]
-    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": []}
-    for op in bo.make_ops([o for o in bo.OPS], "op"):
-        for shape in bo.shapes_for(op.name, shapes):
-            torch.manual_seed(0)
-            insts = [op.build(shape, "cuda", True) for _ in range(bo.rotation(op.footprint(shape), l2))]
-            row = {"op": op.name, "dtype": op.dtype_name, "shape": shape.name, "copies": len(insts)}
-            for impl in ("flash_epilogue", "torch_eager", "triton"):
-                if impl not in op.impls:
-                    continue
-                try:
-                    fn = bo.rotating([op.make(impl, shape, t) for t in insts])
-                    fn()
-                    torch.cuda.synchronize()
-                    plain = do_bench(fn, warmup=25, rep=100, return_mode="median")
-                    graph = do_bench_cudagraph(fn, rep=100, return_mode="median")
-                    row[impl] = {"plain_us": round(plain * 1e3, 2), "graph_us": round(graph * 1e3, 2),
-                                 "issue_us": round(issue_us(fn), 2)}
-                except Exception as e:  # noqa: BLE001
-                    row[impl] = {"error": repr(e)[:300]}
-            print(row, flush=True)
-            res["rows"].append(row)
-            del insts
-            torch.cuda.empty_cache()
+
+    def timings(fn):
+        plain = do_bench(fn, warmup=25, rep=100, return_mode="median")
+        graph = do_bench_cudagraph(fn, rep=100, return_mode="median")
+        return {"plain_us": round(plain * 1e3, 2), "graph_us": round(graph * 1e3, 2), "issue_us": round(issue_us(fn), 2)}
+
+    rows = bo.probe_rows(list(bo.OPS), shapes, lambda op, shape, insts: bo.per_impl(op, shape, insts, timings))
+    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}
     with open(os.path.join(os.environ.get("OUT", "/tmp"), "small_shapes.json"), "w") as f:
         json.dump(res, f, indent=1)
 
