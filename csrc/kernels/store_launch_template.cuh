@@ -193,6 +193,13 @@ char const* launch_tile_stream(StreamedTensor const* tensors, int num_tensors, i
   return launch_kernel<Kernel>(dim3(grid), params, stream);
 }
 
+// StoreKernel (one CTA per tile) in the instantiation the call's sequence metadata needs.
+template <class Element, int kHeadDim, class ArchTag>
+char const* launch_store_one_cta_per_tile(StoreLaunchArgs const& args, cudaStream_t stream) {
+  return without_sequence_metadata(args) ? launch_store_variant<Element, kHeadDim, ArchTag, /*kVarlen=*/false>(args, stream)
+                                         : launch_store_variant<Element, kHeadDim, ArchTag, /*kVarlen=*/true>(args, stream);
+}
+
 template <OutputDType kDType, int kHeadDim, int kArch>
 char const* launch_store(StoreLaunchArgs const& args, cudaStream_t stream) {
   using Element = element_of<kDType>;
@@ -201,8 +208,7 @@ char const* launch_store(StoreLaunchArgs const& args, cudaStream_t stream) {
     // Small tiles (32 KB of fp32): one CTA per tile, two per SM, measured faster on the H200 than
     // streaming them (8x4096x4x64: 34.1 vs 36.2 us, varlen 37.0 vs 39.1;
     // benchmarks/results/store_hd64_c1d2807.json).
-    return without_sequence_metadata(args) ? launch_store_variant<Element, kHeadDim, ArchTag, /*kVarlen=*/false>(args, stream)
-                                           : launch_store_variant<Element, kHeadDim, ArchTag, /*kVarlen=*/true>(args, stream);
+    return launch_store_one_cta_per_tile<Element, kHeadDim, ArchTag>(args, stream);
   } else if constexpr (kArch >= 90) {
     using Config = BwdTileConfig<kHeadDim, ArchTag>;
     // Output tiles of dK and dV together, at Config's tile size: small problems take other kernels.
@@ -215,9 +221,7 @@ char const* launch_store(StoreLaunchArgs const& args, cudaStream_t stream) {
       // tiles (hdim 128: 5-10% slower at 64-4096; benchmarks/results/small_store_7b744b7.json). Measured
       // batched; varlen / seqused follow the same rule (timed by no benchmark yet).
       if (output_tiles <= 2 * int64_t(multiprocessor_count())) {
-        return without_sequence_metadata(args)
-                   ? launch_store_variant<Element, kHeadDim, ArchTag, /*kVarlen=*/false>(args, stream)
-                   : launch_store_variant<Element, kHeadDim, ArchTag, /*kVarlen=*/true>(args, stream);
+        return launch_store_one_cta_per_tile<Element, kHeadDim, ArchTag>(args, stream);
       }
     }
     StreamedTensor const tensors[2] = {{args.dk, args.dk_accum}, {args.dv, args.dv_accum}};
