@@ -200,6 +200,18 @@ char const* launch_store_one_cta_per_tile(StoreLaunchArgs const& args, cudaStrea
                                          : launch_store_variant<Element, kHeadDim, ArchTag, /*kVarlen=*/true>(args, stream);
 }
 
+// store's dK and dV streamed by TileStreamKernel, in the instantiation the call's sequence metadata needs.
+template <class Config, class Element, int kCtasPerSm>
+char const* launch_store_streamed(StoreLaunchArgs const& args, cudaStream_t stream) {
+  StreamedTensor const tensors[2] = {{args.dk, args.dk_accum}, {args.dv, args.dv_accum}};
+  auto launch = [&](auto varlen) {
+    using Kernel = TileStreamKernel<Config, Element, float, decltype(varlen)::value, /*kReduce=*/false, kCtasPerSm>;
+    return launch_tile_stream<Kernel>(tensors, 2, args.rows, args.num_heads, 1, args.batch, args.cu_seqlens,
+                                      args.seqused, stream);
+  };
+  return without_sequence_metadata(args) ? launch(std::false_type{}) : launch(std::true_type{});
+}
+
 template <OutputDType kDType, int kHeadDim, int kArch>
 char const* launch_store(StoreLaunchArgs const& args, cudaStream_t stream) {
   using Element = element_of<kDType>;
@@ -218,30 +230,26 @@ char const* launch_store(StoreLaunchArgs const& args, cudaStream_t stream) {
     if constexpr (kHeadDim > 128) {
       // Up to two tiles per SM at hdim 192/256 (72-80 KB tiles, two or three stages), the streaming
       // kernel's prologue is not paid back: one CTA per tile was 4-11% faster on the H200 for 112-206
-      // tiles (hdim 128: 5-10% slower at 64-4096; benchmarks/results/small_store_7b744b7.json). Measured
-      // batched; varlen / seqused follow the same rule (timed by no benchmark yet).
+      // tiles (hdim 128: 5-10% slower at 64-4096; benchmarks/results/small_store_7b744b7.json). With
+      // cu_seqlens / seqused the streaming kernel was slower still: 6.2 -> 7.7 us (512 tokens x 8 heads,
+      // hdim 256), 9.7 -> 11.9 (8192 x 1), 5.5 -> 6.8 (512 x 8, hdim 192) (results/varlen_small_5640e70.json).
       if (output_tiles <= 2 * int64_t(multiprocessor_count())) {
         return launch_store_one_cta_per_tile<Element, kHeadDim, ArchTag>(args, stream);
       }
     }
-    StreamedTensor const tensors[2] = {{args.dk, args.dk_accum}, {args.dv, args.dv_accum}};
     if constexpr (kHeadDim == 128) {
       // At most one 128-row tile per SM (dK's and dV's): (64, 128) tiles, two CTAs per SM of 3
       // stages each. On the H200 (results/store_block64_7116d02.json) 11% faster at 128 tiles
       // (1, 8192, 1, 128), 6% at 64 (1, 512, 8, 128); 2% slower at 512 and on the large shapes,
-      // where one CTA per SM and 128-row tiles stay. Batched only.
+      // where one CTA per SM and 128-row tiles stay. With cu_seqlens / seqused, 4-9% faster in CUDA
+      // graphs: 5.66 -> 5.19 us (512 tokens x 8 heads), 7.18 -> 6.91 (8192 x 1), 5.71 -> 5.27 (three
+      // sequences, 2000 tokens x 2 heads) (results/varlen_small_5640e70.json).
       using SmallProblemConfig = BwdTileConfigSm90Base<128, 64, 256, /*kSwapAB=*/false, /*kAtomLayoutNdKV=*/1>;
-      if (without_sequence_metadata(args) && output_tiles <= multiprocessor_count()) {
-        using Kernel = TileStreamKernel<SmallProblemConfig, Element, float, /*kVarlen=*/false, /*kReduce=*/false, /*kCtasPerSm=*/2>;
-        return launch_tile_stream<Kernel>(tensors, 2, args.rows, args.num_heads, 1, args.batch, nullptr, nullptr, stream);
+      if (output_tiles <= multiprocessor_count()) {
+        return launch_store_streamed<SmallProblemConfig, Element, /*kCtasPerSm=*/2>(args, stream);
       }
     }
-    auto streamed = [&](auto varlen) {
-      using Kernel = TileStreamKernel<Config, Element, float, decltype(varlen)::value, /*kReduce=*/false>;
-      return launch_tile_stream<Kernel>(tensors, 2, args.rows, args.num_heads, 1, args.batch, args.cu_seqlens,
-                                        args.seqused, stream);
-    };
-    return without_sequence_metadata(args) ? streamed(std::false_type{}) : streamed(std::true_type{});
+    return launch_store_streamed<Config, Element, /*kCtasPerSm=*/1>(args, stream);
   } else {
     // sm_80 has no TMA: one CTA per tile, and the collective's predicated path.
     return launch_store_variant<Element, kHeadDim, ArchTag, /*kVarlen=*/true>(args, stream);
