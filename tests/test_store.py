@@ -164,15 +164,24 @@ def test_store_many_tiles_per_cta(dtype, d):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("d", (128, 192, 256))
 @pytest.mark.parametrize("extra_heads", (0, 1))
-def test_store_at_the_small_problem_threshold(dtype, d, extra_heads):
+@pytest.mark.parametrize("metadata", ("none", "cu_seqlens", "seqused"))
+def test_store_at_the_small_problem_threshold(dtype, d, extra_heads, metadata):
     # sm_90 small problems take other kernels: at hdim 128 up to one tile per SM (dK's and dV's)
     # streams 64-row tiles with two CTAs per SM, at hdim 192/256 up to two take one CTA per tile;
-    # one tile more takes the streaming kernel. Both sides of each switch, a partial tile per head.
+    # one tile more takes the streaming kernel. Both sides of each switch, a partial tile per head,
+    # batched, packed as one varlen sequence (the same tile count) and batched with seqused.
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     s, h = block_n(d) - 3, (sms // 2 if d == 128 else sms) + extra_heads
-    dk_buf, dv_buf = canary_buffer((1, s + 2, h, d), dtype), canary_buffer((1, s + 2, h, d), dtype)
-    dk, dv = dk_buf[:, 1 : s + 1], dv_buf[:, 1 : s + 1]
-    check_store(dk_buf, dv_buf, dk, dv, fresh_accum((1, s, h, d)), fresh_accum((1, s, h, d)))
+    lead = (s + 2,) if metadata == "cu_seqlens" else (1, s + 2)
+    dk_buf, dv_buf = canary_buffer((*lead, h, d), dtype), canary_buffer((*lead, h, d), dtype)
+    rows = slice(1, s + 1)
+    dk, dv = (dk_buf[rows], dv_buf[rows]) if metadata == "cu_seqlens" else (dk_buf[:, rows], dv_buf[:, rows])
+    seq = {}
+    if metadata == "cu_seqlens":
+        seq["cu_seqlens"] = torch.tensor([0, s], dtype=torch.int32, device="cuda")
+    elif metadata == "seqused":
+        seq["seqused"] = torch.tensor([s - 5], dtype=torch.int32, device="cuda")
+    check_store(dk_buf, dv_buf, dk, dv, fresh_accum(dk.shape), fresh_accum(dv.shape), **seq)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
