@@ -153,12 +153,8 @@ char const* launch_gqa_reduce_streamed(GqaReduceLaunchArgs const& args, cudaStre
   StreamedTensor const tensors[2] = {{args.dk, args.dk_partial, args.scale_dk}, {args.dv, args.dv_partial, args.scale_dv}};
   int const num_tensors = args.dv_partial.ptr != nullptr ? 2 : 1;
   int const group = args.num_heads_q / args.num_heads_kv;
-  auto streamed = [&](auto varlen) {
-    using Kernel = TileStreamKernel<Config, Element, ElementIn, decltype(varlen)::value, /*kReduce=*/true>;
-    return launch_tile_stream<Kernel>(tensors, num_tensors, args.rows, args.num_heads_kv, group, args.batch,
-                                      args.cu_seqlens, args.seqused, stream);
-  };
-  return without_sequence_metadata(args) ? streamed(std::false_type{}) : streamed(std::true_type{});
+  return launch_tile_stream_for<Config, Element, ElementIn, /*kReduce=*/true>(
+      tensors, num_tensors, args.rows, args.num_heads_kv, group, args.batch, args.cu_seqlens, args.seqused, stream);
 }
 
 }  // namespace detail

@@ -200,16 +200,24 @@ char const* launch_store_one_cta_per_tile(StoreLaunchArgs const& args, cudaStrea
                                          : launch_store_variant<Element, kHeadDim, ArchTag, /*kVarlen=*/true>(args, stream);
 }
 
-// store's dK and dV streamed by TileStreamKernel, in the instantiation the call's sequence metadata needs.
+// launch_tile_stream of the TileStreamKernel instantiation the call's sequence metadata needs
+// (kVarlen when cu_seqlens or seqused is given).
+template <class Config, class Element, class ElementIn, bool kReduce, int kCtasPerSm = 1>
+char const* launch_tile_stream_for(StreamedTensor const* tensors, int num_tensors, int rows, int num_heads, int group,
+                                   int batch, int const* cu_seqlens, int const* seqused, cudaStream_t stream) {
+  auto launch = [&](auto varlen) {
+    using Kernel = TileStreamKernel<Config, Element, ElementIn, decltype(varlen)::value, kReduce, kCtasPerSm>;
+    return launch_tile_stream<Kernel>(tensors, num_tensors, rows, num_heads, group, batch, cu_seqlens, seqused, stream);
+  };
+  return cu_seqlens == nullptr && seqused == nullptr ? launch(std::false_type{}) : launch(std::true_type{});
+}
+
+// store's dK and dV streamed by TileStreamKernel.
 template <class Config, class Element, int kCtasPerSm>
 char const* launch_store_streamed(StoreLaunchArgs const& args, cudaStream_t stream) {
   StreamedTensor const tensors[2] = {{args.dk, args.dk_accum}, {args.dv, args.dv_accum}};
-  auto launch = [&](auto varlen) {
-    using Kernel = TileStreamKernel<Config, Element, float, decltype(varlen)::value, /*kReduce=*/false, kCtasPerSm>;
-    return launch_tile_stream<Kernel>(tensors, 2, args.rows, args.num_heads, 1, args.batch, args.cu_seqlens,
-                                      args.seqused, stream);
-  };
-  return without_sequence_metadata(args) ? launch(std::false_type{}) : launch(std::true_type{});
+  return launch_tile_stream_for<Config, Element, float, /*kReduce=*/false, kCtasPerSm>(
+      tensors, 2, args.rows, args.num_heads, 1, args.batch, args.cu_seqlens, args.seqused, stream);
 }
 
 template <OutputDType kDType, int kHeadDim, int kArch>
