@@ -1,26 +1,23 @@
 #!/usr/bin/env bash
 # The H200 check, run through the `device` tool from the repository root:
-#   scripts/gpu_check.sh STAGES COMMIT      e.g.  scripts/gpu_check.sh build,test,bench abc1234
-# Stages: build (the extension against the device's torch, MAX_JOBS=16), test (pytest, GPU tests
-# included), bench (benchmarks/bench_store.py: store vs torch .to), bench_ops (benchmarks/bench_ops.py:
-# every op vs torch eager/compile/Triton and the copy roofline -> h200.json/csv/png; give it a call
-# of its own), bench_host (benchmarks/bench_host.py: the wrappers' host time vs torch.ops and .to x2 ->
-# host_time.json), pack (the built extension -> $OUT/prebuilt.tgz, to carry as .prebuilt/prebuilt.tgz into a
-# later call that skips `build`: a cold machine then needs no 160 s rebuild), sanitize
-# (scripts/sanitize.sh: compute-sanitizer memcheck/synccheck/racecheck/initcheck over every op ->
-# sanitize.json + sanitize_logs.tgz; about 5 minutes, budget SANITIZE_BUDGET_S), small_shapes
-# (benchmarks/probe_small_shapes.py: the small-shape rows from a CUDA graph, plainly and as the host's
-# issue rate -> small_shapes.json; about 40 s). Logs and results go to
-# $OUT (summary: gpu_tests.json). ncu: Nsight Compute over benchmarks/ncu_ops.py -> ncu_ops.ncu-rep +
-# ncu_ops_details.csv (needs the Firecracker runtime's hardware counters; NCU_TIMEOUT_S bounds it).
-# TEST_FILES: what pytest runs (default: tests); TEST_TIMEOUT_S bounds it (TEST_MAXFAIL: stop after
-# that many failures, default 30), BENCH_TIMEOUT_S bench_ops.
-# GPU_CHECK_DEADLINE_S: the seconds the whole script may take; test, bench_ops and sanitize shrink
-# to fit, and test / bench_ops are skipped (and say so) when they cannot.
+#   scripts/gpu_check.sh STAGES COMMIT      e.g.  scripts/gpu_check.sh build,test abc1234
+# Stages (each writes to $OUT):
+#   build       the extension against the device's torch (MAX_JOBS=16) -> build.log
+#   pack        the built extension -> prebuilt.tgz; carried as .prebuilt/prebuilt.tgz into a later call
+#               without `build`, it spares a cold machine the rebuild
+#   test        pytest, GPU tests included (TEST_FILES, default tests; TEST_TIMEOUT_S; TEST_MAXFAIL, default 30)
+#               -> junit.xml, tests.log and the summary gpu_tests.json
+#   sanitize    scripts/sanitize.sh: compute-sanitizer over every op -> sanitize.json, sanitize_logs.tgz
+#               (budget SANITIZE_BUDGET_S)
+#   bench_host  benchmarks/bench_host.py: the wrappers' host time against torch.ops -> host_time.json
+#   bench_ops   benchmarks/bench_ops.py: every op against its baselines and the copy roofline
+#               -> h200.json/csv/png (BENCH_TIMEOUT_S; BENCH_OPS_ARGS, e.g. --quick); give it a call of its own
+# GPU_CHECK_DEADLINE_S: the seconds the whole script may take; test, bench_ops and sanitize shrink to
+# fit, and test / bench_ops are skipped (and say so) when they cannot.
 # Needs the nvidia-cutlass wheel in .whl/ (carried: the device machine has no registry):
 #   pip download --no-deps nvidia-cutlass==4.2.0.0 -d .whl
 set -uo pipefail
-STAGES=${1:-build,test,bench}
+STAGES=${1:-build,test}
 COMMIT=${2:-unknown}
 OUT=${OUT:-/tmp/flash_epilogue_out}
 mkdir -p "$OUT"
@@ -34,9 +31,8 @@ export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1
 status=0
 has() { [[ ",$STAGES," == *",$1,"* ]]; }
-# GPU_CHECK_DEADLINE_S (seconds after this script started, e.g. what the device call has left):
-# fits_in NEED CAP prints min(CAP, what is left before the deadline less a 15 s margin) and fails
-# when that is under NEED, so a stage that cannot finish is skipped instead of cut off mid-way.
+# fits_in NEED CAP prints min(CAP, what is left before GPU_CHECK_DEADLINE_S less a 15 s margin) and
+# fails when that is under NEED, so a stage that cannot finish is skipped instead of cut off mid-way.
 fits_in() {
   local need=$1 cap=$2
   [ -z "${GPU_CHECK_DEADLINE_S:-}" ] && { echo "$cap"; return 0; }
@@ -54,7 +50,9 @@ fi
 
 if has build; then
   start=$(date +%s)
-  MAX_JOBS=${MAX_JOBS:-16} python3 setup.py build_ext --inplace > "$OUT/build.log" 2>&1 || { echo "BUILD FAILED"; tail -50 "$OUT/build.log"; exit 1; }
+  if ! MAX_JOBS=${MAX_JOBS:-16} python3 setup.py build_ext --inplace > "$OUT/build.log" 2>&1; then
+    echo "BUILD FAILED"; tail -50 "$OUT/build.log"; exit 1
+  fi
   echo "build: $(( $(date +%s) - start )) s"
 fi
 
@@ -67,9 +65,9 @@ if has test && ! TEST_TIMEOUT_S=$(fits_in 60 "${TEST_TIMEOUT_S:-1800}"); then
   echo "test: skipped, ${TEST_TIMEOUT_S} s left before GPU_CHECK_DEADLINE_S"
 elif has test; then
   # A hung test (a deadlocked spin-wait) must not take the rest of the call with it. SIGINT first:
-  # pytest then still prints the failures so far and writes junit.xml (a SIGTERM'd run left neither,
-  # session 6). TEST_MAXFAIL stops a run whose every test fails (a poisoned process) early, with
-  # the first tracebacks in tests.log.
+  # pytest then still prints the failures so far and writes junit.xml (a SIGTERM'd run leaves
+  # neither). TEST_MAXFAIL stops a run whose every test fails (a poisoned process) early, with the
+  # first tracebacks in tests.log.
   timeout -s INT -k 20 "${TEST_TIMEOUT_S}" python3 -m pytest ${TEST_FILES:-tests} -q -rs -p no:cacheprovider \
     --durations=25 --maxfail="${TEST_MAXFAIL:-30}" --junitxml="$OUT/junit.xml" > "$OUT/tests.log" 2>&1 || status=1
   tail -15 "$OUT/tests.log"
@@ -92,42 +90,24 @@ PY
 fi
 
 if has sanitize; then
-  # fit the sanitizer into what is left before GPU_CHECK_DEADLINE_S
   export SANITIZE_BUDGET_S=$(fits_in 0 "${SANITIZE_BUDGET_S:-290}")
   [ -n "${GPU_CHECK_DEADLINE_S:-}" ] && echo "sanitize budget: ${SANITIZE_BUDGET_S} s"
   bash scripts/sanitize.sh "$OUT" "$COMMIT" || status=1
-fi
-
-if has bench; then
-  python3 benchmarks/bench_store.py --out "$OUT/store_first.json" --commit "$COMMIT" 2>&1 | tee "$OUT/bench.log" || status=1
 fi
 
 if has bench_host; then
   python3 benchmarks/bench_host.py --json "$OUT/host_time.json" 2>&1 | tee "$OUT/bench_host.log" || status=1
 fi
 
-if has small_shapes; then
-  timeout -s INT -k 20 "${SMALL_SHAPES_TIMEOUT_S:-180}" python3 benchmarks/probe_small_shapes.py > "$OUT/small_shapes.log" 2>&1 || status=1
-  tail -3 "$OUT/small_shapes.log"
-fi
-
-if has ncu; then
-  # Nsight Compute on store, torch .to, gqa_postprocess and gqa_reduce (benchmarks/ncu_ops.py):
-  # the report and a CSV of its details. Clocks left alone (--clock-control none), as do_bench sees them.
-  timeout "${NCU_TIMEOUT_S:-300}" ncu --clock-control none --profile-from-start off --nvtx \
-    --section SpeedOfLight --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
-    --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats \
-    -f -o "$OUT/ncu_ops" python3 benchmarks/ncu_ops.py > "$OUT/ncu.log" 2>&1 || status=1
-  tail -5 "$OUT/ncu.log"
-  [ -f "$OUT/ncu_ops.ncu-rep" ] && ncu --import "$OUT/ncu_ops.ncu-rep" --page details --csv > "$OUT/ncu_ops_details.csv" 2>>"$OUT/ncu.log"
-fi
-
 if has bench_ops && ! BENCH_TIMEOUT_S=$(fits_in 120 "${BENCH_TIMEOUT_S:-400}"); then
   echo "bench_ops: skipped, ${BENCH_TIMEOUT_S} s left before GPU_CHECK_DEADLINE_S (it needs about 110)"
 elif has bench_ops; then
   # Bounded like the tests: a kernel that hangs must leave the call's other results to come back.
-  timeout -s INT -k 30 "${BENCH_TIMEOUT_S}" python3 benchmarks/bench_ops.py --out "$OUT" --commit "$COMMIT" 2>&1 | tee "$OUT/bench_ops.log" || status=1
+  # shellcheck disable=SC2086 (BENCH_OPS_ARGS is a list of options)
+  timeout -s INT -k 30 "${BENCH_TIMEOUT_S}" python3 benchmarks/bench_ops.py --out "$OUT" --commit "$COMMIT" \
+    ${BENCH_OPS_ARGS:-} 2>&1 | tee "$OUT/bench_ops.log" || status=1
 fi
 # The device tool returns at most 8 files: bundle the logs.
-(cd "$OUT" && files=$(ls *.log junit.xml 2>/dev/null; true) && [ -n "$files" ] && tar czf logs.tgz $files && rm -f $files)
+(cd "$OUT" && files=$(ls *.log junit.xml 2>/dev/null; true) && [ -n "$files" ] && tar czf logs.tgz $files \
+  && rm -f $files)
 exit $status

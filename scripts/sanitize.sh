@@ -76,7 +76,8 @@ else
     rc=$?
     secs=$(( $(date +%s) - t0 ))
     printf '%s\t%s\t%s\t%s\n' "$tool" "$rc" "$secs" "$limit" >> "$RUNS"
-    echo "sanitize: $tool: exit $rc after $secs s (limit $limit s); $(grep -h 'ERROR SUMMARY' "$LOGDIR/$tool.log" | tail -1)"
+    summary=$(grep -h 'ERROR SUMMARY' "$LOGDIR/$tool.log" | tail -1)
+    echo "sanitize: $tool: exit $rc after $secs s (limit $limit s); $summary"
   done
 fi
 

@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
 """The workload scripts/sanitize.sh runs under compute-sanitizer: every op on small shapes over a
-representative set of configurations, each result checked against the reference.
+representative set of configurations, each result checked against the reference. Only the public
+API: the wrappers (their `_arch=80` selects the sm_80 path), fe.gqa_accumulator, fe.tile_config and
+flash_epilogue.reference.
 
     python3 scripts/sanitize_workload.py --tool memcheck [--group store|gqa|all] [--list]
-    python3 scripts/sanitize_workload.py --device cpu      # dry run: every call must pass validation
+    python3 scripts/sanitize_workload.py --device cpu      # dry run: every call must pass the op's checks
 
 --tool picks the configuration set: memcheck and synccheck run the full set (every head dim
 64/80/96/128/160/192/256 for store batched and varlen+seqused, store_zero, deterministic and
@@ -285,8 +287,8 @@ def full_set():
     cfgs.append(("gqa_accumulate", run_gqa_accumulate, {"d": 128, "deterministic": False, "arch": 80}))
     # deterministic mode last: its CTAs spin-wait on each other (a hang shows as a timeout here)
     for d in (64, 96, 128, 192, 256):
-        cfgs.append(("gqa_accumulate", run_gqa_accumulate,
-                     {"d": d, "layout": ("varlen", "batched")[d % 3 == 0], "seqused": True, "g": (4, 1, 8, 3, 2)[d % 5]}))
+        cfgs.append(("gqa_accumulate", run_gqa_accumulate, {"d": d, "layout": ("varlen", "batched")[d % 3 == 0],
+                                                            "seqused": True, "g": (4, 1, 8, 3, 2)[d % 5]}))
     cfgs += [
         ("gqa_accumulate", run_gqa_accumulate, {"d": 192, "dv": 128, "layout": "varlen", "seqused": True, "h_k": 1,
                                                 "g": 16}),
@@ -328,7 +330,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tool", choices=sorted(SETS), default="memcheck", help="which configuration set")
     ap.add_argument("--group", choices=sorted(GROUPS), default="all", help="which ops")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
-                    help="cpu: dry run, every call must pass validation up to the device check")
+                    help="cpu: dry run (needs the built extension), every call must pass the op's checks "
+                         "up to the device check")
     ap.add_argument("--list", action="store_true", help="print the configurations and exit")
     args = ap.parse_args(argv)
     DEV = args.device
