@@ -1,7 +1,7 @@
 """Build flash_epilogue: a torch CUDAExtension (ninja) over CUTLASS/CuTe headers.
 
 Environment:
-  FLASH_EPILOGUE_SKIP_CUDA_BUILD=1   pure-Python install (reference + schemas, no kernels)
+  FLASH_EPILOGUE_SKIP_CUDA_BUILD=1   pure-Python install (the reference, no kernels or ops)
   FLASH_EPILOGUE_CUDA_ARCHS          ';'-separated gencode archs, default "90a"
   FLASH_EPILOGUE_CUTLASS_DIR         a CUTLASS checkout (its include/) instead of the
                                      nvidia-cutlass wheel's headers
@@ -92,8 +92,11 @@ else:
         *gencode,
         *defines,
     ]
-    sources = ["csrc/bindings.cpp", "csrc/kernels/config_table.cu",
-               *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc/instantiations").glob("*.cu"))]
+    def glob(folder: str, pattern: str) -> list[str]:
+        return sorted(str(p.relative_to(ROOT)) for p in (ROOT / folder).glob(pattern))
+
+    # the torch binding (checks, ops, registration), the tile table, the generated instantiations
+    sources = [*glob("csrc/binding", "*.cpp"), "csrc/kernels/config_table.cu", *glob("csrc/instantiations", "*.cu")]
     ext_modules.append(
         CUDAExtension(
             name="flash_epilogue._C",

@@ -22,10 +22,10 @@ __version__ = "0.1.0"
 from . import reference
 from ._config import COMPILED_HEAD_DIMS, TileConfig, tile_config
 from ._extension import UNAVAILABLE_REASON, compiled_archs
+from .errors import FlashEpilogueBuildError, FlashEpilogueInputError, FlashEpilogueTypeError
 from .gqa import GQAAccumulator, gqa_accumulator
 from .ops import gqa_accumulate, gqa_postprocess, gqa_reduce, refresh_env_flags, store, store_zero
 from .repeat_kv import repeat_kv
-from .validation import FlashEpilogueBuildError, FlashEpilogueInputError
 
 
 def kernels_available() -> bool:
@@ -47,23 +47,8 @@ def get_include() -> list[str]:
 
 
 __all__ = [
-    "store",
-    "store_zero",
-    "GQAAccumulator",
-    "gqa_accumulator",
-    "gqa_accumulate",
-    "gqa_postprocess",
-    "gqa_reduce",
-    "refresh_env_flags",
-    "repeat_kv",
-    "reference",
-    "tile_config",
-    "TileConfig",
-    "COMPILED_HEAD_DIMS",
-    "compiled_archs",
-    "kernels_available",
-    "get_include",
-    "FlashEpilogueBuildError",
-    "FlashEpilogueInputError",
-    "__version__",
+    "store", "store_zero", "GQAAccumulator", "gqa_accumulator", "gqa_accumulate", "gqa_postprocess", "gqa_reduce",
+    "refresh_env_flags", "repeat_kv", "reference", "tile_config", "TileConfig", "COMPILED_HEAD_DIMS",
+    "compiled_archs", "kernels_available", "get_include", "FlashEpilogueBuildError", "FlashEpilogueInputError",
+    "FlashEpilogueTypeError", "UNAVAILABLE_REASON", "__version__",
 ]

@@ -5,8 +5,6 @@ what the kernels need.
 """
 from __future__ import annotations
 
-import time
-
 import torch
 
 import flash_epilogue as fe
@@ -60,7 +58,8 @@ def main() -> int:
         nbytes = 2 * acc_k.numel() * 6
         t_fe = _time_ms(lambda: fe.store(acc_k, acc_v, dk, dv))
         t_to = _time_ms(lambda: (dk.copy_(acc_k), dv.copy_(acc_v)))
-        print(f"  {str(shape):22s} {t_fe * 1e3:9.1f} {nbytes / t_fe / 1e9:6.2f} {t_to * 1e3:8.1f} {nbytes / t_to / 1e9:6.2f}")
+        print(f"  {str(shape):22s} {t_fe * 1e3:9.1f} {nbytes / t_fe / 1e9:6.2f} "
+              f"{t_to * 1e3:8.1f} {nbytes / t_to / 1e9:6.2f}")
     print("self-check:", "ok" if failures == 0 else f"{failures} FAILED")
     return 0 if failures == 0 else 1
 

@@ -1,13 +1,19 @@
-"""Loads flash_epilogue._C (the CUDA kernels) or records why it is unavailable.
+"""Loads flash_epilogue._C (the CUDA kernels and the op schemas) or records why it is unavailable, and turns
+the ops' errors into the package's.
 
-A build made against another torch than the running one fails to load with an undefined
-symbol; the versions recorded at build time (_build_info.py) let us say so by name first.
+A build made against another torch than the running one fails to load with an undefined symbol; the versions
+recorded at build time (_build_info.py) let us say so by name first. Without _C no op is defined: the wrappers
+raise FlashEpilogueBuildError naming UNAVAILABLE_REASON.
 """
 from __future__ import annotations
 
+import importlib
 import os
+import re
 
 import torch
+
+from .errors import FlashEpilogueBuildError, FlashEpilogueInputError, FlashEpilogueTypeError
 
 _C = None
 UNAVAILABLE_REASON: str | None = None
@@ -37,7 +43,7 @@ def _load():
                               "rebuild it: `pip install --no-build-isolation --force-reinstall --no-deps .`")
         return
     try:
-        from . import _C as ext
+        ext = importlib.import_module(f"{__package__}._C")
     except ImportError as e:
         UNAVAILABLE_REASON = f"the extension flash_epilogue._C failed to load: {e}"
         return
@@ -45,11 +51,6 @@ def _load():
 
 
 _load()
-if _C is None:
-    from ._schemas import define_fallback_ops
-
-    define_fallback_ops(UNAVAILABLE_REASON)
-
 
 # Read once: a constant that torch.compile can trace (calling into _C would break the graph).
 _COMPILED_ARCHS: tuple[str, ...] = tuple(_C.compiled_archs()) if _C is not None else ()
@@ -57,3 +58,35 @@ _COMPILED_ARCHS: tuple[str, ...] = tuple(_C.compiled_archs()) if _C is not None 
 
 def compiled_archs() -> tuple[str, ...]:
     return _COMPILED_ARCHS if _C is not None else ()
+
+
+def unavailable(op: str) -> FlashEpilogueBuildError:
+    reason = UNAVAILABLE_REASON or "the loaded flash_epilogue._C does not define it (a stale build: rebuild it)"
+    return FlashEpilogueBuildError(f"flash_epilogue.{op}: the CUDA kernels are not available: {reason}")
+
+
+def require(op: str):
+    """_C, or FlashEpilogueBuildError for `op`."""
+    if _C is None:
+        raise unavailable(op)
+    return _C
+
+
+# The dispatcher's error for an argument of the wrong type (a list for a Tensor); other types are coerced
+# by the wrappers before the call.
+_SCHEMA_TYPE = re.compile(r"Expected a value of type '(?:Optional\[)?Tensor\]?' for argument '(\w+)' "
+                          r"but instead found type '(\w+)'")
+
+
+def op_error(op: str, e: Exception) -> Exception:
+    """What a wrapper raises (from None) for the error `e` of torch.ops.flash_epilogue.<op>."""
+    if isinstance(e, TypeError):
+        return FlashEpilogueTypeError(str(e))
+    if isinstance(e, ValueError):
+        return FlashEpilogueInputError(str(e))
+    if isinstance(e, AttributeError) and not hasattr(torch.ops.flash_epilogue, op):
+        return unavailable(op)
+    match = _SCHEMA_TYPE.search(str(e)) if type(e) is RuntimeError else None
+    if match:
+        return FlashEpilogueTypeError(f"flash_epilogue.{op}: {match[1]}: expected a torch.Tensor, got {match[2]}")
+    return e

@@ -1,16 +1,7 @@
-"""The GQA accumulator: fp32 dK/dV workspaces that CollectiveEpilogueBwdGQA adds into.
-
-    acc = flash_epilogue.gqa_accumulator(num_heads_kv=2, head_dim=128, batch=4, seqlen=8192,
-                                         device="cuda")
-    for chunk in chunks:                                  # many calls into one accumulator
-        flash_epilogue.gqa_accumulate(dk_partial, dv_partial, acc)
-    flash_epilogue.gqa_postprocess(acc, dk, dv, scale_dk=softmax_scale)
-    acc.reset()                                           # zero it for the next step
-
-The accumulator is a plain Python object: three tensors (dk_accum, dv_accum and, for deterministic
-mode, semaphores) and the ints of the problem it was sized for. The ops take its tensors, so it
-goes through torch.library ops, opcheck, torch.compile and export (it is a registered pytree node:
-its tensors are the leaves, its ints the context).
+"""The GQA accumulator: fp32 dK/dV workspaces that CollectiveEpilogueBwdGQA adds into (usage: the package's
+docstring). A plain Python object: three tensors (dk_accum, dv_accum and, for deterministic mode, semaphores) and
+the ints of the problem it was sized for; a registered pytree node (its tensors the leaves, its ints the context),
+so it goes through torch.library ops, opcheck, torch.compile and export.
 """
 from __future__ import annotations
 
@@ -20,8 +11,9 @@ from typing import Optional, Union
 import torch
 import torch.utils._pytree as pytree
 
-from ._config import HEAD_DIM_MULTIPLE, MAX_HEAD_DIM, TileConfig, gqa_accum_shape, gqa_semaphore_numel, tile_config
-from .validation import _check_seqlens_meta, _check_tensor, _fail, _is_int, resolve_arch
+from . import _checks, _extension
+from ._config import TileConfig, tile_config
+from .errors import FlashEpilogueTypeError, as_count, as_int, fail
 
 __all__ = ["GQAAccumulator", "gqa_accumulator"]
 
@@ -108,9 +100,25 @@ class GQAAccumulator:
         starts). Rows outside the valid rows (past ``seqused``, between and after sequences) are 0.
         A debugging/testing aid through the op ``gqa_accum_to_dense``, not a fast path.
         """
-        from .ops import _accum_to_dense  # noqa: PLC0415 (ops imports this module)
-
-        return _accum_to_dense(self, cu_seqlens=cu_seqlens, seqused=seqused, check_inputs=check_inputs)
+        op = "gqa_accum_to_dense"
+        if self.varlen and cu_seqlens is None:
+            fail(op, "cu_seqlens", "the int32 cu_seqlens the varlen accumulator was filled with", "None")
+        if not self.varlen and cu_seqlens is not None:
+            fail(op, "cu_seqlens", "None for an accumulator of the batched layout", "a tensor")
+        if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dim() == 1 and cu_seqlens.numel() - 1 != self.batch:
+            fail(op, "acc.batch", f"{cu_seqlens.numel() - 1} (cu_seqlens.numel() - 1)", self.batch)
+        head_dim = max(self.head_dim, self.head_dim_v)  # names the tile config
+        outs = [torch.zeros(self.dense_shape(d), dtype=torch.float32, device=self.device)
+                for d in (self.head_dim, self.head_dim_v)]
+        if check_inputs or (check_inputs is None and _checks.CHECK_INPUTS):
+            _checks.check_contents(op, outs[0], cu_seqlens, seqused)
+        for accum, out in zip((self.dk_accum, self.dv_accum), outs):
+            try:
+                torch.ops.flash_epilogue.gqa_accum_to_dense(accum, out, head_dim=head_dim, cu_seqlens=cu_seqlens,
+                                                            seqused=seqused, _arch=self.arch)
+            except Exception as e:  # noqa: BLE001 (the op's error, as the package's)
+                raise _extension.op_error(op, e) from None
+        return outs[0], outs[1]
 
     def __repr__(self) -> str:
         sem = "None" if self.semaphores is None else f"int32[{self.semaphores.numel()}]"
@@ -146,19 +154,10 @@ pytree.register_pytree_node(GQAAccumulator, _flatten, _unflatten,
 DeviceArg = Union[None, str, int, torch.device]
 
 
-def gqa_accumulator(
-    num_heads_kv: int,
-    head_dim: int,
-    head_dim_v: Optional[int] = None,
-    *,
-    batch: Optional[int] = None,
-    seqlen: Optional[int] = None,
-    cu_seqlens: Optional[torch.Tensor] = None,
-    total_tokens: Optional[int] = None,
-    deterministic: bool = False,
-    device: DeviceArg = None,
-    arch: int = 0,
-) -> GQAAccumulator:
+def gqa_accumulator(num_heads_kv: int, head_dim: int, head_dim_v: Optional[int] = None, *,
+                    batch: Optional[int] = None, seqlen: Optional[int] = None,
+                    cu_seqlens: Optional[torch.Tensor] = None, total_tokens: Optional[int] = None,
+                    deterministic: bool = False, device: DeviceArg = None, arch: int = 0) -> GQAAccumulator:
     """Allocate a zeroed :class:`GQAAccumulator` for dK (head dim ``head_dim``) and dV
     (``head_dim_v``, default ``head_dim``) of ``num_heads_kv`` KV heads.
 
@@ -173,51 +172,55 @@ def gqa_accumulator(
 
     The element order is the MMA fragment order (opaque, see :class:`GQAAccumulator`).
     """
-    if not _is_int(num_heads_kv) or num_heads_kv < 1:
-        _fail(_OP, "num_heads_kv", "a positive int", num_heads_kv)
-    head_dim_v = head_dim if head_dim_v is None else head_dim_v
-    for name, value in (("head_dim", head_dim), ("head_dim_v", head_dim_v)):
-        if not _is_int(value) or value <= 0 or value % HEAD_DIM_MULTIPLE or value > MAX_HEAD_DIM:
-            _fail(_OP, name, f"a multiple of {HEAD_DIM_MULTIPLE} in [{HEAD_DIM_MULTIPLE}, {MAX_HEAD_DIM}]", value)
+    _C = _extension.require(_OP)
+    num_heads_kv = as_count(_OP, "num_heads_kv", num_heads_kv, "a positive int", 1)
+    head_dim = as_int(_OP, "head_dim", head_dim)
+    head_dim_v = head_dim if head_dim_v is None else as_int(_OP, "head_dim_v", head_dim_v)
     if not isinstance(deterministic, bool):
-        _fail(_OP, "deterministic", "a bool", type(deterministic).__name__)
-    if not _is_int(arch) or arch not in (0, 80, 90):
-        _fail(_OP, "arch", "0 (the device's path), 80 or 90", arch)
+        fail(_OP, "deterministic", "a bool", type(deterministic).__name__, FlashEpilogueTypeError)
+    arch = as_int(_OP, "arch", arch)
     varlen = cu_seqlens is not None or total_tokens is not None
     if varlen:
         if seqlen is not None:
-            _fail(_OP, "seqlen", "None in the varlen layout (cu_seqlens/total_tokens given)", seqlen)
-        if not _is_int(total_tokens) or total_tokens < 0:
-            _fail(_OP, "total_tokens", "an int >= 0 (the partials' row count) in the varlen layout", total_tokens)
+            fail(_OP, "seqlen", "None in the varlen layout (cu_seqlens/total_tokens given)", seqlen)
+        rows = as_count(_OP, "total_tokens", total_tokens, "an int >= 0 (the partials' row count) in the varlen layout")
         if cu_seqlens is not None:
-            _check_tensor(_OP, "cu_seqlens", cu_seqlens)
-            n = int(_check_seqlens_meta(_OP, cu_seqlens, None, 0))
+            n = _sequences(cu_seqlens)
             if batch is not None and batch != n:
-                _fail(_OP, "batch", f"None or {n} (cu_seqlens.numel() - 1)", batch)
+                fail(_OP, "batch", f"None or {n} (cu_seqlens.numel() - 1)", batch)
             batch = n
-        elif not _is_int(batch) or batch < 1:
-            _fail(_OP, "batch", "an int >= 1 (the number of sequences) or cu_seqlens", batch)
-        rows = int(total_tokens)
+        batch = as_count(_OP, "batch", batch, "an int >= 1 (the number of sequences) or cu_seqlens", 1)
     else:
-        if not _is_int(batch) or batch < 0:
-            _fail(_OP, "batch", "an int >= 0", batch)
-        if not _is_int(seqlen) or seqlen < 0:
-            _fail(_OP, "seqlen", "an int >= 0 (or cu_seqlens and total_tokens for the varlen layout)", seqlen)
-        rows = int(seqlen)
+        batch = as_count(_OP, "batch", batch, "an int >= 0")
+        rows = as_count(_OP, "seqlen", seqlen, "an int >= 0 (or cu_seqlens and total_tokens for the varlen layout)")
     if device is None:
         device = cu_seqlens.device if cu_seqlens is not None else torch.device("cuda", torch.cuda.current_device())
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    path = resolve_arch(device, arch)
-    cfg = tile_config(head_dim, head_dim_v, path)
-    shape = gqa_accum_shape(int(batch), rows, int(num_heads_kv), int(head_dim), int(head_dim_v), arch=path,
-                            varlen=varlen)
-    dk_accum = torch.zeros(shape, dtype=torch.float32, device=device)
-    dv_accum = torch.zeros(shape, dtype=torch.float32, device=device)
+    try:  # the one place the accumulator geometry is computed (the ops check against the same function)
+        layout = _C.gqa_accum_layout(num_heads_kv, head_dim, head_dim_v, batch, rows, varlen, arch, device)
+    except (TypeError, ValueError) as e:
+        raise _extension.op_error(_OP, e) from None
+    shape = tuple(layout["shape"])
     semaphores = None
     if deterministic:
-        semaphores = torch.zeros(gqa_semaphore_numel(shape), dtype=torch.int32, device=device)
-    return GQAAccumulator(dk_accum, dv_accum, semaphores, head_dim=int(head_dim), head_dim_v=int(head_dim_v),
-                          block_n=cfg.block_n, tile_elems=cfg.accum_tile_elems, arch=path,
-                          num_heads_kv=int(num_heads_kv), batch=int(batch), rows=rows, varlen=varlen)
+        semaphores = torch.zeros(layout["semaphore_numel"], dtype=torch.int32, device=device)
+    return GQAAccumulator(torch.zeros(shape, dtype=torch.float32, device=device),
+                          torch.zeros(shape, dtype=torch.float32, device=device), semaphores, head_dim=head_dim,
+                          head_dim_v=head_dim_v, block_n=layout["block_n"], tile_elems=layout["tile_elems"],
+                          arch=layout["arch"], num_heads_kv=num_heads_kv, batch=batch, rows=rows, varlen=varlen)
+
+
+def _sequences(cu_seqlens) -> int:
+    """cu_seqlens.numel() - 1 of an int32 (batch + 1,) tensor (only its size is read)."""
+    if not isinstance(cu_seqlens, torch.Tensor):
+        fail(_OP, "cu_seqlens", "a torch.Tensor", type(cu_seqlens).__name__, FlashEpilogueTypeError)
+    if cu_seqlens.dtype != torch.int32:
+        fail(_OP, "cu_seqlens: dtype", "torch.int32", cu_seqlens.dtype, FlashEpilogueTypeError)
+    if cu_seqlens.dim() != 1:
+        fail(_OP, "cu_seqlens: rank", "1 dim (batch + 1,)",
+             f"{cu_seqlens.dim()} dims, shape {tuple(cu_seqlens.shape)}")
+    if cu_seqlens.numel() < 2:
+        fail(_OP, "cu_seqlens: numel", "batch + 1 >= 2 (at least one sequence)", cu_seqlens.numel())
+    return cu_seqlens.numel() - 1

@@ -4,7 +4,6 @@ from __future__ import annotations
 import torch
 
 from . import __version__, _extension
-from ._config import SM90_CONFIGS
 
 
 def info() -> dict:
@@ -23,6 +22,7 @@ def info() -> dict:
     if _extension._C is not None:
         d["build_info"] = dict(_extension._C.build_info())
         d["compiled_configs"] = [dict(c) for c in _extension._C.compiled_configs()]
+        d["tile_configs"] = [dict(c) for c in _extension._C.tile_configs()]
     if torch.cuda.is_available():
         d["device"] = torch.cuda.get_device_name()
         major, minor = torch.cuda.get_device_capability()
@@ -33,13 +33,17 @@ def info() -> dict:
 def main() -> None:
     d = info()
     configs = d.pop("compiled_configs", [])
+    tiles = d.pop("tile_configs", [])
     d.pop("build_info", None)
     width = max(len(k) for k in d)
     for k, v in d.items():
         print(f"{k:<{width}}  {v}")
-    print("\ntile configs (sm_90): head_dim -> kBlockN, threads, swapAB")
-    for hd, c in SM90_CONFIGS.items():
-        print(f"  {hd:>3} -> {c.block_n:>3}, {c.num_threads}, {c.swap_ab}")
+    if tiles:
+        print("\ntile configs (the C++ table): arch path, head_dim -> kBlockN, threads, swapAB, atom_layout_n, "
+              "GQA accumulator floats per tile")
+        for c in tiles:
+            print(f"  sm_{c['arch']} {c['head_dim']:>3} -> {c['block_n']:>3}, {c['num_threads']}, {c['swap_ab']!s:5}, "
+                  f"{c['atom_layout_n']}, {c['accum_tile_elems']}")
     if configs:
         ops = sorted({c["op"] for c in configs})
         print(f"\ncompiled kernels: {len(configs)} ({', '.join(ops)}; "

@@ -1,132 +1,36 @@
-"""The Python API: thin wrappers over torch.ops.flash_epilogue.*.
+"""The Python API: thin wrappers over torch.ops.flash_epilogue.* (the ops of csrc/binding).
 
-Host time. The C++ ops check every argument themselves (the same checks as validation.py, with the
-same messages), so on the hot path a wrapper calls the op first and runs the Python validation
-only when the op raises: the validation then raises FlashEpilogueInputError naming the bad
-argument, or, when it finds nothing wrong, the op's own error is re-raised. The Python validation
-runs first, as before, under torch.compile, for anything but a plain CUDA tensor (meta and fake
-tensors reach the fake kernels, which do not validate), when content checks are asked for, and
-for Python scalars of unusual types (numpy ints, ...; the op's schema would coerce them).
-
-Validation reads tensor metadata only (no host sync). Checks of tensor *contents*
-(cu_seqlens monotonic and in range, seqused within its segment) need a host sync and run only
-when asked: `check_inputs=True`, or FLASH_EPILOGUE_CHECK_INPUTS=1 in the environment; never while
-a CUDA graph is being captured or under torch.compile. The kernels clamp every row range to the
-tensor's extent, so bad metadata cannot write outside a tensor even unchecked.
-
-FLASH_EPILOGUE_DEBUG=1 turns the content checks on and synchronizes after every launch, so a
-device-side failure is reported by the op that caused it.
-
-Both variables are read once, at import (an environment lookup on every call costs host time);
-after changing them in a running process call :func:`refresh_env_flags`.
+The C++ ops check every argument (metadata only, no host sync) with messages
+``flash_epilogue.<op>: <arg>: expected <expected>, got <got>``. A wrapper calls its op and raises the op's error
+as FlashEpilogueInputError (FlashEpilogueTypeError for a wrong type or dtype). It checks only what the op does not
+see: Python scalars (coerced to the schema's int64 and float), the GQAAccumulator, gqa_reduce's
+num_heads_kv/out/out_dtype and store_zero's index lists. Under torch.compile a wrapper calls the op directly: an
+invalid compiled call fails when it runs, with the op's message. The opt-in content checks of cu_seqlens, seqused
+and the selections (a host sync) and FLASH_EPILOGUE_DEBUG: see flash_epilogue._checks.
 """
 from __future__ import annotations
 
 import operator
-import os
 from typing import Optional, Sequence, Union
 
 import torch
 
-from . import _extension  # defines the ops, or their fallbacks
-from . import validation
+from . import _checks, _extension
+from ._checks import refresh_env_flags
+from .errors import FlashEpilogueTypeError, as_count, as_float, as_index, as_int, fail
 from .gqa import GQAAccumulator
 
 __all__ = ["store", "store_zero", "gqa_accumulate", "gqa_postprocess", "gqa_reduce", "refresh_env_flags"]
 
-
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "0") not in ("", "0")
-
-
-_DEBUG = False  # FLASH_EPILOGUE_DEBUG
-_CHECK_INPUTS = False  # FLASH_EPILOGUE_CHECK_INPUTS or FLASH_EPILOGUE_DEBUG: content checks by default
+_ops = torch.ops.flash_epilogue  # looked up once (host time); each op is looked up per call
+_I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
+_I32_MIN, _I32_MAX = -(2**31), 2**31 - 1
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def refresh_env_flags() -> None:
-    """Re-read FLASH_EPILOGUE_CHECK_INPUTS and FLASH_EPILOGUE_DEBUG from the environment.
-
-    They are read once, when the package is imported; call this after changing them in a running
-    process (``os.environ[...] = "1"``, pytest's ``monkeypatch.setenv``)."""
-    global _DEBUG, _CHECK_INPUTS
-    _DEBUG = _env_flag("FLASH_EPILOGUE_DEBUG")
-    _CHECK_INPUTS = _env_flag("FLASH_EPILOGUE_CHECK_INPUTS") or _DEBUG
-    if _extension._C is not None and hasattr(_extension._C, "_set_debug_sync"):
-        _extension._C._set_debug_sync(_DEBUG)  # repeat_kv's backward synchronizes in C++
-
-
-refresh_env_flags()
-
-_NUMBER_TYPES = (int, float)  # scalars the fast path passes to an op as they are (bool is not one)
-
-
-def _eager_and_not_capturing() -> bool:
-    if torch.compiler.is_compiling():
-        return False
-    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
-
-
-def _want_content_checks(check_inputs: Optional[bool]) -> bool:
-    """Content checks (a host sync) when asked: check_inputs=True, FLASH_EPILOGUE_CHECK_INPUTS=1 or
-    FLASH_EPILOGUE_DEBUG=1; never under torch.compile or CUDA-graph capture."""
-    if check_inputs is None:
-        check_inputs = _CHECK_INPUTS
-    return bool(check_inputs) and _eager_and_not_capturing()
-
-
-def _debug_sync(op: str, device: torch.device) -> None:
-    """FLASH_EPILOGUE_DEBUG=1: wait for the launch and report a device error against this op."""
-    if not (_DEBUG and device.type == "cuda" and _eager_and_not_capturing()):
-        return
-    try:
-        torch.cuda.synchronize(device)
-    except Exception as e:  # noqa: BLE001 (re-raised with the op's name)
-        raise RuntimeError(f"flash_epilogue.{op}: the kernel failed on {device}: {e}") from e
-
-
-def _op_checks_first(t, check_inputs: Optional[bool]) -> bool:
-    """Whether a call may go straight to the op (which checks its arguments; the Python validation
-    runs only if it raises): eager, `t` (the op's first tensor) a plain CUDA tensor, so the call
-    reaches the C++ kernel, and no content checks asked for (they run before the launch)."""
-    if check_inputs is None:
-        check_inputs = _CHECK_INPUTS
-    return not check_inputs and not torch.compiler.is_compiling() and type(t) is torch.Tensor and t.is_cuda
-
-
-def _explain(validate, *args, **kwargs) -> None:
-    """The op raised: run the Python validation, whose FlashEpilogueInputError names the bad
-    argument (raised in place of the op's error). Returns when it finds nothing wrong; the caller
-    then re-raises the op's own error."""
-    try:
-        validate(*args, **kwargs)
-    except (validation.FlashEpilogueInputError, validation.FlashEpilogueBuildError) as e:
-        raise e from None
-
-
-def _check_fake_devices(op: str, tensors) -> None:
-    """Fake kernels: every tensor on one device. A call mixing meta (or fake) tensors with real ones
-    is dispatched to the fake kernel, which must not accept what the op would refuse."""
-    ref_name, ref = None, None
-    for name, t in tensors:
-        if t is None:
-            continue
-        if ref is None:
-            ref_name, ref = name, t
-        elif t.device != ref.device:
-            validation._fail(op, f"{name}: device", f"{ref.device} (the device of {ref_name})", t.device)
-
-
-def store(
-    dk_accum: torch.Tensor,
-    dv_accum: torch.Tensor,
-    dk: torch.Tensor,
-    dv: torch.Tensor,
-    *,
-    cu_seqlens: Optional[torch.Tensor] = None,
-    seqused: Optional[torch.Tensor] = None,
-    check_inputs: Optional[bool] = None,
-    _arch: int = 0,
-) -> None:
+def store(dk_accum: torch.Tensor, dv_accum: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, *,
+          cu_seqlens: Optional[torch.Tensor] = None, seqused: Optional[torch.Tensor] = None,
+          check_inputs: Optional[bool] = None, _arch: int = 0) -> None:
     """Convert fp32 dK/dV accumulators to dk/dv (bf16 or fp16, round to nearest even), in place.
 
     Layouts: batched (batch, seqlen, heads, d) with any strides whose last dim is contiguous
@@ -135,82 +39,50 @@ def store(
     each sequence to its first seqused[b] rows. Only valid rows of dk/dv are written; dv may have
     its own head dim. The fp32 inputs have the shapes of dk and dv.
     """
-    if _op_checks_first(dk, check_inputs):
-        try:
-            torch.ops.flash_epilogue.store(dk_accum, dv_accum, dk, dv, cu_seqlens=cu_seqlens, seqused=seqused,
-                                           _arch=_arch)
-        except Exception:
-            _explain(validation.validate_store, dk_accum, dv_accum, dk, dv, cu_seqlens, seqused)
-            raise
-    else:
-        problem = validation.validate_store(dk_accum, dv_accum, dk, dv, cu_seqlens, seqused)
-        if _want_content_checks(check_inputs):
-            validation.check_seqlens_contents(
-                cu_seqlens, seqused, total=problem.seqlen,
-                seqlen_static=None if problem.varlen else problem.seqlen, op="store")
-        torch.ops.flash_epilogue.store(dk_accum, dv_accum, dk, dv, cu_seqlens=cu_seqlens, seqused=seqused,
-                                       _arch=_arch)
-    if _DEBUG:
-        _debug_sync("store", dk.device)
-
-
-@torch.library.register_fake("flash_epilogue::store")
-def _store_fake(dk_accum, dv_accum, dk, dv, *, cu_seqlens=None, seqused=None, _arch=0) -> None:
-    _check_fake_devices("store", (("dk_accum", dk_accum), ("dv_accum", dv_accum), ("dk", dk), ("dv", dv),
-                                  ("cu_seqlens", cu_seqlens), ("seqused", seqused)))
+    if torch.compiler.is_compiling():
+        return _ops.store(dk_accum, dv_accum, dk, dv, cu_seqlens=cu_seqlens, seqused=seqused, _arch=_arch)
+    if type(_arch) is not int or not _I64_MIN <= _arch <= _I64_MAX:
+        _arch = as_int("store", "_arch", _arch)
+    if check_inputs or (check_inputs is None and _checks.CHECK_INPUTS):
+        _checks.check_contents("store", dk, cu_seqlens, seqused)
+    try:
+        _ops.store(dk_accum, dv_accum, dk, dv, cu_seqlens=cu_seqlens, seqused=seqused, _arch=_arch)
+    except Exception as e:  # noqa: BLE001 (the op's error, as the package's)
+        raise _extension.op_error("store", e) from None
+    if _checks.DEBUG:
+        _checks.debug_sync("store", dk.device)
 
 
 IndexArg = Union[None, int, Sequence[int], torch.Tensor]
 
-_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 
-
-def _index_tensor(op: str, name: str, idx: IndexArg, device) -> Optional[torch.Tensor]:
-    """batch_idx/head_idx as the op takes them: None, or an int32 tensor on `device`.
-
-    A tensor is passed through unchanged (validation then checks its dtype, shape and device);
-    an int or a sequence of ints becomes a new int32 tensor on `device` (a host -> device copy).
-    """
+def _index_tensor(name: str, idx: IndexArg, device) -> Optional[torch.Tensor]:
+    """batch_idx/head_idx as the op takes them: None or a tensor (passed on: the op checks it), or an int or a
+    sequence of ints as a new int32 tensor on `device` (a host -> device copy)."""
     if idx is None or isinstance(idx, torch.Tensor):
         return idx
-    what = "None, an int, a sequence of ints or an int32 tensor"
-    if isinstance(idx, bool) or isinstance(idx, (str, bytes)):
-        validation._fail(op, name, what, type(idx).__name__)
+    op, what = "store_zero", "None, an int, a sequence of ints or an int32 tensor"
+    if isinstance(idx, (bool, str, bytes)):
+        fail(op, name, what, type(idx).__name__, FlashEpilogueTypeError)
     try:
-        values = [operator.index(idx)]
-        names = [name]
+        values, names = [operator.index(idx)], [name]
     except TypeError:
         try:
             items = list(idx)
         except TypeError:
-            validation._fail(op, name, what, type(idx).__name__)
-        values, names = [], [f"{name}[{i}]" for i in range(len(items))]
-        for v, v_name in zip(items, names):
-            if isinstance(v, bool):
-                validation._fail(op, v_name, "an int", "bool")
-            try:
-                values.append(operator.index(v))
-            except TypeError:
-                validation._fail(op, v_name, "an int", type(v).__name__)
-    for v, v_name in zip(values, names):
-        if not _INT32_MIN <= v <= _INT32_MAX:
-            validation._fail(op, v_name, f"an int32 value in [{_INT32_MIN}, {_INT32_MAX}]", v)
+            fail(op, name, what, type(idx).__name__, FlashEpilogueTypeError)
+        names = [f"{name}[{i}]" for i in range(len(items))]
+        values = [as_index(op, n, v) for n, v in zip(names, items)]
+    for v, n in zip(values, names):
+        if not _I32_MIN <= v <= _I32_MAX:
+            fail(op, n, f"an int32 value in [{_I32_MIN}, {_I32_MAX}]", v)
     return torch.tensor(values, dtype=torch.int32, device=device)
 
 
-def store_zero(
-    dk: torch.Tensor,
-    dv: torch.Tensor,
-    *,
-    cu_seqlens: Optional[torch.Tensor] = None,
-    seqused: Optional[torch.Tensor] = None,
-    batch_idx: IndexArg = None,
-    head_idx: IndexArg = None,
-    row_start: int = 0,
-    row_end: Optional[int] = None,
-    check_inputs: Optional[bool] = None,
-    _arch: int = 0,
-) -> None:
+def store_zero(dk: torch.Tensor, dv: torch.Tensor, *, cu_seqlens: Optional[torch.Tensor] = None,
+               seqused: Optional[torch.Tensor] = None, batch_idx: IndexArg = None, head_idx: IndexArg = None,
+               row_start: int = 0, row_end: Optional[int] = None, check_inputs: Optional[bool] = None,
+               _arch: int = 0) -> None:
     """Write zeros into the valid rows of dk and dv (bf16 or fp16), in place.
 
     Layouts as for :func:`store`: batched (batch, seqlen, heads, d) or varlen
@@ -229,139 +101,82 @@ def store_zero(
     """
     op = "store_zero"
     if (batch_idx is not None or head_idx is not None) and isinstance(dk, torch.Tensor):
-        batch_idx = _index_tensor(op, "batch_idx", batch_idx, dk.device)
-        head_idx = _index_tensor(op, "head_idx", head_idx, dk.device)
-    if (_op_checks_first(dk, check_inputs) and type(row_start) is int
-            and (row_end is None or type(row_end) is int)):
-        try:
-            torch.ops.flash_epilogue.store_zero(dk, dv, cu_seqlens=cu_seqlens, seqused=seqused, batch_idx=batch_idx,
-                                                head_idx=head_idx, row_start=row_start, row_end=row_end, _arch=_arch)
-        except Exception:
-            _explain(validation.validate_store_zero, dk, dv, cu_seqlens, seqused, batch_idx, head_idx, row_start,
-                     row_end)
-            raise
-    else:
-        problem = validation.validate_store_zero(dk, dv, cu_seqlens, seqused, batch_idx, head_idx, row_start,
-                                                 row_end)
-        if _want_content_checks(check_inputs):
-            validation.check_seqlens_contents(
-                cu_seqlens, seqused, total=problem.seqlen,
-                seqlen_static=None if problem.varlen else problem.seqlen, op=op)
-            validation.check_index_contents(op, "batch_idx", batch_idx, problem.batch, limit_why="the batch size")
-            validation.check_index_contents(op, "head_idx", head_idx, problem.num_heads,
-                                            limit_why="the number of heads")
-        torch.ops.flash_epilogue.store_zero(dk, dv, cu_seqlens=cu_seqlens, seqused=seqused, batch_idx=batch_idx,
-                                            head_idx=head_idx, row_start=row_start, row_end=row_end, _arch=_arch)
-    if _DEBUG:
-        _debug_sync(op, dk.device)
-
-
-def _register_fake_if_defined(qualname: str):
-    """torch.library.register_fake for an op the loaded extension defines.
-
-    An extension built before an op was added (a stale build) lacks it: the op can then be
-    neither called nor traced, so there is nothing to register (tests/test_schemas.py reports
-    the missing schema). Every other case (a current build, the fallback schemas) registers.
-    """
-    namespace, name = qualname.split("::")
-
-    def decorate(fn):
-        if hasattr(getattr(torch.ops, namespace), name):
-            torch.library.register_fake(qualname)(fn)
-        return fn
-
-    return decorate
-
-
-@_register_fake_if_defined("flash_epilogue::store_zero")
-def _store_zero_fake(dk, dv, *, cu_seqlens=None, seqused=None, batch_idx=None, head_idx=None, row_start=0,
-                     row_end=None, _arch=0) -> None:
-    _check_fake_devices("store_zero", (("dk", dk), ("dv", dv), ("cu_seqlens", cu_seqlens), ("seqused", seqused),
-                                       ("batch_idx", batch_idx), ("head_idx", head_idx)))
+        batch_idx = _index_tensor("batch_idx", batch_idx, dk.device)
+        head_idx = _index_tensor("head_idx", head_idx, dk.device)
+    if torch.compiler.is_compiling():
+        return _ops.store_zero(dk, dv, cu_seqlens=cu_seqlens, seqused=seqused, batch_idx=batch_idx,
+                               head_idx=head_idx, row_start=row_start, row_end=row_end, _arch=_arch)
+    if type(row_start) is not int or not _I64_MIN <= row_start <= _I64_MAX:
+        row_start = as_int(op, "row_start", row_start)
+    if row_end is not None and (type(row_end) is not int or not _I64_MIN <= row_end <= _I64_MAX):
+        row_end = as_int(op, "row_end", row_end, "None or an int")
+    if type(_arch) is not int or not _I64_MIN <= _arch <= _I64_MAX:
+        _arch = as_int(op, "_arch", _arch)
+    if check_inputs or (check_inputs is None and _checks.CHECK_INPUTS):
+        _checks.check_contents(op, dk, cu_seqlens, seqused, batch_idx, head_idx)
+    try:
+        _ops.store_zero(dk, dv, cu_seqlens=cu_seqlens, seqused=seqused, batch_idx=batch_idx, head_idx=head_idx,
+                        row_start=row_start, row_end=row_end, _arch=_arch)
+    except Exception as e:  # noqa: BLE001 (the op's error, as the package's)
+        raise _extension.op_error(op, e) from None
+    if _checks.DEBUG:
+        _checks.debug_sync(op, dk.device)
 
 
 # --------------------------------------------------------------------------------------------
 # GQA: accumulate per-query-head partials into a GQAAccumulator, postprocess it; one-call reduce
 
 
-def _check_acc(op: str, acc) -> None:
+def _check_acc(op: str, acc, k, v, cu_seqlens, k_name: str, v_name: str) -> None:
+    """`acc` is a GQAAccumulator sized for this call (`k`/`v`: the call's tensors of dK's/dV's head dim): the
+    ints that accumulator tensors of one shape can still disagree on."""
     if not isinstance(acc, GQAAccumulator):
-        validation._fail(op, "acc", "a flash_epilogue.GQAAccumulator (from flash_epilogue.gqa_accumulator)",
-                         type(acc).__name__)
-
-
-def _check_acc_matches(op: str, acc: GQAAccumulator, problem: validation.GQAProblem, *, k_name: str,
-                       v_name: Optional[str]) -> None:
-    """The accumulator was sized for this problem (its tensors' shapes are checked by the
-    validator; here the ints that tensors of the same shape can still disagree on)."""
-    layout = "varlen (cu_seqlens given)" if problem.varlen else "batched (cu_seqlens None)"
-    if acc.varlen != problem.varlen:
-        validation._fail(op, "acc.varlen", f"{problem.varlen}: the call's layout is {layout}", acc.varlen)
-    batch_why = "cu_seqlens.numel() - 1" if problem.varlen else f"{k_name}.shape[0]"
-    if acc.batch != problem.batch:
-        validation._fail(op, "acc.batch", f"{problem.batch} ({batch_why})", acc.batch)
-    rows_why = f"{k_name}.shape[0], the total tokens" if problem.varlen else f"{k_name}.shape[1], the seqlen"
-    if acc.rows != problem.seqlen:
-        validation._fail(op, "acc.rows", f"{problem.seqlen} ({rows_why})", acc.rows)
-    if acc.head_dim != problem.head_dim:
-        validation._fail(op, "acc.head_dim", f"{problem.head_dim} ({k_name}.shape[-1])", acc.head_dim)
-    if v_name is not None and acc.head_dim_v != problem.head_dim_v:
-        validation._fail(op, "acc.head_dim_v", f"{problem.head_dim_v} ({v_name}.shape[-1])", acc.head_dim_v)
-
-
-def _acc_fits(acc: GQAAccumulator, k, v, cu_seqlens) -> bool:
-    """_check_acc_matches without messages, from shapes alone (the fast path); False also when the
-    arguments are too malformed to tell (the Python validation then says what is wrong)."""
+        fail(op, "acc", "a flash_epilogue.GQAAccumulator (from flash_epilogue.gqa_accumulator)", type(acc).__name__,
+             FlashEpilogueTypeError)
     try:
-        varlen = cu_seqlens is not None
-        shape = k.shape
-        batch, rows = (cu_seqlens.numel() - 1, shape[0]) if varlen else (shape[0], shape[1])
-        return (acc.varlen == varlen and acc.batch == batch and acc.rows == rows and acc.head_dim == shape[-1]
-                and acc.head_dim_v == v.shape[-1])
-    except Exception:  # noqa: BLE001
-        return False
+        shape, varlen = k.shape, cu_seqlens is not None
+        want = (varlen, cu_seqlens.numel() - 1 if varlen else shape[0], shape[0 if varlen else 1], shape[-1],
+                v.shape[-1])
+    except Exception:  # noqa: BLE001 (not tensors, too few dims: the op reports them)
+        return
+    if (acc.varlen, acc.batch, acc.rows, acc.head_dim, acc.head_dim_v) != want:
+        _acc_mismatch(op, acc, k, v, cu_seqlens, k_name, v_name)
 
 
-def _validate_accumulate(op, acc, dk_partial, dv_partial, semaphores, cu_seqlens, seqused, deterministic):
-    problem = validation.validate_gqa_accumulate(dk_partial, dv_partial, acc.dk_accum, acc.dv_accum, semaphores,
-                                                 cu_seqlens, seqused, deterministic=deterministic, _arch=acc.arch,
-                                                 op=op)
-    _check_acc_matches(op, acc, problem, k_name="dk_partial", v_name="dv_partial")
-    return problem
+def _acc_mismatch(op: str, acc: GQAAccumulator, k, v, cu_seqlens, k_name: str, v_name: str) -> None:
+    """_check_acc found a difference: name it, unless the op rejects the call anyway (tensors of the wrong rank,
+    a malformed cu_seqlens)."""
+    varlen = cu_seqlens is not None
+    rank = 3 if varlen else 4
+    if not (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor) and k.dim() == rank == v.dim()):
+        return
+    if varlen and not (isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dim() == 1):
+        return
+    shape = k.shape
+    want = (cu_seqlens.numel() - 1, shape[0]) if varlen else (shape[0], shape[1])
+    # The op's own check comes first: where the accumulator's tensors lack the shape the op computes for this
+    # call (its KV heads: dk's for postprocess, the accumulator's for accumulate), the op names dk_accum's shape.
+    try:
+        heads = shape[-2] if op == "gqa_postprocess" else acc.dk_accum.shape[1]
+        layout = _extension._C.gqa_accum_layout(heads, shape[-1], v.shape[-1], *want, varlen, acc.arch, k.device)
+    except Exception:  # noqa: BLE001 (arguments the op rejects itself)
+        return
+    if tuple(layout["shape"]) != tuple(acc.dk_accum.shape):
+        return
+    if acc.varlen != varlen:
+        kind = "varlen (cu_seqlens given)" if varlen else "batched (cu_seqlens None)"
+        fail(op, "acc.varlen", f"{varlen}: the call's layout is {kind}", acc.varlen)
+    whys = ("cu_seqlens.numel() - 1", f"{k_name}.shape[0], the total tokens") if varlen else (
+        f"{k_name}.shape[0]", f"{k_name}.shape[1], the seqlen")
+    for field, w, why in zip(("batch", "rows", "head_dim", "head_dim_v"), want + (shape[-1], v.shape[-1]),
+                             whys + (f"{k_name}.shape[-1]", f"{v_name}.shape[-1]")):
+        if getattr(acc, field) != w:
+            fail(op, f"acc.{field}", f"{w} ({why})", getattr(acc, field))
 
 
-def _validate_postprocess(op, acc, dk, dv, cu_seqlens, seqused, scale_dk, scale_dv):
-    problem = validation.validate_gqa_postprocess(acc.dk_accum, acc.dv_accum, dk, dv, cu_seqlens, seqused,
-                                                  scale_dk=scale_dk, scale_dv=scale_dv, _arch=acc.arch, op=op)
-    _check_acc_matches(op, acc, problem, k_name="dk", v_name="dv")
-    return problem
-
-
-def _validate_reduce(op, dk_partial, dv_partial, dk, dv, cu_seqlens, seqused, scale_dk, scale_dv, _arch,
-                     num_heads_kv):
-    problem = validation.validate_gqa_reduce(dk_partial, dv_partial, dk, dv, cu_seqlens, seqused, scale_dk=scale_dk,
-                                             scale_dv=scale_dv, _arch=_arch, op=op)
-    if problem.num_heads_kv != num_heads_kv:
-        validation._fail(op, "num_heads_kv", f"{problem.num_heads_kv} (the heads of out: dk.shape[-2])", num_heads_kv)
-    return problem
-
-
-def _content_checks(check_inputs, op: str, problem, cu_seqlens, seqused) -> None:
-    if _want_content_checks(check_inputs):
-        validation.check_seqlens_contents(cu_seqlens, seqused, total=problem.seqlen,
-                                          seqlen_static=None if problem.varlen else problem.seqlen, op=op)
-
-
-def gqa_accumulate(
-    dk_partial: torch.Tensor,
-    dv_partial: torch.Tensor,
-    acc: GQAAccumulator,
-    *,
-    deterministic: Optional[bool] = None,
-    cu_seqlens: Optional[torch.Tensor] = None,
-    seqused: Optional[torch.Tensor] = None,
-    check_inputs: Optional[bool] = None,
-) -> None:
+def gqa_accumulate(dk_partial: torch.Tensor, dv_partial: torch.Tensor, acc: GQAAccumulator, *,
+                   deterministic: Optional[bool] = None, cu_seqlens: Optional[torch.Tensor] = None,
+                   seqused: Optional[torch.Tensor] = None, check_inputs: Optional[bool] = None) -> None:
     """Add per-query-head fp32 dK/dV partials into the GQA accumulator ``acc``, in place.
 
     ``dk_partial``/``dv_partial``: fp32 (batch, seqlen, h_q, d) / (batch, seqlen, h_q, dv), or
@@ -378,50 +193,38 @@ def gqa_accumulate(
     ``torch.are_deterministic_algorithms_enabled()``.
     """
     op = "gqa_accumulate"
-    _check_acc(op, acc)
+    _check_acc(op, acc, dk_partial, dv_partial, cu_seqlens, "dk_partial", "dv_partial")
     if deterministic is None:
         # an accumulator allocated for deterministic mode asks for it; so does torch's global switch
         deterministic = acc.semaphores is not None or torch.are_deterministic_algorithms_enabled()
         why = "torch.are_deterministic_algorithms_enabled() is True"
+    elif type(deterministic) is not bool:
+        fail(op, "deterministic", "a bool", type(deterministic).__name__, FlashEpilogueTypeError)
     else:
         why = "deterministic=True"
-    if deterministic is True and acc.semaphores is None:
-        validation._fail(op, "acc.semaphores",
-                         f"an int32 workspace because {why}: allocate the accumulator with "
-                         "flash_epilogue.gqa_accumulator(..., deterministic=True) (or pass deterministic=False)",
-                         "None (allocated with deterministic=False)")
-    semaphores = acc.semaphores if deterministic is True else None
-    if (_op_checks_first(dk_partial, check_inputs) and type(deterministic) is bool
-            and _acc_fits(acc, dk_partial, dv_partial, cu_seqlens)):
-        try:
-            torch.ops.flash_epilogue.gqa_accumulate(dk_partial, dv_partial, acc.dk_accum, acc.dv_accum, semaphores,
-                                                    cu_seqlens=cu_seqlens, seqused=seqused,
-                                                    deterministic=deterministic, _arch=acc.arch)
-        except Exception:
-            _explain(_validate_accumulate, op, acc, dk_partial, dv_partial, semaphores, cu_seqlens, seqused,
-                     deterministic)
-            raise
-    else:
-        problem = _validate_accumulate(op, acc, dk_partial, dv_partial, semaphores, cu_seqlens, seqused, deterministic)
-        _content_checks(check_inputs, op, problem, cu_seqlens, seqused)
-        torch.ops.flash_epilogue.gqa_accumulate(dk_partial, dv_partial, acc.dk_accum, acc.dv_accum, semaphores,
-                                                cu_seqlens=cu_seqlens, seqused=seqused, deterministic=deterministic,
-                                                _arch=acc.arch)
-    if _DEBUG:
-        _debug_sync(op, dk_partial.device)
+    if deterministic and acc.semaphores is None:
+        fail(op, "acc.semaphores", f"an int32 workspace because {why}: allocate the accumulator with "
+             "flash_epilogue.gqa_accumulator(..., deterministic=True) (or pass deterministic=False)",
+             "None (allocated with deterministic=False)")
+    semaphores = acc.semaphores if deterministic else None
+    if torch.compiler.is_compiling():
+        return _ops.gqa_accumulate(dk_partial, dv_partial, acc.dk_accum, acc.dv_accum, semaphores,
+                                   cu_seqlens=cu_seqlens, seqused=seqused, deterministic=deterministic,
+                                   _arch=acc.arch)
+    if check_inputs or (check_inputs is None and _checks.CHECK_INPUTS):
+        _checks.check_contents(op, dk_partial, cu_seqlens, seqused)
+    try:
+        _ops.gqa_accumulate(dk_partial, dv_partial, acc.dk_accum, acc.dv_accum, semaphores, cu_seqlens=cu_seqlens,
+                            seqused=seqused, deterministic=deterministic, _arch=acc.arch)
+    except Exception as e:  # noqa: BLE001 (the op's error, as the package's)
+        raise _extension.op_error(op, e) from None
+    if _checks.DEBUG:
+        _checks.debug_sync(op, dk_partial.device)
 
 
-def gqa_postprocess(
-    acc: GQAAccumulator,
-    dk: torch.Tensor,
-    dv: torch.Tensor,
-    *,
-    scale_dk: float = 1.0,
-    scale_dv: float = 1.0,
-    cu_seqlens: Optional[torch.Tensor] = None,
-    seqused: Optional[torch.Tensor] = None,
-    check_inputs: Optional[bool] = None,
-) -> None:
+def gqa_postprocess(acc: GQAAccumulator, dk: torch.Tensor, dv: torch.Tensor, *, scale_dk: float = 1.0,
+                    scale_dv: float = 1.0, cu_seqlens: Optional[torch.Tensor] = None,
+                    seqused: Optional[torch.Tensor] = None, check_inputs: Optional[bool] = None) -> None:
     """Write the accumulator to dk/dv (bf16 or fp16), in place: ``(accum * scale).to(dtype)``
     (fp32 multiply by the scale rounded to fp32, then round to nearest even).
 
@@ -431,106 +234,71 @@ def gqa_postprocess(
     accumulator is not changed: call ``acc.reset()`` before reusing it.
     """
     op = "gqa_postprocess"
-    _check_acc(op, acc)
-    if (_op_checks_first(dk, check_inputs) and type(scale_dk) in _NUMBER_TYPES and type(scale_dv) in _NUMBER_TYPES
-            and _acc_fits(acc, dk, dv, cu_seqlens)):
-        try:
-            torch.ops.flash_epilogue.gqa_postprocess(acc.dk_accum, acc.dv_accum, dk, dv, scale_dk=float(scale_dk),
-                                                     scale_dv=float(scale_dv), cu_seqlens=cu_seqlens, seqused=seqused,
-                                                     _arch=acc.arch)
-        except Exception:
-            _explain(_validate_postprocess, op, acc, dk, dv, cu_seqlens, seqused, scale_dk, scale_dv)
-            raise
+    _check_acc(op, acc, dk, dv, cu_seqlens, "dk", "dv")
+    if torch.compiler.is_compiling():
+        return _ops.gqa_postprocess(acc.dk_accum, acc.dv_accum, dk, dv, scale_dk=scale_dk, scale_dv=scale_dv,
+                                    cu_seqlens=cu_seqlens, seqused=seqused, _arch=acc.arch)
+    if type(scale_dk) is not float:
+        scale_dk = as_float(op, "scale_dk", scale_dk)
+    if type(scale_dv) is not float:
+        scale_dv = as_float(op, "scale_dv", scale_dv)
+    if check_inputs or (check_inputs is None and _checks.CHECK_INPUTS):
+        _checks.check_contents(op, dk, cu_seqlens, seqused)
+    try:
+        _ops.gqa_postprocess(acc.dk_accum, acc.dv_accum, dk, dv, scale_dk=scale_dk, scale_dv=scale_dv,
+                             cu_seqlens=cu_seqlens, seqused=seqused, _arch=acc.arch)
+    except Exception as e:  # noqa: BLE001 (the op's error, as the package's)
+        raise _extension.op_error(op, e) from None
+    if _checks.DEBUG:
+        _checks.debug_sync(op, dk.device)
+
+
+def _new_output(name: str, partial, num_heads_kv: int, varlen: bool, out_dtype):
+    """gqa_reduce's output for `partial` (None: None): (batch, seqlen, h_k, d) or varlen (total, h_k, d) of
+    `out_dtype` (default: the partial's dtype if 16-bit, else bfloat16). For a partial the op rejects (not a
+    tensor, the wrong rank) a placeholder that lets the op report it."""
+    if not isinstance(partial, torch.Tensor):
+        return None if partial is None else torch.empty(0)
+    dtype = out_dtype
+    if dtype is None:
+        dtype = partial.dtype if partial.dtype in _HALF_DTYPES else torch.bfloat16
+    if partial.dim() != (3 if varlen else 4):
+        return partial.new_empty(0, dtype=dtype)
+    h_q = partial.shape[-2]
+    if h_q < 1 or h_q % num_heads_kv != 0:
+        fail("gqa_reduce", "num_heads_kv", f"a divisor of the {h_q} query heads ({name}.shape[-2])", num_heads_kv)
+    return partial.new_empty(tuple(partial.shape[:-2]) + (num_heads_kv, partial.shape[-1]), dtype=dtype)
+
+
+def _reduce_outputs(dk_partial, dv_partial, num_heads_kv: int, varlen: bool, out, out_dtype):
+    """(dk, dv) for gqa_reduce: `out` unpacked, or new tensors."""
+    op = "gqa_reduce"
+    if out_dtype is not None and out_dtype not in _HALF_DTYPES:
+        fail(op, "out_dtype", "None, torch.float16 or torch.bfloat16", out_dtype)
+    if out is None:
+        return (_new_output("dk_partial", dk_partial, num_heads_kv, varlen, out_dtype),
+                _new_output("dv_partial", dv_partial, num_heads_kv, varlen, out_dtype))
+    if isinstance(out, torch.Tensor):
+        if dv_partial is not None:
+            fail(op, "out", "a (dk, dv) pair because dv_partial is given", "a torch.Tensor")
+        dk, dv = out, None
+    elif isinstance(out, (tuple, list)) and len(out) == 2:
+        dk, dv = out
     else:
-        problem = _validate_postprocess(op, acc, dk, dv, cu_seqlens, seqused, scale_dk, scale_dv)
-        _content_checks(check_inputs, op, problem, cu_seqlens, seqused)
-        torch.ops.flash_epilogue.gqa_postprocess(acc.dk_accum, acc.dv_accum, dk, dv, scale_dk=float(scale_dk),
-                                                 scale_dv=float(scale_dv), cu_seqlens=cu_seqlens, seqused=seqused,
-                                                 _arch=acc.arch)
-    if _DEBUG:
-        _debug_sync(op, dk.device)
+        length = f" of length {len(out)}" if isinstance(out, (tuple, list)) else ""
+        fail(op, "out", "None, a tensor (dk) or a (dk, dv) pair", f"a {type(out).__name__}{length}")
+    if isinstance(dk, torch.Tensor):
+        if out_dtype is not None and dk.dtype != out_dtype:
+            fail(op, "out_dtype", f"None or {dk.dtype} (the dtype of out)", out_dtype)
+        if dk.dim() == (3 if varlen else 4) and dk.shape[-2] != num_heads_kv:
+            fail(op, "num_heads_kv", f"{dk.shape[-2]} (the heads of out: dk.shape[-2])", num_heads_kv)
+    return dk, dv
 
 
-def _accum_to_dense(acc: GQAAccumulator, *, cu_seqlens=None, seqused=None,
-                    check_inputs=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """GQAAccumulator.to_dense: decode both accumulators through gqa_accum_to_dense into new
-    zero-filled fp32 tensors (rows outside the valid rows stay 0)."""
-    op = "gqa_accum_to_dense"
-    _check_acc(op, acc)
-    if acc.varlen and cu_seqlens is None:
-        validation._fail(op, "cu_seqlens", "the int32 cu_seqlens the varlen accumulator was filled with", "None")
-    if not acc.varlen and cu_seqlens is not None:
-        validation._fail(op, "cu_seqlens", "None for an accumulator of the batched layout", "a tensor")
-    if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dim() == 1 and cu_seqlens.numel() - 1 != acc.batch:
-        validation._fail(op, "acc.batch", f"{cu_seqlens.numel() - 1} (cu_seqlens.numel() - 1)", acc.batch)
-    head_dim = max(acc.head_dim, acc.head_dim_v)  # names the tile config
-    outs = []
-    for accum, d in ((acc.dk_accum, acc.head_dim), (acc.dv_accum, acc.head_dim_v)):
-        out = torch.zeros(acc.dense_shape(d), dtype=torch.float32, device=accum.device)
-        problem = validation.validate_gqa_accum_to_dense(accum, out, cu_seqlens, seqused, head_dim=head_dim,
-                                                         _arch=acc.arch, op=op)
-        if not outs:
-            _content_checks(check_inputs, op, problem, cu_seqlens, seqused)
-        torch.ops.flash_epilogue.gqa_accum_to_dense(accum, out, head_dim=head_dim, cu_seqlens=cu_seqlens,
-                                                    seqused=seqused, _arch=acc.arch)
-        outs.append(out)
-    return outs[0], outs[1]
-
-
-def _reduce_outputs(op: str, dk_partial, dv_partial, num_heads_kv, varlen: bool, out, out_dtype):
-    """(dk, dv) for gqa_reduce: `out` unpacked, or new tensors (batch, seqlen, h_k, d) / varlen
-    (total, h_k, d) of `out_dtype` (default: the partials' dtype if 16-bit, else bfloat16)."""
-    if not validation._is_int(num_heads_kv) or num_heads_kv < 1:
-        validation._fail(op, "num_heads_kv", "a positive int", num_heads_kv)
-    if out_dtype is not None and out_dtype not in validation.HALF_DTYPES:
-        validation._fail(op, "out_dtype", "None, torch.float16 or torch.bfloat16", out_dtype)
-    if out is not None:
-        if isinstance(out, torch.Tensor):
-            if dv_partial is not None:
-                validation._fail(op, "out", "a (dk, dv) pair because dv_partial is given", "a torch.Tensor")
-            dk, dv = out, None
-        elif isinstance(out, (tuple, list)) and len(out) == 2:
-            dk, dv = out
-        else:
-            validation._fail(op, "out", "None, a tensor (dk) or a (dk, dv) pair",
-                             f"a {type(out).__name__}" + (f" of length {len(out)}" if isinstance(out, (tuple, list))
-                                                          else ""))
-        if out_dtype is not None and isinstance(dk, torch.Tensor) and dk.dtype != out_dtype:
-            validation._fail(op, "out_dtype", f"None or {dk.dtype} (the dtype of out)", out_dtype)
-        return dk, dv
-    outputs = []
-    for name, partial in (("dk_partial", dk_partial), ("dv_partial", dv_partial)):
-        if partial is None:
-            outputs.append(None)
-            continue
-        validation._check_tensor(op, name, partial)
-        validation._check_rank(op, name, partial, varlen)
-        h_q = partial.shape[-2]
-        if h_q < 1 or h_q % num_heads_kv != 0:
-            validation._fail(op, "num_heads_kv", f"a divisor of the {h_q} query heads ({name}.shape[-2])",
-                             num_heads_kv)
-        dtype = out_dtype
-        if dtype is None:
-            dtype = partial.dtype if partial.dtype in validation.HALF_DTYPES else torch.bfloat16
-        shape = tuple(partial.shape[:-2]) + (num_heads_kv, partial.shape[-1])
-        outputs.append(torch.empty(shape, dtype=dtype, device=partial.device))
-    return outputs[0], outputs[1]
-
-
-def gqa_reduce(
-    dk_partial: torch.Tensor,
-    dv_partial: Optional[torch.Tensor] = None,
-    *,
-    num_heads_kv: int,
-    cu_seqlens: Optional[torch.Tensor] = None,
-    seqused: Optional[torch.Tensor] = None,
-    out: Union[None, torch.Tensor, tuple] = None,
-    out_dtype: Optional[torch.dtype] = None,
-    scale_dk: float = 1.0,
-    scale_dv: float = 1.0,
-    check_inputs: Optional[bool] = None,
-    _arch: int = 0,
-):
+def gqa_reduce(dk_partial: torch.Tensor, dv_partial: Optional[torch.Tensor] = None, *, num_heads_kv: int,
+               cu_seqlens: Optional[torch.Tensor] = None, seqused: Optional[torch.Tensor] = None,
+               out: Union[None, torch.Tensor, tuple] = None, out_dtype: Optional[torch.dtype] = None,
+               scale_dk: float = 1.0, scale_dv: float = 1.0, check_inputs: Optional[bool] = None, _arch: int = 0):
     """Sum each group of query-head partials into dK (and dV) in one call: deterministic.
 
     ``dk_partial`` (and ``dv_partial``, optional): fp32, bf16 or fp16 (batch, seqlen, h_q, d) or
@@ -546,56 +314,36 @@ def gqa_reduce(
     written. Returns dk, or (dk, dv) when dv_partial is given.
     """
     op = "gqa_reduce"
-    varlen = cu_seqlens is not None
-    dk, dv = _reduce_outputs(op, dk_partial, dv_partial, num_heads_kv, varlen, out, out_dtype)
-    if (_op_checks_first(dk_partial, check_inputs) and type(_arch) is int and type(scale_dk) in _NUMBER_TYPES
-            and type(scale_dv) in _NUMBER_TYPES and (out is None or _heads_of(dk) == num_heads_kv)):
-        try:
-            torch.ops.flash_epilogue.gqa_reduce(dk_partial, dv_partial, dk, dv, cu_seqlens=cu_seqlens, seqused=seqused,
-                                                scale_dk=float(scale_dk), scale_dv=float(scale_dv), _arch=_arch)
-        except Exception:
-            _explain(_validate_reduce, op, dk_partial, dv_partial, dk, dv, cu_seqlens, seqused, scale_dk, scale_dv,
-                     _arch, num_heads_kv)
-            raise
-    else:
-        problem = _validate_reduce(op, dk_partial, dv_partial, dk, dv, cu_seqlens, seqused, scale_dk, scale_dv, _arch,
-                                   num_heads_kv)
-        _content_checks(check_inputs, op, problem, cu_seqlens, seqused)
-        torch.ops.flash_epilogue.gqa_reduce(dk_partial, dv_partial, dk, dv, cu_seqlens=cu_seqlens, seqused=seqused,
-                                            scale_dk=float(scale_dk), scale_dv=float(scale_dv), _arch=_arch)
-    if _DEBUG:
-        _debug_sync(op, dk.device)
+    if type(num_heads_kv) is not int or num_heads_kv < 1:
+        num_heads_kv = as_count(op, "num_heads_kv", num_heads_kv, "a positive int", 1)
+    dk, dv = _reduce_outputs(dk_partial, dv_partial, num_heads_kv, cu_seqlens is not None, out, out_dtype)
+    if torch.compiler.is_compiling():
+        _ops.gqa_reduce(dk_partial, dv_partial, dk, dv, cu_seqlens=cu_seqlens, seqused=seqused, scale_dk=scale_dk,
+                        scale_dv=scale_dv, _arch=_arch)
+        return dk if dv_partial is None else (dk, dv)
+    if type(scale_dk) is not float:
+        scale_dk = as_float(op, "scale_dk", scale_dk)
+    if type(scale_dv) is not float:
+        scale_dv = as_float(op, "scale_dv", scale_dv)
+    if type(_arch) is not int or not _I64_MIN <= _arch <= _I64_MAX:
+        _arch = as_int(op, "_arch", _arch)
+    if check_inputs or (check_inputs is None and _checks.CHECK_INPUTS):
+        _checks.check_contents(op, dk_partial, cu_seqlens, seqused)
+    try:
+        _ops.gqa_reduce(dk_partial, dv_partial, dk, dv, cu_seqlens=cu_seqlens, seqused=seqused, scale_dk=scale_dk,
+                        scale_dv=scale_dv, _arch=_arch)
+    except Exception as e:  # noqa: BLE001 (the op's error, as the package's)
+        raise _extension.op_error(op, e) from None
+    if _checks.DEBUG:
+        _checks.debug_sync(op, dk.device)
     return dk if dv_partial is None else (dk, dv)
 
 
-def _heads_of(t) -> Optional[int]:
-    """t.shape[-2] of a tensor of rank >= 2, else None."""
-    return t.shape[-2] if isinstance(t, torch.Tensor) and t.dim() >= 2 else None
+def _no_outputs(*args, **kwargs) -> None:
+    """The fake kernel of the ops that only write their arguments: no output to describe, no checks (the op
+    checks when the compiled code runs)."""
 
 
-@_register_fake_if_defined("flash_epilogue::gqa_accumulate")
-def _gqa_accumulate_fake(dk_partial, dv_partial, dk_accum, dv_accum, semaphores=None, *, cu_seqlens=None,
-                         seqused=None, deterministic=False, _arch=0) -> None:
-    _check_fake_devices("gqa_accumulate", (("dk_partial", dk_partial), ("dv_partial", dv_partial),
-                                           ("dk_accum", dk_accum), ("dv_accum", dv_accum), ("semaphores", semaphores),
-                                           ("cu_seqlens", cu_seqlens), ("seqused", seqused)))
-
-
-@_register_fake_if_defined("flash_epilogue::gqa_postprocess")
-def _gqa_postprocess_fake(dk_accum, dv_accum, dk, dv, *, scale_dk=1.0, scale_dv=1.0, cu_seqlens=None, seqused=None,
-                          _arch=0) -> None:
-    _check_fake_devices("gqa_postprocess", (("dk_accum", dk_accum), ("dv_accum", dv_accum), ("dk", dk), ("dv", dv),
-                                            ("cu_seqlens", cu_seqlens), ("seqused", seqused)))
-
-
-@_register_fake_if_defined("flash_epilogue::gqa_accum_to_dense")
-def _gqa_accum_to_dense_fake(accum, out, *, head_dim, cu_seqlens=None, seqused=None, _arch=0) -> None:
-    _check_fake_devices("gqa_accum_to_dense", (("accum", accum), ("out", out), ("cu_seqlens", cu_seqlens),
-                                               ("seqused", seqused)))
-
-
-@_register_fake_if_defined("flash_epilogue::gqa_reduce")
-def _gqa_reduce_fake(dk_partial, dv_partial, dk, dv, *, cu_seqlens=None, seqused=None, scale_dk=1.0, scale_dv=1.0,
-                     _arch=0) -> None:
-    _check_fake_devices("gqa_reduce", (("dk_partial", dk_partial), ("dv_partial", dv_partial), ("dk", dk), ("dv", dv),
-                                       ("cu_seqlens", cu_seqlens), ("seqused", seqused)))
+if _extension._C is not None:
+    for _name in ("store", "store_zero", "gqa_accumulate", "gqa_postprocess", "gqa_accum_to_dense", "gqa_reduce"):
+        torch.library.register_fake(f"flash_epilogue::{_name}")(_no_outputs)

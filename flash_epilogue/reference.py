@@ -15,7 +15,7 @@ test oracles, not fast paths.
 """
 from __future__ import annotations
 
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Optional
 
 import torch
 
@@ -26,6 +26,7 @@ __all__ = [
     "gqa_reduce_reference",
     "gqa_reduce_sequential_fp32",
     "gqa_accumulate_reference",
+    "group_sum_reference",
 ]
 
 
@@ -188,16 +189,29 @@ def gqa_reduce_sequential_fp32(partial: torch.Tensor, num_heads_kv: int, scale: 
     """The deterministic kernel's arithmetic, exactly: a zeroed fp32 accumulator receives the
     group's partials strictly in order 0..g-1 (``acc = 0 + p0; acc = acc + p1; ...``), then is
     multiplied by ``scale`` in fp32. Every row is computed (no masking); returns fp32
-    ``(..., h_k, d)``.
+    ``(..., h_k, d)`` (partials wider than fp32, e.g. fp64, are summed in their own dtype).
 
     Starting from +0.0 (as the memset accumulator does) equals ``acc = p0`` except that a
     -0.0 sum becomes +0.0, which only a bit-level comparison can see.
     """
-    grouped = _group_view(partial, num_heads_kv).to(torch.float32)
-    acc = torch.zeros(grouped.shape[:-2] + grouped.shape[-1:], dtype=torch.float32, device=partial.device)
+    dtype = torch.promote_types(partial.dtype, torch.float32)
+    grouped = _group_view(partial, num_heads_kv).to(dtype)
+    acc = torch.zeros(grouped.shape[:-2] + grouped.shape[-1:], dtype=dtype, device=partial.device)
     for g in range(grouped.shape[-2]):
         acc = acc + grouped[..., g, :]
     return acc * torch.tensor(float(scale), dtype=torch.float32, device=partial.device)
+
+
+def group_sum_reference(grad: torch.Tensor, n_rep: int, dim: int = 1) -> torch.Tensor:
+    """repeat_kv's backward: each group of ``n_rep`` heads of ``grad`` (heads in ``dim``, 1 or 2 of a 4-D
+    tensor) summed as :func:`gqa_reduce_sequential_fp32` does (``0 + g_0 + ... + g_{n_rep-1}`` in fp32, fp64
+    for fp64), rounded once to grad's dtype; a new contiguous tensor."""
+    dim = dim % 4
+    heads = grad.shape[dim]
+    if heads % n_rep != 0:
+        raise ValueError(f"group_sum_reference: the {heads} heads of grad (dim {dim}) are not a multiple of {n_rep}")
+    acc = gqa_reduce_sequential_fp32(grad.movedim(dim, -2), heads // n_rep)
+    return acc.to(grad.dtype).movedim(-2, dim).contiguous()
 
 
 def gqa_accumulate_reference(dk_partial: torch.Tensor, dv_partial: Optional[torch.Tensor],

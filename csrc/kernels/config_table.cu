@@ -3,6 +3,7 @@
 
 #include "gqa_kernels.cuh"
 #include "launch_args.h"
+#include "static_switch.h"
 
 namespace flash_epilogue {
 
@@ -43,6 +44,28 @@ int gqa_block_n(int head_dim, int arch) {
     });
   };
   return arch == 90 ? rows(std::integral_constant<int, 90>{}) : rows(std::integral_constant<int, 80>{});
+}
+
+// Temporary (the kernels' table replaces this file): the table from the functions above and bwd_config.h.
+template <int kHeadDim, int kArch>
+CompiledTileConfig compiled_tile_config() {
+  using Config = BwdTileConfig<kHeadDim, std::conditional_t<kArch >= 90, cutlass::arch::Sm90, cutlass::arch::Sm80>>;
+  return {kHeadDim, kArch, gqa_block_n(kHeadDim, kArch), Config::kNumThreads, Config::kSwapAB, Config::kAtomLayoutNdKV,
+          gqa_accum_tile_elems(kHeadDim, kArch)};
+}
+
+std::vector<CompiledTileConfig> const& compiled_tile_configs() {
+  static std::vector<CompiledTileConfig> const table = [] {
+    std::vector<CompiledTileConfig> out;
+    for (int head_dim : {FLASH_EPILOGUE_HEAD_DIMS}) {
+      HEADDIM_SWITCH(head_dim, kHeadDim, [&] {
+        out.push_back(compiled_tile_config<kHeadDim, 90>());
+        out.push_back(compiled_tile_config<kHeadDim, 80>());
+      });
+    }
+    return out;
+  }();
+  return table;
 }
 
 }  // namespace flash_epilogue

@@ -5,6 +5,7 @@
 // host compiler that builds the bindings never parses CuTe.
 
 #include <cstdint>
+#include <vector>
 
 #include <cuda_runtime_api.h>
 
@@ -120,5 +121,9 @@ char const* launch_gqa_reduce(GqaReduceLaunchArgs const& args, cudaStream_t stre
 // floats per accumulator tile, and tile size in rows, of a (head dim, arch path); 0 if none
 int gqa_accum_tile_elems(int head_dim, int arch);
 int gqa_block_n(int head_dim, int arch);
+
+struct CompiledTileConfig { int head_dim, arch, block_n, num_threads; bool swap_ab; int atom_layout_n, accum_tile_elems; };
+// every compiled (head dim, arch path): head dims ascending, for each the 90 path then the 80 path
+std::vector<CompiledTileConfig> const& compiled_tile_configs();
 
 }  // namespace flash_epilogue

@@ -1,0 +1,134 @@
+// Registration: the op schemas (their one definition), the kernels per dispatch key, and the
+// pybind11 module flash_epilogue._C (build info, the compiled configs and tile table, the GQA
+// accumulator's geometry).
+
+#include <cuda_runtime_api.h>
+#include <cutlass/version.h>
+#include <torch/csrc/utils/pybind.h>
+#include <torch/library.h>
+#include <torch/version.h>
+
+#include <string>
+#include <vector>
+
+#include "flash_epilogue/version.h"
+#include "ops.h"
+
+TORCH_LIBRARY(flash_epilogue, m) {
+  m.def("store(Tensor dk_accum, Tensor dv_accum, Tensor(a!) dk, Tensor(b!) dv, *, Tensor? cu_seqlens=None, "
+        "Tensor? seqused=None, int _arch=0) -> ()");
+  m.def("store_zero(Tensor(a!) dk, Tensor(b!) dv, *, Tensor? cu_seqlens=None, Tensor? seqused=None, "
+        "Tensor? batch_idx=None, Tensor? head_idx=None, int row_start=0, int? row_end=None, int _arch=0) -> ()");
+  m.def("gqa_accumulate(Tensor dk_partial, Tensor dv_partial, Tensor(a!) dk_accum, Tensor(b!) dv_accum, "
+        "Tensor(c!)? semaphores=None, *, Tensor? cu_seqlens=None, Tensor? seqused=None, bool deterministic=False, "
+        "int _arch=0) -> ()");
+  m.def("gqa_postprocess(Tensor dk_accum, Tensor dv_accum, Tensor(a!) dk, Tensor(b!) dv, *, float scale_dk=1.0, "
+        "float scale_dv=1.0, Tensor? cu_seqlens=None, Tensor? seqused=None, int _arch=0) -> ()");
+  m.def("gqa_accum_to_dense(Tensor accum, Tensor(a!) out, *, int head_dim, Tensor? cu_seqlens=None, "
+        "Tensor? seqused=None, int _arch=0) -> ()");
+  m.def("gqa_reduce(Tensor dk_partial, Tensor? dv_partial, Tensor(a!) dk, Tensor(b!)? dv, *, Tensor? cu_seqlens=None, "
+        "Tensor? seqused=None, float scale_dk=1.0, float scale_dv=1.0, int _arch=0) -> ()");
+  m.def("repeat_kv(Tensor x, int n_rep, int dim) -> Tensor");
+  m.def("repeat_kv_backward(Tensor grad, int n_rep, int dim, int[] layout) -> Tensor");
+}
+
+// One registration per backend: CUDA tensors run the kernels; CPU tensors get every metadata check
+// and then the device check's message (instead of "could not run ... with arguments from the 'CPU'
+// backend"), which also lets the CPU tests run the checks.
+static void register_impls(torch::Library& m) {
+  m.impl("store", &flash_epilogue::store);
+  m.impl("store_zero", &flash_epilogue::store_zero);
+  m.impl("gqa_accumulate", &flash_epilogue::gqa_accumulate);
+  m.impl("gqa_postprocess", &flash_epilogue::gqa_postprocess);
+  m.impl("gqa_accum_to_dense", &flash_epilogue::gqa_accum_to_dense);
+  m.impl("gqa_reduce", &flash_epilogue::gqa_reduce);
+}
+
+TORCH_LIBRARY_IMPL(flash_epilogue, CUDA, m) { register_impls(m); }
+TORCH_LIBRARY_IMPL(flash_epilogue, CPU, m) { register_impls(m); }
+
+// repeat_kv's kernels are plain ATen calls plus gqa_reduce on a GPU with kernels: one kernel for
+// every backend (the Python fake kernels serve Meta and FakeTensor), and autograd in C++.
+TORCH_LIBRARY_IMPL(flash_epilogue, CompositeExplicitAutograd, m) {
+  m.impl("repeat_kv", &flash_epilogue::repeat_kv);
+  m.impl("repeat_kv_backward", &flash_epilogue::repeat_kv_backward);
+}
+TORCH_LIBRARY_IMPL(flash_epilogue, Autograd, m) {
+  m.impl("repeat_kv", &flash_epilogue::repeat_kv_autograd);
+  m.impl("repeat_kv_backward", &flash_epilogue::repeat_kv_backward_autograd);
+}
+
+namespace {
+
+namespace py = pybind11;
+using namespace pybind11::literals;
+using flash_epilogue::compiled_archs;
+using flash_epilogue::compiled_tile_configs;
+
+// Every (op, dtype, head dim, path) this build has a kernel for. "path" is the code path (sm90: TMA
+// collectives; sm80: the Ampere collectives, compiled for every arch of the build), "archs" the GPU
+// code the build holds.
+std::vector<py::dict> compiled_configs() {
+  std::vector<py::dict> configs;
+  for (char const* op : {"store", "store_zero", "gqa_accumulate", "gqa_postprocess", "gqa_reduce"}) {
+    for (char const* dtype : {"bfloat16", "float16"}) {
+      for (auto const& t : compiled_tile_configs()) {
+        bool const sm90 = t.arch == 90;
+        configs.emplace_back("op"_a = op, "dtype"_a = dtype, "head_dim"_a = t.head_dim,
+                             "path"_a = sm90 ? "sm90" : "sm80",
+                             "archs"_a = sm90 ? std::vector<std::string>{"sm_90a"} : compiled_archs());
+      }
+    }
+  }
+  return configs;
+}
+
+std::vector<py::dict> tile_configs() {
+  std::vector<py::dict> configs;
+  for (auto const& t : compiled_tile_configs()) {
+    configs.emplace_back("head_dim"_a = t.head_dim, "arch"_a = t.arch, "block_n"_a = t.block_n,
+                         "num_threads"_a = t.num_threads, "swap_ab"_a = t.swap_ab, "atom_layout_n"_a = t.atom_layout_n,
+                         "accum_tile_elems"_a = t.accum_tile_elems);
+  }
+  return configs;
+}
+
+py::dict accum_layout(int64_t num_heads_kv, int64_t head_dim, int64_t head_dim_v, int64_t batch, int64_t rows,
+                      bool varlen, int64_t arch, at::Device device) {
+  flash_epilogue::AccumLayout l;
+  try {
+    l = flash_epilogue::gqa_accum_layout(num_heads_kv, head_dim, head_dim_v, batch, rows, varlen, arch, device);
+  } catch (c10::ValueError const& e) { throw py::value_error(e.what_without_backtrace()); }
+  return py::dict("shape"_a = py::make_tuple(l.batch_extent, l.heads, l.num_tiles, l.tile_elems),
+                  "semaphore_numel"_a = l.semaphore_numel(), "arch"_a = l.arch, "block_n"_a = l.block_n,
+                  "tile_elems"_a = l.tile_elems);
+}
+
+py::dict build_info() {
+  auto const version = [](int major, int minor, int patch) {
+    return std::to_string(major) + "." + std::to_string(minor) + "." + std::to_string(patch);
+  };
+  return py::dict(
+      "version"_a = version(FLASH_EPILOGUE_VERSION_MAJOR, FLASH_EPILOGUE_VERSION_MINOR, FLASH_EPILOGUE_VERSION_PATCH),
+      "torch_version"_a = TORCH_VERSION, "cuda_runtime_version"_a = CUDART_VERSION,
+      "cutlass_version"_a = version(CUTLASS_MAJOR, CUTLASS_MINOR, CUTLASS_PATCH),
+      "compiled_archs"_a = compiled_archs());
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "flash_epilogue CUDA kernels; the ops are registered as torch.ops.flash_epilogue.*";
+  m.def("compiled_archs", &compiled_archs, "GPU architectures this build has kernels for");
+  m.def("compiled_configs", &compiled_configs, "every (op, dtype, head dim, arch) this build has a kernel for");
+  m.def("tile_configs", &tile_configs, "the tile table: every compiled (head dim, arch path) and its tile");
+  m.def("gqa_accum_layout", &accum_layout, py::arg("num_heads_kv"), py::arg("head_dim"), py::arg("head_dim_v"),
+        py::arg("batch"), py::arg("rows"), py::arg("varlen"), py::arg("arch"), py::arg("device"),
+        "the GQA accumulators' shape, semaphore count, code path (arch 0: the device's), tile rows and floats per "
+        "tile for a problem; raises ValueError (op gqa_accumulator) for bad arguments");
+  m.def("build_info", &build_info, "the versions and archs this build was made with");
+  m.def("_set_debug_sync", &flash_epilogue::set_debug_sync,
+        "FLASH_EPILOGUE_DEBUG for the C++ paths (repeat_kv's backward): synchronize after the launch");
+  m.def("_debug_sync", &flash_epilogue::debug_sync_enabled,
+        "whether the C++ paths synchronize after their launches (FLASH_EPILOGUE_DEBUG)");
+}

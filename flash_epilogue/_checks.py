@@ -1,0 +1,104 @@
+"""The opt-in checks of tensor contents, and the FLASH_EPILOGUE_CHECK_INPUTS / FLASH_EPILOGUE_DEBUG switches.
+
+The ops check metadata only (no host sync). The contents of cu_seqlens, seqused, batch_idx and head_idx are
+checked here, by a copy to the host, only when asked: ``check_inputs=True``, or FLASH_EPILOGUE_CHECK_INPUTS=1;
+never while a CUDA graph is being captured or under torch.compile. The kernels clamp every row range to the
+tensor's extent and skip out-of-range selections, so bad contents cannot write outside a tensor even unchecked.
+
+FLASH_EPILOGUE_DEBUG=1 turns the content checks on and synchronizes after every launch, so a device-side
+failure is reported by the op that caused it. Both variables are read once, at import (an environment lookup
+on every call costs host time): after changing them in a running process call :func:`refresh_env_flags`.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from . import _extension
+from .errors import fail
+
+DEBUG = False  # FLASH_EPILOGUE_DEBUG
+CHECK_INPUTS = False  # FLASH_EPILOGUE_CHECK_INPUTS or FLASH_EPILOGUE_DEBUG: content checks by default
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "0") not in ("", "0")
+
+
+def refresh_env_flags() -> None:
+    """Re-read FLASH_EPILOGUE_CHECK_INPUTS and FLASH_EPILOGUE_DEBUG from the environment.
+
+    They are read once, when the package is imported; call this after changing them in a running process
+    (``os.environ[...] = "1"``, pytest's ``monkeypatch.setenv``)."""
+    global DEBUG, CHECK_INPUTS
+    DEBUG = _env_flag("FLASH_EPILOGUE_DEBUG")
+    CHECK_INPUTS = _env_flag("FLASH_EPILOGUE_CHECK_INPUTS") or DEBUG
+    if _extension._C is not None:
+        _extension._C._set_debug_sync(DEBUG)  # repeat_kv's backward synchronizes in C++
+
+
+refresh_env_flags()
+
+
+def _eager() -> bool:
+    """Neither traced by torch.compile nor capturing a CUDA graph (no host sync allowed then)."""
+    if torch.compiler.is_compiling():
+        return False
+    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
+def _values(t) -> Optional[list]:
+    """The values of an int32 1-D tensor; None for anything else (the op rejects it)."""
+    if isinstance(t, torch.Tensor) and t.dtype == torch.int32 and t.dim() == 1:
+        return t.tolist()
+    return None
+
+
+def check_contents(op: str, t, cu_seqlens=None, seqused=None, batch_idx=None, head_idx=None) -> None:
+    """The content checks of one call (a host sync); `t` is the call's tensor of the dk layout (dk, a partial).
+
+    cu_seqlens: first >= 0, non-decreasing, last <= the tensors' token count; seqused[b] in [0, the length of
+    sequence b]; batch_idx / head_idx entries in [0, batch) / [0, heads). What the op rejects anyway (a tensor
+    that is not int32 1-D, `t` of the wrong rank) is skipped: the op then reports it.
+    """
+    varlen = cu_seqlens is not None
+    if not (_eager() and isinstance(t, torch.Tensor) and t.dim() == (3 if varlen else 4)):
+        return
+    rows = t.shape[0] if varlen else t.shape[1]
+    cu = _values(cu_seqlens) if varlen else []
+    if cu is None or (varlen and len(cu) < 2):
+        return
+    if cu and cu[0] < 0:
+        fail(op, "cu_seqlens[0]", ">= 0", cu[0])
+    for i in range(1, len(cu)):
+        if cu[i] < cu[i - 1]:
+            fail(op, f"cu_seqlens[{i}]", f">= cu_seqlens[{i - 1}] = {cu[i - 1]} (non-decreasing)", cu[i])
+    if cu and cu[-1] > rows:
+        fail(op, f"cu_seqlens[{len(cu) - 1}]", f"<= {rows} (the tensors' token count)", cu[-1])
+    for b, n in enumerate(_values(seqused) or ()):
+        if n < 0:
+            fail(op, f"seqused[{b}]", ">= 0", n)
+        if varlen and b + 1 >= len(cu):
+            break  # more entries than sequences: the op reports seqused's numel
+        limit = cu[b + 1] - cu[b] if varlen else rows
+        if n > limit:
+            why = f"the length of segment {b}, cu_seqlens[{b + 1}] - cu_seqlens[{b}]" if varlen else "the static seqlen"
+            fail(op, f"seqused[{b}]", f"<= {limit} ({why})", n)
+    batch = len(cu) - 1 if varlen else t.shape[0]
+    for name, sel, limit, why in (("batch_idx", batch_idx, batch, "the batch size"),
+                                  ("head_idx", head_idx, t.shape[-2], "the number of heads")):
+        for i, v in enumerate(_values(sel) or ()):
+            if not 0 <= v < limit:
+                fail(op, f"{name}[{i}]", f"a value in [0, {limit}) ({why})", v)
+
+
+def debug_sync(op: str, device: torch.device) -> None:
+    """FLASH_EPILOGUE_DEBUG=1: wait for the launch and report a device error against this op."""
+    if not (DEBUG and device.type == "cuda" and _eager()):
+        return
+    try:
+        torch.cuda.synchronize(device)
+    except Exception as e:  # noqa: BLE001 (re-raised with the op's name)
+        raise RuntimeError(f"flash_epilogue.{op}: the kernel failed on {device}: {e}") from e
