@@ -6,15 +6,16 @@
 //   GqaDenseKernel       accumulator -> row-major fp32 (debugging and tests)
 //   GqaReduceKernel      all partials of a group summed in registers, in head order -> store
 //                        (the sm_80 path; sm_90 runs TileStreamKernel, tile_stream_kernel.cuh)
-// The tile <-> (n_block, batch) mapping is the store driver's (store_kernel.cuh).
+// Tiles are located as in every driver (tile_schedule.cuh).
 
 #include <cute/tensor.hpp>
 
 #include "flash_epilogue/bwd_config.h"
 #include "flash_epilogue/epilogue_bwd.h"
 #include "flash_epilogue/epilogue_bwd_gqa.h"
-#include "flash_epilogue/seqlen_info.h"
 #include "store_kernel.cuh"
+#include "tile_io.cuh"
+#include "tile_schedule.cuh"
 
 namespace flash_epilogue {
 
@@ -31,20 +32,10 @@ struct GqaTraits {
   static constexpr int kAccumTileElems = kFragElems * kNumThreads;
   using TileShape_MNK = cute::Shape<cute::_64, cute::Int<Config::kBlockN>, cute::Int<Config::kHeadDim>>;
   using Collective = CollectiveEpilogueBwdGQA<TileShape_MNK, ArchTag, kNumThreads, kAccumTileElems>;
+  // Two CTAs per SM (one loads while the other stores) where registers allow without spilling;
+  // the 384-thread hdim-192 config keeps one.
+  static constexpr int kMinBlocksPerSm = kNumThreads <= 256 ? 2 : 1;
 };
-
-using StrideRowsHeadBatch = cute::Stride<int64_t, cute::_1, int64_t, int64_t>;  // (rows, d, head, batch)
-using ShapeRowsHeadBatch = cute::Shape<int32_t, int32_t, int32_t, int32_t>;
-
-// The (BLK_N, BLK_D) tile of head `head` at n_block of a sequence starting at `offset`.
-template <int kBlockN, int kHeadDim, class T>
-CUTLASS_DEVICE auto rows_tile(T* ptr, ShapeRowsHeadBatch const& shape, StrideRowsHeadBatch const& stride, int head,
-                              int batch_coord, int offset, int n_block) {
-  using namespace cute;
-  Tensor m = make_tensor(make_gmem_ptr(ptr), shape, stride)(_, _, head, batch_coord);  // (rows, d)
-  return local_tile(domain_offset(make_coord(offset, _0{}), m), Shape<Int<kBlockN>, Int<kHeadDim>>{},
-                    make_coord(n_block, _0{}));
-}
 
 template <class Config_, class ArchTag_>
 struct GqaAccumulateKernel {
@@ -55,9 +46,7 @@ struct GqaAccumulateKernel {
   static constexpr int kBlockN = Config::kBlockN;
   static constexpr int kHeadDim = Config::kHeadDim;
   static constexpr int kNumThreads = Config::kNumThreads;
-  // Two CTAs per SM (one loads while the other stores) where registers allow without spilling;
-  // the 384-thread hdim-192 config keeps one.
-  static constexpr int kMinBlocksPerSm = kNumThreads <= 256 ? 2 : 1;
+  static constexpr int kMinBlocksPerSm = Traits::kMinBlocksPerSm;
 
   struct TensorParams {
     typename Collective::Params collective;  // this tensor's accumulator as the collective's dK, no dV
@@ -119,10 +108,8 @@ struct GqaAccumulateKernel {
     }
     TensorParams const& work = params.tensors[tensor];
     auto const& coll = work.collective;
-    auto const [n_block, bidb] = tile_to_block_and_batch<kBlockN>(tile_x, batch_z, params.batch, coll.cu_seqlens);
-    int const rows = get<0>(work.shape);
-    SeqlenInfo<kBlockN> const seqlen_info{bidb, rows, coll.cu_seqlens, coll.seqused};
-    int const valid_rows = seqlen_info.valid_rows(n_block, rows);
+    auto const [n_block, bidb, seqlen_info, valid_rows] =
+        locate_row_tile<kBlockN>(tile_x, batch_z, params.batch, work.shape, coll);
     if (valid_rows <= 0) { return; }  // every member of this tile exits alike: nobody waits on it
 
     typename Traits::TiledMma tiled_mma;
@@ -166,9 +153,7 @@ struct GqaPostprocessKernel {
   using Epilogue = typename Store::Epilogue;
   static constexpr int kBlockN = Config::kBlockN;
   static constexpr int kNumThreads = Config::kNumThreads;
-  // Two CTAs per SM (one loads while the other stores) where registers allow without spilling;
-  // the 384-thread hdim-192 config keeps one.
-  static constexpr int kMinBlocksPerSm = kNumThreads <= 256 ? 2 : 1;
+  static constexpr int kMinBlocksPerSm = Traits::kMinBlocksPerSm;
 
   struct TensorParams {
     typename Epilogue::Params epilogue;  // this output as the collective's dK, no dV
@@ -185,21 +170,16 @@ struct GqaPostprocessKernel {
   static constexpr int kSharedStorageSize = sizeof(typename Epilogue::TensorStorage);
 
   CUTLASS_DEVICE void operator()(Params const& params, char* smem) const {
-    using namespace cute;
-    int const thread_idx = threadIdx.x;
-    auto const [tensor, kv_head, n_block, bidb, seqlen_info, valid_rows] =
-        locate_output_tile<kBlockN, Epilogue>(params, params.num_heads_kv);
-    if (valid_rows <= 0) { return; }
-    TensorParams const& work = params.tensors[tensor];
-    auto const& ep = work.epilogue;
-
-    typename Store::TiledMma tiled_mma;
-    Tensor frag = partition_fragment_C(tiled_mma, typename Store::TiledMmaConfig::FragmentTileShape{});
-    if (!work.accum.read(frag, seqlen_info, ep.cu_seqlens != nullptr, n_block, kv_head, bidb, thread_idx)) { return; }
+    auto fill = [](auto& frag, auto const& /*thr_mma*/, TensorParams const& work, auto const& tile) {
+      bool const varlen = work.epilogue.cu_seqlens != nullptr;
+      if (!work.accum.read(frag, tile.seqlen_info, varlen, tile.n_block, tile.head, tile.batch, threadIdx.x)) {
+        return false;
+      }
 #pragma unroll
-    for (int i = 0; i < size(frag); ++i) { frag(i) *= work.scale; }
-    auto& storage = *reinterpret_cast<typename Epilogue::TensorStorage*>(smem);
-    Epilogue{}.store(ep, frag, frag, storage, tiled_mma, thread_idx, make_tuple(n_block, kv_head, bidb));
+      for (int i = 0; i < cute::size(frag); ++i) { frag(i) *= work.scale; }
+      return true;
+    };
+    Store::store_output_tile(params, params.num_heads_kv, smem, fill);
   }
 };
 
@@ -210,9 +190,7 @@ struct GqaDenseKernel {
   using Traits = GqaTraits<Config, ArchTag>;
   static constexpr int kBlockN = Config::kBlockN;
   static constexpr int kNumThreads = Config::kNumThreads;
-  // Two CTAs per SM (one loads while the other stores) where registers allow without spilling;
-  // the 384-thread hdim-192 config keeps one.
-  static constexpr int kMinBlocksPerSm = kNumThreads <= 256 ? 2 : 1;
+  static constexpr int kMinBlocksPerSm = Traits::kMinBlocksPerSm;
 
   struct Params {
     AccumReader<Traits> accum;
@@ -229,11 +207,9 @@ struct GqaDenseKernel {
   CUTLASS_DEVICE void operator()(Params const& params, char*) const {
     using namespace cute;
     int const thread_idx = threadIdx.x;
-    auto const [n_block, bidb] = tile_to_block_and_batch<kBlockN>(blockIdx.x, blockIdx.z, params.batch, params.cu_seqlens);
+    auto const [n_block, bidb, seqlen_info, valid_rows] =
+        locate_row_tile<kBlockN>(blockIdx.x, blockIdx.z, params.batch, params.shape_out, params);
     int const kv_head = blockIdx.y;
-    int const rows = get<0>(params.shape_out);
-    SeqlenInfo<kBlockN> const seqlen_info{bidb, rows, params.cu_seqlens, params.seqused};
-    int const valid_rows = seqlen_info.valid_rows(n_block, rows);
     if (valid_rows <= 0) { return; }
     typename Traits::TiledMma tiled_mma;
     auto thr_mma = tiled_mma.get_thread_slice(thread_idx);
@@ -261,13 +237,12 @@ struct GqaReduceKernel {
   static constexpr int kNumThreads = Config::kNumThreads;
   // The swapAB configs read the partials through StagedTileSum: straight in fragment order their
   // loads run down columns (4-byte pieces for fp32, 2-byte for 16-bit). The others read the
-  // fragment directly: staging 16-bit partials there cost 30-40%. (Measured on the H200 when this
-  // kernel was also the sm_90 path, a7fdc6b: bf16 hdim 256 0.86 -> 2.38 TB/s staged, bf16 hdim 128
-  // 3.67 -> 2.49.)
+  // fragment directly: staging 16-bit partials there was slower (measured when this kernel was
+  // also the sm_90 path: see benchmarks/NOTES.md).
   static constexpr bool kStaged = Config::kSwapAB;
   // Two CTAs per SM (one loads while the other stores); also for a staged 384-thread config, which
-  // then gets 80 registers and spills a little, and still ran faster than with one CTA (sm_90
-  // hdim 192 at 1fa5a26: fp32 2.36 -> 2.99 TB/s, bf16 1.71 -> 2.30).
+  // then gets 80 registers and spills a little, and still ran faster than with one CTA (measured:
+  // see benchmarks/NOTES.md).
   static constexpr int kMinBlocksPerSm = (kNumThreads <= 256 || kStaged) ? 2 : 1;
   using Staged = StagedTileSum<kBlockN, kHeadDim, kNumThreads, Config::kSwapAB, ElementIn>;
 
@@ -291,39 +266,33 @@ struct GqaReduceKernel {
                                                       kStaged ? Staged::kSmemBytes : 0);
 
   CUTLASS_DEVICE void operator()(Params const& params, char* smem) const {
-    using namespace cute;
-    int const thread_idx = threadIdx.x;
-    auto const [tensor, kv_head, n_block, bidb, seqlen_info, valid_rows] =
-        locate_output_tile<kBlockN, Epilogue>(params, params.num_heads_kv);
-    if (valid_rows <= 0) { return; }
-    TensorParams const& work = params.tensors[tensor];
-    auto const& ep = work.epilogue;
-
-    typename Store::TiledMma tiled_mma;
-    auto thr_mma = tiled_mma.get_thread_slice(thread_idx);
-    Tensor acc = partition_fragment_C(tiled_mma, typename Store::TiledMmaConfig::FragmentTileShape{});
-    int const batch_coord = ep.cu_seqlens ? 0 : bidb;
-    auto tile_of = [&](int g) {
-      return rows_tile<kBlockN, kHeadDim>(work.ptr_partial, work.shape_partial, work.stride_partial,
-                                          kv_head * params.group + g, batch_coord, seqlen_info.offset, n_block);
-    };
-    // 0 + p_0 + p_1 + ... in head order, per element: the same bits whatever the launch order and
-    // whichever path reads the partials.
-    if constexpr (kStaged) {
-      Staged::run(acc, thr_mma, tile_of, params.group, valid_rows, get<1>(work.shape_partial), work.scale,
-                  reinterpret_cast<float*>(smem), thread_idx, Epilogue::BarrierId);
-    } else {
-      clear(acc);
-      for (int g = 0; g < params.group; ++g) {
-        // Added as it arrives (no second fragment), which keeps two CTAs per SM.
-        load_accum_tile<Config::kSwapAB, kBlockN, kHeadDim, /*kAdd=*/true>(acc, thr_mma, tile_of(g), valid_rows,
-                                                                           get<1>(work.shape_partial));
-      }
+    auto fill = [&](auto& acc, auto const& thr_mma, TensorParams const& work, auto const& tile) {
+      using namespace cute;
+      int const batch_coord = work.epilogue.cu_seqlens ? 0 : tile.batch;
+      auto tile_of = [&](int g) {
+        return rows_tile<kBlockN, kHeadDim>(work.ptr_partial, work.shape_partial, work.stride_partial,
+                                            tile.head * params.group + g, batch_coord, tile.seqlen_info.offset,
+                                            tile.n_block);
+      };
+      int const num_cols = get<1>(work.shape_partial);
+      // 0 + p_0 + p_1 + ... in head order, per element: the same bits whatever the launch order and
+      // whichever path reads the partials.
+      if constexpr (kStaged) {
+        Staged::run(acc, thr_mma, tile_of, params.group, tile.valid_rows, num_cols, work.scale,
+                    reinterpret_cast<float*>(smem), threadIdx.x, Epilogue::BarrierId);
+      } else {
+        clear(acc);
+        for (int g = 0; g < params.group; ++g) {
+          // Added as it arrives (no second fragment), which keeps two CTAs per SM.
+          load_accum_tile<Config::kSwapAB, kBlockN, kHeadDim, /*kAdd=*/true>(acc, thr_mma, tile_of(g),
+                                                                             tile.valid_rows, num_cols);
+        }
 #pragma unroll
-      for (int i = 0; i < size(acc); ++i) { acc(i) *= work.scale; }
-    }
-    auto& storage = *reinterpret_cast<typename Epilogue::TensorStorage*>(smem);
-    Epilogue{}.store(ep, acc, acc, storage, tiled_mma, thread_idx, make_tuple(n_block, kv_head, bidb));
+        for (int i = 0; i < size(acc); ++i) { acc(i) *= work.scale; }
+      }
+      return true;
+    };
+    Store::store_output_tile(params, params.num_heads_kv, smem, fill);
   }
 };
 

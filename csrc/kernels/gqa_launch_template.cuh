@@ -8,25 +8,58 @@
 
 #include "gqa_kernels.cuh"
 #include "launch_args.h"
-#include "store_launch_template.cuh"
+#include "launch_common.cuh"
+#include "tile_schedule.cuh"
 
 namespace flash_epilogue {
 
 namespace detail {
-
-inline ShapeRowsHeadBatch shape_of(TensorDesc const& t, int rows, int heads, int batch_extent) {
-  return {rows, t.head_dim, heads, batch_extent};
-}
 
 template <class Traits>
 AccumReader<Traits> reader_of(AccumDesc const& a) {
   return {a.ptr, a.head_stride, a.batch_stride, a.num_tiles};
 }
 
-// Grid over (tiles, heads, batch) as the store driver maps it.
-template <int kBlockN>
-dim3 tile_grid(int rows, int heads, int batch, bool varlen) {
-  return dim3(static_cast<unsigned>(row_tiles<kBlockN>(rows, batch, varlen)), heads, varlen ? 1 : batch);
+template <class Element, int kHeadDim, class ArchTag, bool kVarlen>
+char const* launch_gqa_postprocess_variant(GqaPostprocessLaunchArgs const& args, cudaStream_t stream) {
+  using Config = BwdTileConfig<kHeadDim, ArchTag>;
+  using Kernel = GqaPostprocessKernel<Config, Element, ArchTag, kVarlen>;
+  typename Kernel::Params params{{{{}, reader_of<typename Kernel::Traits>(args.dk_accum), args.scale_dk},
+                                  {{}, reader_of<typename Kernel::Traits>(args.dv_accum), args.scale_dv}},
+                                 args.num_heads_kv, args.batch};
+  return launch_output_tiles<Kernel>(args, 2, args.num_heads_kv, params, stream);
+}
+
+template <class Element, class ElementIn, int kHeadDim, class ArchTag, bool kVarlen>
+char const* launch_gqa_reduce_variant(GqaReduceLaunchArgs const& args, cudaStream_t stream) {
+  using Config = BwdTileConfig<kHeadDim, ArchTag>;
+  using Kernel = GqaReduceKernel<Config, Element, ElementIn, ArchTag, kVarlen>;
+  int const batch_extent = args.cu_seqlens != nullptr ? 1 : args.batch;
+  bool const has_dv = args.dv_partial.ptr != nullptr;
+  auto tensor_params = [&](TensorDesc const& partial, float scale) {
+    return typename Kernel::TensorParams{{}, static_cast<ElementIn const*>(partial.ptr),
+                                         shape_of(partial, args.rows, args.num_heads_q, batch_extent),
+                                         stride_of(partial), scale};
+  };
+  typename Kernel::Params params{};
+  params.tensors[0] = tensor_params(args.dk_partial, args.scale_dk);
+  if (has_dv) { params.tensors[1] = tensor_params(args.dv_partial, args.scale_dv); }
+  params.group = args.num_heads_q / args.num_heads_kv;
+  params.num_heads_kv = args.num_heads_kv;
+  params.batch = args.batch;
+  return launch_output_tiles<Kernel>(args, has_dv ? 2 : 1, args.num_heads_kv, params, stream);
+}
+
+// The sm_90 path: TileStreamKernel sums each group's partials as they stream through shared memory.
+template <class Element, class ElementIn, int kHeadDim>
+char const* launch_gqa_reduce_streamed(GqaReduceLaunchArgs const& args, cudaStream_t stream) {
+  using Config = BwdTileConfig<kHeadDim, cutlass::arch::Sm90>;
+  StreamedTensor const tensors[2] = {{args.dk, args.dk_partial, args.scale_dk},
+                                     {args.dv, args.dv_partial, args.scale_dv}};
+  int const num_tensors = args.dv_partial.ptr != nullptr ? 2 : 1;
+  int const group = args.num_heads_q / args.num_heads_kv;
+  return launch_tile_stream_for<Config, Element, ElementIn, /*kReduce=*/true>(
+      tensors, num_tensors, args.rows, args.num_heads_kv, group, args.batch, args.cu_seqlens, args.seqused, stream);
 }
 
 }  // namespace detail
@@ -50,12 +83,12 @@ char const* launch_gqa_accumulate(GqaAccumulateLaunchArgs const& args, cudaStrea
   auto const dv_args = coll_args(args.dv_accum, args.semaphores ? args.semaphores + counters : nullptr);
   if (char const* why = Collective::can_implement(dk_args)) { return why; }
   if (char const* why = Collective::can_implement(dv_args)) { return why; }
-  dim3 tiles = detail::tile_grid<Config::kBlockN>(args.rows, args.num_heads_q, args.batch, varlen);
+  dim3 tiles = row_tile_grid<Config::kBlockN>(args.rows, args.num_heads_q, args.batch, varlen);
   tiles.y *= 2;  // heads of dK, then heads of dV
   int* const ticket = args.semaphores ? args.semaphores + 2 * counters : nullptr;
   auto partial = [&](TensorDesc const& t) {
     return typename Kernel::TensorParams{{}, static_cast<float const*>(t.ptr),
-                                         detail::shape_of(t, args.rows, args.num_heads_q, batch_extent), stride_of(t)};
+                                         shape_of(t, args.rows, args.num_heads_q, batch_extent), stride_of(t)};
   };
   typename Kernel::Params params{{partial(args.dk_partial), partial(args.dv_partial)},
                                  args.batch, args.num_heads_q, args.num_heads_kv,
@@ -64,15 +97,18 @@ char const* launch_gqa_accumulate(GqaAccumulateLaunchArgs const& args, cudaStrea
   params.tensors[1].collective = Collective::to_underlying_arguments(dv_args);
   if (args.semaphores) {
     // Counters and ticket start at zero on this stream, before every launch (graph-capturable).
-    if (cudaMemsetAsync(args.semaphores, 0, (2 * counters + 1) * sizeof(int), stream) != cudaSuccess) { return nullptr; }
+    if (cudaMemsetAsync(args.semaphores, 0, (2 * counters + 1) * sizeof(int), stream) != cudaSuccess) {
+      return nullptr;
+    }
     // One CTA per work item, in ticket order (see GqaAccumulateKernel). A chunk's accumulator tiles
-    // take about 12 MB: on the H200, det/non-det was 1.05-1.10 with 12 MB chunks, 1.08-1.15 with 6,
-    // and 1.29-1.42 with 24 (a quarter to a half of the 60 MB L2 beside the streamed partials, and the
-    // accumulator tiles no longer stay there between members' adds; results/det_chunk_7b744b7.json).
+    // take about 12 MB, a fifth of the H200's 60 MB L2: they stay there between members' adds beside
+    // the streamed partials. Smaller chunks and larger ones (24 MB: the tiles no longer stay) made
+    // the deterministic mode slower (measured: see benchmarks/NOTES.md).
     int64_t const units = static_cast<int64_t>(tiles.x) * tiles.z * 2 * args.num_heads_kv;
     int64_t const tile_bytes = static_cast<int64_t>(Kernel::Traits::kAccumTileElems) * sizeof(float);
     params.num_units = static_cast<int>(units);
-    params.chunk_units = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(units, (int64_t(12) << 20) / tile_bytes)));
+    int64_t const chunk_units = std::min<int64_t>(units, (int64_t(12) << 20) / tile_bytes);
+    params.chunk_units = static_cast<int>(std::max<int64_t>(1, chunk_units));
     dim3 const grid(tiles.x * tiles.y * tiles.z, 1, 1);
     return launch_kernel<Kernel>(grid, params, stream);
   }
@@ -88,76 +124,11 @@ char const* launch_gqa_accum_to_dense(GqaDenseLaunchArgs const& args, cudaStream
   int const batch_extent = varlen ? 1 : args.batch;
   typename Kernel::Params params{detail::reader_of<typename Kernel::Traits>(args.accum),
                                  static_cast<float*>(args.out.ptr),
-                                 detail::shape_of(args.out, args.rows, args.num_heads_kv, batch_extent),
+                                 shape_of(args.out, args.rows, args.num_heads_kv, batch_extent),
                                  stride_of(args.out), args.batch, args.cu_seqlens, args.seqused};
-  return launch_kernel<Kernel>(detail::tile_grid<Config::kBlockN>(args.rows, args.num_heads_kv, args.batch, varlen),
+  return launch_kernel<Kernel>(row_tile_grid<Config::kBlockN>(args.rows, args.num_heads_kv, args.batch, varlen),
                                 params, stream);
 }
-
-namespace detail {
-
-template <class Element, int kHeadDim, class ArchTag, bool kVarlen>
-char const* launch_gqa_postprocess_variant(GqaPostprocessLaunchArgs const& args, cudaStream_t stream) {
-  using Config = BwdTileConfig<kHeadDim, ArchTag>;
-  using Kernel = GqaPostprocessKernel<Config, Element, ArchTag, kVarlen>;
-  using Epilogue = typename Kernel::Epilogue;
-  bool const varlen = args.cu_seqlens != nullptr;
-  int const batch_extent = varlen ? 1 : args.batch;
-  TensorDesc const outputs[2] = {args.dk, args.dv};
-  typename Epilogue::Params epilogue[2];
-  if (char const* why = output_epilogue_params<Epilogue, Element>(outputs, 2, args.rows, args.num_heads_kv, batch_extent,
-                                                                  args.cu_seqlens, args.seqused, epilogue)) {
-    return why;
-  }
-  typename Kernel::Params params{{{epilogue[0], reader_of<typename Kernel::Traits>(args.dk_accum), args.scale_dk},
-                                  {epilogue[1], reader_of<typename Kernel::Traits>(args.dv_accum), args.scale_dv}},
-                                 args.num_heads_kv, args.batch};
-  dim3 grid = tile_grid<Config::kBlockN>(args.rows, args.num_heads_kv, args.batch, varlen);
-  grid.y *= 2;  // heads of dK, then heads of dV
-  return launch_kernel<Kernel>(grid, params, stream);
-}
-
-template <class Element, class ElementIn, int kHeadDim, class ArchTag, bool kVarlen>
-char const* launch_gqa_reduce_variant(GqaReduceLaunchArgs const& args, cudaStream_t stream) {
-  using Config = BwdTileConfig<kHeadDim, ArchTag>;
-  using Kernel = GqaReduceKernel<Config, Element, ElementIn, ArchTag, kVarlen>;
-  using Epilogue = typename Kernel::Epilogue;
-  bool const varlen = args.cu_seqlens != nullptr;
-  int const batch_extent = varlen ? 1 : args.batch;
-  bool const has_dv = args.dv_partial.ptr != nullptr;
-  TensorDesc const outputs[2] = {args.dk, args.dv};
-  typename Epilogue::Params epilogue[2];
-  if (char const* why = output_epilogue_params<Epilogue, Element>(outputs, has_dv ? 2 : 1, args.rows, args.num_heads_kv,
-                                                                  batch_extent, args.cu_seqlens, args.seqused, epilogue)) {
-    return why;
-  }
-  auto tensor_params = [&](typename Epilogue::Params const& ep, TensorDesc const& partial, float scale) {
-    return typename Kernel::TensorParams{ep, static_cast<ElementIn const*>(partial.ptr),
-                                         shape_of(partial, args.rows, args.num_heads_q, batch_extent), stride_of(partial), scale};
-  };
-  typename Kernel::Params params{};
-  params.tensors[0] = tensor_params(epilogue[0], args.dk_partial, args.scale_dk);
-  if (has_dv) { params.tensors[1] = tensor_params(epilogue[1], args.dv_partial, args.scale_dv); }
-  params.group = args.num_heads_q / args.num_heads_kv;
-  params.num_heads_kv = args.num_heads_kv;
-  params.batch = args.batch;
-  dim3 grid = tile_grid<Config::kBlockN>(args.rows, args.num_heads_kv, args.batch, varlen);
-  grid.y *= has_dv ? 2 : 1;  // heads of dK, then heads of dV
-  return launch_kernel<Kernel>(grid, params, stream);
-}
-
-// The sm_90 path: TileStreamKernel sums each group's partials as they stream through shared memory.
-template <class Element, class ElementIn, int kHeadDim>
-char const* launch_gqa_reduce_streamed(GqaReduceLaunchArgs const& args, cudaStream_t stream) {
-  using Config = BwdTileConfig<kHeadDim, cutlass::arch::Sm90>;
-  StreamedTensor const tensors[2] = {{args.dk, args.dk_partial, args.scale_dk}, {args.dv, args.dv_partial, args.scale_dv}};
-  int const num_tensors = args.dv_partial.ptr != nullptr ? 2 : 1;
-  int const group = args.num_heads_q / args.num_heads_kv;
-  return launch_tile_stream_for<Config, Element, ElementIn, /*kReduce=*/true>(
-      tensors, num_tensors, args.rows, args.num_heads_kv, group, args.batch, args.cu_seqlens, args.seqused, stream);
-}
-
-}  // namespace detail
 
 template <OutputDType kDType, int kHeadDim, int kArch>
 char const* launch_gqa_postprocess(GqaPostprocessLaunchArgs const& args, cudaStream_t stream) {

@@ -1,8 +1,8 @@
 #pragma once
 
-// The torch-free interface between csrc/bindings.cpp (validation, dispatch) and the generated
-// instantiations: plain pointers, extents and element strides. No CUTLASS types here, so the
-// host compiler that builds the bindings never parses CuTe.
+// The torch-free interface between the bindings (validation, dispatch) and the kernels: plain
+// pointers, extents and element strides. No CUTLASS types here, so the host compiler that builds
+// the bindings never parses CuTe.
 
 #include <cstdint>
 #include <vector>
@@ -118,11 +118,12 @@ char const* launch_gqa_postprocess(GqaPostprocessLaunchArgs const& args, cudaStr
 template <OutputDType kDType, int kHeadDim, int kArch>
 char const* launch_gqa_reduce(GqaReduceLaunchArgs const& args, cudaStream_t stream);
 
-// floats per accumulator tile, and tile size in rows, of a (head dim, arch path); 0 if none
-int gqa_accum_tile_elems(int head_dim, int arch);
-int gqa_block_n(int head_dim, int arch);
+// One compiled (head dim, arch path): FA3's dK/dV tile (BwdTileConfig) and the GQA accumulator's
+// floats per tile. accum_tile_elems >= block_n * head_dim (the TiledMma may pad).
+struct CompiledTileConfig {
+  int head_dim, arch, block_n, num_threads; bool swap_ab; int atom_layout_n, accum_tile_elems;
+};
 
-struct CompiledTileConfig { int head_dim, arch, block_n, num_threads; bool swap_ab; int atom_layout_n, accum_tile_elems; };
 // every compiled (head dim, arch path): head dims ascending, for each the 90 path then the 80 path
 std::vector<CompiledTileConfig> const& compiled_tile_configs();
 

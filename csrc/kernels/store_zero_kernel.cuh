@@ -12,7 +12,7 @@
 
 #include "flash_epilogue/bwd_config.h"
 #include "flash_epilogue/epilogue_bwd.h"
-#include "store_kernel.cuh"
+#include "tile_schedule.cuh"
 
 namespace flash_epilogue {
 
@@ -51,7 +51,8 @@ struct StoreZeroKernel {
     if (bidh < 0 || bidh >= params.num_heads) { return; }
     int n_block, bidb;
     if (params.padded_tiles) {
-      auto const [nb, b] = tile_to_block_and_batch<kBlockN>(blockIdx.x, blockIdx.z, params.batch, params.epilogue.cu_seqlens);
+      auto const [nb, b] =
+          tile_to_block_and_batch<kBlockN>(blockIdx.x, blockIdx.z, params.batch, params.epilogue.cu_seqlens);
       n_block = nb;
       bidb = b;
     } else {

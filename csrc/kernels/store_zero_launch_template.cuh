@@ -1,14 +1,18 @@
 #pragma once
 
+// Host side of `store_zero`: the window clamped to the tensor, the grid over the selection.
+
+#include <cute/tensor.hpp>
+
 #include "launch_args.h"
-#include "store_launch_template.cuh"
+#include "launch_common.cuh"
 #include "store_zero_kernel.cuh"
+#include "tile_schedule.cuh"
 
 namespace flash_epilogue {
 
 template <OutputDType kDType, int kHeadDim, int kArch>
 char const* launch_store_zero(StoreZeroLaunchArgs const& args, cudaStream_t stream) {
-  using namespace cute;
   using Element = element_of<kDType>;
   using ArchTag = arch_tag_of<kArch>;
   using Config = BwdTileConfig<kHeadDim, ArchTag>;
@@ -29,7 +33,8 @@ char const* launch_store_zero(StoreZeroLaunchArgs const& args, cudaStream_t stre
   int const num_sel_heads = args.head_idx ? args.num_head_idx : args.num_heads;
   bool const padded_tiles = is_varlen && args.batch_idx == nullptr;
   int const first_block = args.row_begin / kBlockN;
-  int const num_tiles = padded_tiles ? args.rows / kBlockN + args.batch : (row_end + kBlockN - 1) / kBlockN - first_block;
+  int const num_tiles = padded_tiles ? static_cast<int>(row_tiles<kBlockN>(args.rows, args.batch, /*varlen=*/true))
+                                     : (row_end + kBlockN - 1) / kBlockN - first_block;
   if (num_tiles <= 0 || num_sel_heads <= 0 || num_sel_batch <= 0) { return nullptr; }
 
   typename Kernel::Params params{Epilogue::to_underlying_arguments(ep_args), args.batch, args.num_heads,

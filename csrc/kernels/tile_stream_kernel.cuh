@@ -7,24 +7,17 @@
 // mainloop would leave it), and CollectiveEpilogueBwd converts and stores it. Full/empty
 // mbarriers per stage hand the stages back and forth.
 //
-// Why not one CTA per tile with loads straight into registers (StoreKernel and GqaReduceKernel, the
-// sm_80 path)? There, an SM alternates between a load phase and a store phase, and gqa_reduce's
-// swapAB configs read their partials down fragment columns. Here the loads of up to kStages - 1
-// tiles stay in flight whatever the consumers are doing, and every config reads its stage
-// conflict-free. On the H200 that took gqa_reduce from 2.3-3.7 to 3.3-4.2 TB/s (bf16 hdim 256:
-// 2.42 -> 3.78).
-//
-// Why a producer warp (v0.5) rather than consumer thread 0 issuing the loads (v0.4)? The issue
-// work (tile decode, arrive_and_expect_tx, TMA instructions) then sat on every tile's critical
-// path: each CTA-wide barrier waited for warp 0. One TMA box per 8-row atom instead of per 128
-// rows cost store 25% and gqa_reduce 40-60% (benchmarks/results/store_variants_b36776c.json), so
-// the issuer's time showed directly in the tile time.
+// Why not one CTA per tile with loads straight into registers (StoreKernel, GqaReduceKernel: the
+// sm_80 path)? There an SM alternates between loading and storing, and gqa_reduce's swapAB configs
+// read their partials down fragment columns. Here up to kStages - 1 tiles' loads stay in flight
+// whatever the consumers do, and every config reads its stage conflict-free. Why a producer warp
+// rather than consumer thread 0 issuing the loads? The issue work (tile decode,
+// arrive_and_expect_tx, TMA instructions) then sat on every tile's critical path: each CTA-wide
+// barrier waited for warp 0. Both measured faster: see benchmarks/NOTES.md.
 //
 // Work order: tile t of the CTA's walk is (tensor and head, n_tile, batch), heads fastest,
 // t = blockIdx.x + k * gridDim.x. A tile of `group` members (gqa_reduce: the group's query heads;
 // store: 1) takes `group` consecutive loads of the stream; load i uses stage i % kStages.
-
-#include <climits>
 
 #include <cute/tensor.hpp>
 #include <cute/atom/copy_traits_sm90_tma.hpp>
@@ -33,8 +26,9 @@
 
 #include "flash_epilogue/bwd_config.h"
 #include "flash_epilogue/epilogue_bwd.h"
-#include "flash_epilogue/seqlen_info.h"
 #include "store_kernel.cuh"
+#include "tile_io.cuh"
+#include "tile_schedule.cuh"
 
 namespace flash_epilogue {
 
@@ -66,10 +60,11 @@ struct TileStreamKernel {
   static constexpr int kNumConsumerWarps = kNumConsumerThreads / cutlass::NumThreadsPerWarp;
   static constexpr int kNumThreads = kNumConsumerThreads + cutlass::NumThreadsPerWarpGroup;
   static constexpr int kMinBlocksPerSm = kCtasPerSm;
-  static constexpr int kRegistersAtLaunch = (65536 / (kNumThreads * kCtasPerSm)) / 8 * 8;  // what __launch_bounds__ allows
+  static constexpr int kRegistersAtLaunch = (65536 / (kNumThreads * kCtasPerSm)) / 8 * 8;  // per thread, at launch
   static constexpr int kProducerRegisters = 24;
   static constexpr int kConsumerRegisters = cute::min(
-      240, (kRegistersAtLaunch * kNumThreads - kProducerRegisters * cutlass::NumThreadsPerWarpGroup) / kNumConsumerThreads / 8 * 8);
+      240, (kRegistersAtLaunch * kNumThreads - kProducerRegisters * cutlass::NumThreadsPerWarpGroup) /
+               kNumConsumerThreads / 8 * 8);
   static_assert(kNumConsumerThreads % cutlass::NumThreadsPerWarpGroup == 0, "setmaxnreg works on whole warpgroups");
   static_assert(kConsumerRegisters >= kRegistersAtLaunch, "the consumers must not lose registers to the producer");
   using TileShape = cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>;
@@ -77,7 +72,8 @@ struct TileStreamKernel {
   // One stage holds one input tile, swizzled as TMA writes it. Reading it in C-fragment order is
   // then conflict-free: 8-byte fp32 pairs of 8 rows take the minimum two wavefronts, swapAB's
   // column walks (4 rows 2 apart) one.
-  using SmemLayoutIn = decltype(cute::tile_to_shape(detail::smem_layout_atom_k_major<ElementIn, kHeadDim>(), TileShape{}));  // (BLK_N, BLK_D)
+  using SmemLayoutIn =  // (BLK_N, BLK_D)
+      decltype(cute::tile_to_shape(detail::smem_layout_atom_k_major<ElementIn, kHeadDim>(), TileShape{}));
   static constexpr int kStageElems = kBlockN * kHeadDim;
   static constexpr int kStageBytes = kStageElems * static_cast<int>(sizeof(ElementIn));
   static_assert(kStageBytes % 1024 == 0, "stages must keep the 1024-byte alignment of the swizzled layouts");
@@ -96,11 +92,13 @@ struct TileStreamKernel {
   static_assert(kStages >= 2, "the shared memory must hold at least two input stages");
   static constexpr int kOutputOffset = kStages * kStageBytes;
   static constexpr int kBarrierOffset = kOutputOffset + kOutputBytes;
-  static constexpr int kSharedStorageSize = kBarrierOffset + 2 * kStages * static_cast<int>(sizeof(uint64_t));  // full, empty
+  static constexpr int kSharedStorageSize =  // barriers: full, empty
+      kBarrierOffset + 2 * kStages * static_cast<int>(sizeof(uint64_t));
   static_assert(kSharedStorageSize <= kSmemCapacity);
 
   using TmaLoad = decltype(cute::make_tma_copy(
-      cute::SM90_TMA_LOAD{}, cute::make_tensor(cute::make_gmem_ptr(static_cast<ElementIn const*>(nullptr)), ShapeIO{}, StrideIO{}),
+      cute::SM90_TMA_LOAD{},
+      cute::make_tensor(cute::make_gmem_ptr(static_cast<ElementIn const*>(nullptr)), ShapeIO{}, StrideIO{}),
       SmemLayoutIn{}, TileShape{}, cute::_1{}));
   using Barrier = cutlass::arch::ClusterTransactionBarrier;
 
@@ -121,37 +119,30 @@ struct TileStreamKernel {
     int num_tiles;            // num_n_tiles * num_tensors * num_heads * batch extent
   };
 
-  struct TileWork {
-    int tensor, head, n_block, batch, offset, valid_rows;
-  };
+  using TileWork = OutputTile<kBlockN>;
 
   // Heads (of dK, then of dV) fastest: the CTAs running at one time read the same rows of every
-  // head, neighbours in a (rows, heads, d) layout. Measured against n_tile fastest on the H200:
-  // +2-5% at hdim 192/256, the same elsewhere (benchmarks/NOTES.md, v0.4).
+  // head, neighbours in a (rows, heads, d) layout. Against n_tile fastest: faster at hdim 192/256,
+  // the same elsewhere (measured: see benchmarks/NOTES.md).
   CUTLASS_DEVICE static TileWork decode(Params const& params, int tile) {
     int const heads_y = params.num_tensors * params.num_heads;
-    auto const [tensor, head] = split_tensor_and_head(tile % heads_y, params.num_heads);
+    TensorAndHead const out = split_tensor_and_head(tile % heads_y, params.num_heads);
     int const rest = tile / heads_y;
-    auto const& ep = params.tensors[tensor].epilogue;
-    auto const [n_block, batch] = tile_to_block_and_batch<kBlockN>(rest % params.num_n_tiles, rest / params.num_n_tiles,
-                                                                   params.batch, ep.cu_seqlens);
-    int const rows = cute::get<0>(ep.shape_dK);
-    SeqlenInfo<kBlockN> const seqlen_info{batch, rows, ep.cu_seqlens, ep.seqused};
-    return {tensor, head, n_block, batch, seqlen_info.offset, seqlen_info.valid_rows(n_block, rows)};
+    return output_tile<kBlockN>(params, out, rest % params.num_n_tiles, rest / params.num_n_tiles);
   }
 
   // Thread 0: TMA-load member `member` of tile `work` into `stage`. Rows past the tensor and
   // columns past d arrive as zeros; rows of the next sequence (varlen) are loaded too and never
-  // stored. No L2 eviction hint: EVICT_FIRST, the obvious one for inputs read once, measured 4-8%
-  // slower than no hint or EVICT_NORMAL for store and gqa_reduce (benchmarks/results/load_hint_773c027.json).
+  // stored. No L2 eviction hint: EVICT_FIRST, the obvious one for inputs read once, was slower than
+  // no hint or EVICT_NORMAL for store and gqa_reduce (measured: see benchmarks/NOTES.md).
   CUTLASS_DEVICE static void issue_load(Params const& params, TileWork const& work, int member, ElementIn* stage,
                                         uint64_t& full_barrier) {
     using namespace cute;
     TensorParams const& t = params.tensors[work.tensor];
     int const batch_coord = t.epilogue.cu_seqlens ? 0 : work.batch;
-    Tensor m_in = t.tma_load_in.get_tma_tensor(t.shape_in)(_, _, work.head * params.group + member, batch_coord);  // (rows, d)
-    Tensor g_in = local_tile(domain_offset(make_coord(work.offset, _0{}), m_in), TileShape{},
-                             make_coord(work.n_block, _0{}));  // (BLK_N, BLK_D)
+    Tensor g_in = rows_tile<kBlockN, kHeadDim>(t.tma_load_in.get_tma_tensor(t.shape_in),  // (BLK_N, BLK_D)
+                                               work.head * params.group + member, batch_coord, work.seqlen_info.offset,
+                                               work.n_block);
     Tensor s_in = make_tensor(make_smem_ptr(stage), SmemLayoutIn{});  // (BLK_N, BLK_D)
     auto cta_tma = t.tma_load_in.get_slice(_0{});
     Barrier::arrive_and_expect_tx(&full_barrier, kStageBytes);  // OOB-filled bytes count too
@@ -235,7 +226,8 @@ struct TileStreamKernel {
                                                                        : smem + kOutputOffset);
       // The collective starts with a barrier over the consumer threads, so nobody writes the stage
       // before everyone has read it.
-      Epilogue{}.store(t.epilogue, acc, acc, output, tiled_mma, thread_idx, make_tuple(work.n_block, work.head, work.batch));
+      Epilogue{}.store(t.epilogue, acc, acc, output, tiled_mma, thread_idx,
+                       make_tuple(work.n_block, work.head, work.batch));
       if constexpr (kOutputInStage) {
         cutlass::arch::fence_view_async_shared();  // this thread's generic-proxy writes, before TMA refills the stage
         release(stage);

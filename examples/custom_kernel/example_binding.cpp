@@ -1,5 +1,5 @@
 // The example's Python binding: the only file of the example that includes torch (as
-// csrc/bindings.cpp is for flash_epilogue), so nvcc never compiles torch's headers.
+// csrc/binding/ is for flash_epilogue), so nvcc never compiles torch's headers.
 
 #include <torch/extension.h>
 

@@ -34,6 +34,10 @@ namespace flash_epilogue {
 template <int kHeadDim_, class ArchTag_>
 struct BwdTileConfig;
 
+// The ArchTag of a code path as the launch functions number it: 90 (sm_90 collectives) or 80.
+template <int kArch>
+using arch_tag_of = std::conditional_t<kArch >= 90, cutlass::arch::Sm90, cutlass::arch::Sm80>;
+
 template <int kHeadDim_, int kBlockN_, int kNumThreads_, bool kSwapAB_, int kAtomLayoutNdKV_>
 struct BwdTileConfigSm90Base {
   static constexpr int kHeadDim = kHeadDim_;

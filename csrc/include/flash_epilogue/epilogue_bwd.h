@@ -15,9 +15,8 @@
 //     and columns < d (dv). Rows are located through SeqlenInfo (cu_seqlens / seqused, both
 //     optional at run time) and clamped to the tensor's row extent, so nothing past a row or
 //     column bound is ever written.
-//   Why TMA for varlen's full tiles (not the seed's choice): the predicated path streamed 6-7%
-//   slower than TMA stores on the H200 (store_varlen at 0.87-0.89 of Triton vs 0.94-0.95 batched,
-//   benchmarks/NOTES.md v0.8), and in a long sequence nearly every tile is full.
+//   Why TMA for varlen's full tiles: the predicated path streamed slower than TMA stores
+//   (measured: see benchmarks/NOTES.md), and in a long sequence nearly every tile is full.
 //
 // Contract for a kernel that embeds the collective:
 //   * NumEpilogueThreads threads (whole warps, thread_idx in [0, NumEpilogueThreads)) call

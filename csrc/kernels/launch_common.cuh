@@ -1,0 +1,227 @@
+#pragma once
+
+// What the launches share: the one __global__ entry point of the drivers, the launch itself
+// (shared-memory limit, empty grids), the device's SM count, the translation of launch_args.h's
+// descriptors into the collective's arguments (checked before any TMA descriptor is encoded), and
+// the launch of TileStreamKernel, the sm_90 path of `store` and `gqa_reduce`.
+
+#include <algorithm>
+#include <atomic>
+#include <climits>
+
+#include <cute/tensor.hpp>
+#include <cutlass/numeric_types.h>
+
+#include "launch_args.h"
+#include "static_switch.h"
+#include "tile_schedule.cuh"
+#include "tile_stream_kernel.cuh"
+
+namespace flash_epilogue {
+
+// One entry point for every driver. An sm_90 kernel built into an sm_80 binary
+// (FLASH_EPILOGUE_CUDA_ARCHS="80;90a") compiles to an empty body there: it is never launched on
+// such a device, and its TMA/stmatrix code cannot be emitted for sm_80.
+template <class Kernel>
+__global__ void __launch_bounds__(Kernel::kNumThreads, Kernel::kMinBlocksPerSm)
+    epilogue_device_kernel(CUTE_GRID_CONSTANT typename Kernel::Params const params) {
+  extern __shared__ __align__(1024) char smem[];
+#if defined(__CUDA_ARCH__)
+  if constexpr (Kernel::ArchTag::kMinComputeCapability >= 90) {
+#if __CUDA_ARCH__ >= 900
+    Kernel{}(params, smem);
+#endif
+  } else {
+    Kernel{}(params, smem);
+  }
+#endif
+}
+
+template <OutputDType kDType>
+using element_of = std::conditional_t<kDType == OutputDType::kBFloat16, cutlass::bfloat16_t, cutlass::half_t>;
+
+// Raise Kernel's dynamic shared-memory limit once per device (the attribute is per device).
+// Keyed by the kernel class, not by the kernel's function-pointer type: two kernels with the same
+// Params (a driver derived from another) have the same pointer type, and a cache shared between
+// them skipped the second kernel's attribute, whose launch then failed with "invalid argument".
+template <class Kernel>
+cudaError_t set_smem_limit_once(int smem_bytes) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> configured_bytes[kMaxDevices] = {};  // host threads launch concurrently
+  int device = 0;
+  if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) { return err; }
+  if (device < kMaxDevices && configured_bytes[device].load(std::memory_order_relaxed) >= smem_bytes) {
+    return cudaSuccess;
+  }
+  // Always raise it: the default 48 KB limit counts the kernel's static shared memory too, so a
+  // 48 KB dynamic request plus a few static bytes fails to launch ("invalid argument").
+  cudaError_t err = cudaFuncSetAttribute(epilogue_device_kernel<Kernel>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         smem_bytes);
+  if (err == cudaSuccess && device < kMaxDevices) {
+    configured_bytes[device].store(smem_bytes, std::memory_order_relaxed);
+  }
+  return err;
+}
+
+// Launch Kernel over `grid` with its shared storage (nothing for an empty grid). Returns nullptr:
+// a launch error is left for the caller's cudaGetLastError.
+template <class Kernel>
+char const* launch_kernel(dim3 grid, typename Kernel::Params const& params, cudaStream_t stream) {
+  if (grid.x == 0 || grid.y == 0 || grid.z == 0) { return nullptr; }
+  int const smem_bytes = Kernel::kSharedStorageSize;
+  if (set_smem_limit_once<Kernel>(smem_bytes) != cudaSuccess) { return nullptr; }  // reported by cudaGetLastError
+  epilogue_device_kernel<Kernel><<<grid, Kernel::kNumThreads, smem_bytes, stream>>>(params);
+  return nullptr;
+}
+
+// The current device's multiprocessor count, cached per device (0 if it cannot be read).
+inline int multiprocessor_count() {
+  constexpr int kMaxDevices = 64;
+  static int counts[kMaxDevices] = {};
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) { return 0; }
+  if (device < kMaxDevices && counts[device] > 0) { return counts[device]; }
+  int count = 0;
+  if (cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) { return 0; }
+  if (device < kMaxDevices) { counts[device] = count; }
+  return count;
+}
+
+// A TensorDesc's (rows, d, heads, batch extent) shape and element strides, as the drivers' Params
+// and the collectives' arguments hold them.
+inline cute::Shape<int32_t, int32_t, int32_t, int32_t> shape_of(TensorDesc const& t, int rows, int heads, int batch) {
+  return {rows, t.head_dim, heads, batch};
+}
+inline cute::Stride<int64_t, cute::_1, int64_t, int64_t> stride_of(TensorDesc const& t) {
+  return {t.row_stride, cute::_1{}, t.head_stride, t.batch_stride};
+}
+
+// Whether a launch takes the kernels' batched instantiation (the collective's Varlen = false: TMA
+// stores only, no sequence metadata). With cu_seqlens / seqused the Varlen one stores the tiles
+// inside their sequence by TMA and the rest through predicated stores (sm_90).
+template <class LaunchArgs>
+bool without_sequence_metadata(LaunchArgs const& args) {
+  return args.cu_seqlens == nullptr && args.seqused == nullptr;
+}
+
+// CollectiveEpilogueBwd's arguments for outputs dk/dv (dv.ptr may be null: dK only).
+template <class Epilogue, class Element>
+typename Epilogue::Arguments epilogue_arguments(TensorDesc const& dk, TensorDesc const& dv, int rows, int heads,
+                                                int batch_extent, int const* cu_seqlens, int const* seqused) {
+  return {static_cast<Element*>(dk.ptr), shape_of(dk, rows, heads, batch_extent), stride_of(dk),
+          static_cast<Element*>(dv.ptr), shape_of(dv, rows, heads, batch_extent), stride_of(dv), cu_seqlens, seqused};
+}
+
+// The collective's Params for outputs[0, count), each as the collective's dK (no dV), into
+// params[i]; or the reason the first output that cannot be stored gives. Every output is checked
+// before any is encoded: to_underlying_arguments encodes a TMA descriptor, and make_tma_copy
+// asserts on one the driver would reject. Callers return before this when there is nothing to
+// launch (TMA cannot encode an empty tensor).
+template <class Epilogue, class Element>
+char const* output_epilogue_params(TensorDesc const* outputs, int count, int rows, int heads, int batch_extent,
+                                   int const* cu_seqlens, int const* seqused, typename Epilogue::Params* params) {
+  auto arguments = [&](TensorDesc const& out) {
+    return epilogue_arguments<Epilogue, Element>(out, TensorDesc{}, rows, heads, batch_extent, cu_seqlens, seqused);
+  };
+  for (int i = 0; i < count; ++i) {
+    if (char const* why = Epilogue::can_implement(arguments(outputs[i]))) { return why; }
+  }
+  for (int i = 0; i < count; ++i) { params[i] = Epilogue::to_underlying_arguments(arguments(outputs[i])); }
+  return nullptr;
+}
+
+// Grid (row tiles, heads, batch extent) of a one-CTA-per-tile driver (see tile_schedule.cuh).
+template <int kBlockN>
+dim3 row_tile_grid(int rows, int heads, int batch, bool varlen) {
+  return dim3(static_cast<unsigned>(row_tiles<kBlockN>(rows, batch, varlen)), heads, varlen ? 1 : batch);
+}
+
+// Launch a one-CTA-per-output-tile driver (StoreKernel, GqaPostprocessKernel, GqaReduceKernel) of
+// outputs args.dk and, with count 2, args.dv, each with `heads` heads: their collective Params
+// (every output checked first) into params.tensors[i].epilogue, over grid (row tiles, count *
+// heads, batch).
+template <class Kernel, class LaunchArgs>
+char const* launch_output_tiles(LaunchArgs const& args, int count, int heads, typename Kernel::Params& params,
+                                cudaStream_t stream) {
+  using Epilogue = typename Kernel::Epilogue;
+  bool const varlen = args.cu_seqlens != nullptr;
+  TensorDesc const outputs[2] = {args.dk, args.dv};
+  typename Epilogue::Params epilogue[2];
+  if (char const* why = output_epilogue_params<Epilogue, typename Kernel::Element>(
+          outputs, count, args.rows, heads, varlen ? 1 : args.batch, args.cu_seqlens, args.seqused, epilogue)) {
+    return why;
+  }
+  for (int i = 0; i < count; ++i) { params.tensors[i].epilogue = epilogue[i]; }
+  dim3 grid = row_tile_grid<Kernel::kBlockN>(args.rows, heads, args.batch, varlen);
+  grid.y *= count;  // heads of dK, then heads of dV
+  return launch_kernel<Kernel>(grid, params, stream);
+}
+
+// One output of a TileStreamKernel launch: a 16-bit (rows, d, heads, batch) tensor, its input
+// (rows, d, heads * group, batch) and the scale of the sum (kReduce kernels only).
+struct StreamedTensor {
+  TensorDesc out;
+  TensorDesc in;
+  float scale = 1.f;
+};
+
+template <class Kernel>
+char const* launch_tile_stream(StreamedTensor const* tensors, int num_tensors, int rows, int num_heads, int group,
+                               int batch, int const* cu_seqlens, int const* seqused, cudaStream_t stream) {
+  using namespace cute;
+  using Epilogue = typename Kernel::Epilogue;
+  using ElementIn = typename Kernel::ElementIn;
+  constexpr int kBlockN = Kernel::kBlockN;
+  bool const varlen = cu_seqlens != nullptr;
+  int const batch_extent = varlen ? 1 : batch;
+  int64_t const n_tiles = row_tiles<kBlockN>(rows, batch, varlen);
+  int64_t const num_tiles = n_tiles * num_tensors * num_heads * batch_extent;
+
+  for (int i = 0; i < num_tensors; ++i) {
+    for (int64_t s : {tensors[i].in.row_stride, tensors[i].in.head_stride, tensors[i].in.batch_stride}) {
+      if (s * static_cast<int64_t>(sizeof(ElementIn)) >= (int64_t(1) << 40)) {
+        return "input strides must be < 2^40 bytes (TMA)";
+      }
+    }
+  }
+  if (num_tiles == 0) { return nullptr; }
+  if (num_tiles > INT_MAX) { return "more than 2^31 - 1 tiles"; }
+  TensorDesc const outputs[2] = {tensors[0].out, num_tensors > 1 ? tensors[1].out : TensorDesc{}};
+  typename Epilogue::Params epilogue[2];
+  if (char const* why = output_epilogue_params<Epilogue, typename Kernel::Element>(
+          outputs, num_tensors, rows, num_heads, batch_extent, cu_seqlens, seqused, epilogue)) {
+    return why;
+  }
+  typename Kernel::Params params{};
+  for (int i = 0; i < num_tensors; ++i) {
+    StreamedTensor const& t = tensors[i];
+    typename Epilogue::ShapedKV const shape_in = shape_of(t.in, rows, num_heads * group, batch_extent);
+    auto const m_in = make_tensor(make_gmem_ptr(static_cast<ElementIn const*>(t.in.ptr)), shape_in, stride_of(t.in));
+    auto const tma_in =
+        make_tma_copy(SM90_TMA_LOAD{}, m_in, typename Kernel::SmemLayoutIn{}, typename Kernel::TileShape{}, _1{});
+    params.tensors[i] = {epilogue[i], tma_in, shape_in, t.scale};
+  }
+  params.num_tensors = num_tensors;
+  params.num_heads = num_heads;
+  params.group = group;
+  params.batch = batch;
+  params.num_n_tiles = static_cast<int>(n_tiles);
+  params.num_tiles = static_cast<int>(num_tiles);
+  // Persistent CTAs, kMinBlocksPerSm per SM (each holds that share of the SM's shared memory).
+  int64_t const resident = int64_t(Kernel::kMinBlocksPerSm) * std::max(multiprocessor_count(), 1);
+  int const grid = static_cast<int>(std::min<int64_t>(num_tiles, resident));
+  return launch_kernel<Kernel>(dim3(grid), params, stream);
+}
+
+// launch_tile_stream of the TileStreamKernel instantiation the call's sequence metadata needs
+// (kVarlen when cu_seqlens or seqused is given).
+template <class Config, class Element, class ElementIn, bool kReduce, int kCtasPerSm = 1>
+char const* launch_tile_stream_for(StreamedTensor const* tensors, int num_tensors, int rows, int num_heads, int group,
+                                   int batch, int const* cu_seqlens, int const* seqused, cudaStream_t stream) {
+  return BOOL_SWITCH(cu_seqlens != nullptr || seqused != nullptr, kVarlen, [&] {
+    using Kernel = TileStreamKernel<Config, Element, ElementIn, kVarlen, kReduce, kCtasPerSm>;
+    return launch_tile_stream<Kernel>(tensors, num_tensors, rows, num_heads, group, batch, cu_seqlens, seqused, stream);
+  });
+}
+
+}  // namespace flash_epilogue

@@ -1,0 +1,190 @@
+#pragma once
+
+// Tile I/O between a C fragment of FA3's dK/dV TiledMma and a (BLK_N, BLK_D) tile in global or
+// shared memory: element visits in fragment order, loads (optionally adding, or summing a group of
+// tiles through shared memory) and the fp32 store. Every driver reads its inputs through these.
+
+#include <cstdint>
+
+#include <cute/tensor.hpp>
+#include <cutlass/array.h>
+#include <cutlass/fast_math.h>
+
+#include "flash_epilogue/named_barrier.h"
+
+namespace flash_epilogue {
+
+using ShapeRowsHeadBatch = cute::Shape<int32_t, int32_t, int32_t, int32_t>;    // (rows, d, head, batch)
+using StrideRowsHeadBatch = cute::Stride<int64_t, cute::_1, int64_t, int64_t>;
+
+// The (BLK_N, BLK_D) tile n_block of (head, batch_coord) of a (rows, d, head, batch) tensor, in the
+// sequence starting at row `offset`; the tensor in global memory at `ptr`, or given (a TMA tensor).
+template <int kBlockN, int kHeadDim, class Tensor4>
+CUTLASS_DEVICE auto rows_tile(Tensor4 const& m, int head, int batch_coord, int offset, int n_block) {
+  using namespace cute;
+  return local_tile(domain_offset(make_coord(offset, _0{}), m(_, _, head, batch_coord)),
+                    Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, _0{}));
+}
+template <int kBlockN, int kHeadDim, class T, class ShapeT, class StrideT>
+CUTLASS_DEVICE auto rows_tile(T* ptr, ShapeT const& shape, StrideT const& stride, int head, int batch_coord, int offset,
+                              int n_block) {
+  using namespace cute;
+  return rows_tile<kBlockN, kHeadDim>(make_tensor(make_gmem_ptr(ptr), shape, stride), head, batch_coord, offset,
+                                      n_block);
+}
+
+// Visit the C fragment of `thr_mma` over a (BLK_N, BLK_D) tile (global, or a swizzled stage in
+// shared memory): fn(i, row, col, pointer) for element i. Without swapAB the fragment's element pairs
+// (2i, 2i+1) are adjacent columns of one row (GMMA and SM80 C layouts) and fn gets them together
+// (i even, two elements); with swapAB (the MMA holds dK^T) the tile is seen as (BLK_D, BLK_N) and
+// pairs run down a column, so fn gets one element at a time.
+template <bool kSwapAB, int kBlockN, int kHeadDim, class ThrMma, class GmemTensor, class Fn>
+CUTLASS_DEVICE void for_each_fragment_element(ThrMma const& thr_mma, GmemTensor const& gtile, Fn&& fn) {
+  using namespace cute;
+  if constexpr (!kSwapAB) {
+    Tensor tg = thr_mma.partition_C(gtile);                                                      // (MMA, MMA_N, MMA_D)
+    Tensor tc = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));  // -> (n, d)
+    static_assert(decltype(size(tg))::value % 2 == 0, "the C fragment holds column pairs");
+#pragma unroll
+    for (int i = 0; i < size(tg); i += 2) {
+      auto const [row, col] = tc(i);
+      fn(Int<2>{}, i, row, col, &tg(i));
+    }
+  } else {
+    // (d, n) -> (n, d): also for a swizzled shared-memory tile, whose layout has no plain strides.
+    auto const transposed = make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, Stride<Int<kBlockN>, _1>{});
+    Tensor gtile_t = make_tensor(gtile.data(), composition(gtile.layout(), transposed));
+    Tensor tg = thr_mma.partition_C(gtile_t);                                                    // (MMA, MMA_D, MMA_N)
+    Tensor tc = thr_mma.partition_C(make_identity_tensor(Shape<Int<kHeadDim>, Int<kBlockN>>{}));  // -> (d, n)
+#pragma unroll
+    for (int i = 0; i < size(tg); ++i) {
+      auto const [col, row] = tc(i);
+      fn(Int<1>{}, i, row, col, &tg(i));
+    }
+  }
+}
+
+// Load one (BLK_N, BLK_D) tile (fp32, or 16-bit widened to fp32) into the C fragment `frag`
+// (kAdd: add it to `frag`), as zeros outside [0, valid_rows) x [0, num_cols). Pairs are read as one
+// 8-byte (fp32) or 4-byte (16-bit) access.
+template <bool kSwapAB, int kBlockN, int kHeadDim, bool kAdd = false, class Fragment, class ThrMma, class GmemTensor>
+CUTLASS_DEVICE void load_accum_tile(Fragment& frag, ThrMma const& thr_mma, GmemTensor const& gtile, int valid_rows,
+                                    int num_cols) {
+  using In = std::remove_cv_t<typename GmemTensor::value_type>;
+  auto put = [&](int i, float v) {
+    if constexpr (kAdd) { frag(i) += v; } else { frag(i) = v; }
+  };
+  auto load = [&](auto width, int i, int row, int col, auto ptr) {
+    bool const valid = row < valid_rows && col < num_cols;
+    if constexpr (decltype(width)::value == 2) {
+      cutlass::Array<In, 2> v;
+      v.fill(In(0));
+      if (valid) { v = *reinterpret_cast<cutlass::Array<In, 2> const*>(ptr); }
+      put(i, static_cast<float>(v[0]));
+      put(i + 1, static_cast<float>(v[1]));
+    } else {
+      put(i, valid ? static_cast<float>(*ptr) : 0.f);
+    }
+  };
+  for_each_fragment_element<kSwapAB, kBlockN, kHeadDim>(thr_mma, gtile, load);
+}
+
+// The sum of `group` (BLK_N, BLK_D) tiles (group 1: one tile), read row-major with 16-byte
+// vectors, staged in shared memory as fp32 and read back in C-fragment order. gqa_reduce uses it
+// where reading straight in fragment order is slow: 16-bit partials (the fragment reads 2- or
+// 4-byte pieces) and the swapAB configs (the fragment runs down columns, 4-byte pieces). Store and
+// gqa_accumulate read their fp32 tiles straight in fragment order: staged they ran slower
+// (measured: see benchmarks/NOTES.md). `smem` needs kSmemBytes and may alias the collective's
+// storage: the collectives start with a barrier before writing theirs.
+template <int kBlockN, int kHeadDim, int kNumThreads, bool kSwapAB, class ElementIn>
+struct StagedTileSum {
+  static constexpr int kVec = 16 / sizeof(ElementIn);            // elements per 16-byte load
+  static_assert(kHeadDim % kVec == 0, "head dim must be a multiple of one 16-byte vector");
+  static constexpr int kThreadsPerRow = cutlass::gcd(kHeadDim / kVec, kNumThreads);
+  static constexpr int kRowsPerPass = kNumThreads / kThreadsPerRow;
+  static constexpr int kColIters = kHeadDim / kVec / kThreadsPerRow;
+  static constexpr int kRowIters = (kBlockN + kRowsPerPass - 1) / kRowsPerPass;
+  // Running sums per thread: 32 floats, 16 for the 384-thread config (two CTAs per SM leave it
+  // 80 registers).
+  static constexpr int kSumFloats = kNumThreads > 256 ? 16 : 32;
+  static constexpr int kChunkRowIters = cute::max(1, kSumFloats / (kColIters * kVec));
+  // Row pitch in floats. Fragment-order reads are then conflict-free: 8-byte pairs of 8 rows per
+  // half-warp want a pitch of 8 mod 32 words, swapAB's 4-byte reads (rows 2 apart) 4 mod 32.
+  static constexpr int kPitch = kHeadDim + (kSwapAB ? 4 : 8);
+  static constexpr int kSmemBytes = kBlockN * kPitch * sizeof(float);
+
+  // acc(i) in fragment order = scale * sum over g of tile_g, zeros outside the valid rows/cols.
+  template <class Fragment, class ThrMma, class TileOf>
+  CUTLASS_DEVICE static void run(Fragment& frag, ThrMma const& thr_mma, TileOf&& tile_of, int group, int valid_rows,
+                                 int num_cols, float scale, float* smem, int thread_idx, int barrier_id) {
+    using namespace cute;
+    int const row0 = thread_idx / kThreadsPerRow;
+    int const col0 = (thread_idx % kThreadsPerRow) * kVec;
+    // A chunk of row passes at a time: its loads for one head are in flight together, and the
+    // running sums (kSumFloats) leave registers for two CTAs per SM without spilling.
+#pragma unroll
+    for (int r0 = 0; r0 < kRowIters; r0 += kChunkRowIters) {
+      float sum[kChunkRowIters][kColIters][kVec];
+#pragma unroll
+      for (int r = 0; r < kChunkRowIters; ++r)
+#pragma unroll
+        for (int c = 0; c < kColIters; ++c)
+#pragma unroll
+          for (int v = 0; v < kVec; ++v) { sum[r][c][v] = 0.f; }
+      for (int g = 0; g < group; ++g) {
+        auto const gtile = tile_of(g);  // (BLK_N, BLK_D)
+#pragma unroll
+        for (int r = 0; r < kChunkRowIters; ++r) {
+          int const row = row0 + (r0 + r) * kRowsPerPass;
+#pragma unroll
+          for (int c = 0; c < kColIters; ++c) {
+            int const col = col0 + c * kThreadsPerRow * kVec;
+            if (r0 + r < kRowIters && row < valid_rows && col < num_cols) {  // num_cols: a multiple of 8 >= kVec
+              auto const v = *reinterpret_cast<cutlass::Array<ElementIn, kVec> const*>(&gtile(row, col));
+#pragma unroll
+              for (int k = 0; k < kVec; ++k) { sum[r][c][k] += static_cast<float>(v[k]); }
+            }
+          }
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < kChunkRowIters; ++r) {
+        int const row = row0 + (r0 + r) * kRowsPerPass;
+        if (r0 + r < kRowIters && (kBlockN % kRowsPerPass == 0 || row < kBlockN)) {
+#pragma unroll
+          for (int c = 0; c < kColIters; ++c) {
+            int const col = col0 + c * kThreadsPerRow * kVec;
+#pragma unroll
+            for (int k = 0; k < kVec; k += 4) {
+              *reinterpret_cast<float4*>(smem + row * kPitch + col + k) = make_float4(
+                  sum[r][c][k] * scale, sum[r][c][k + 1] * scale, sum[r][c][k + 2] * scale, sum[r][c][k + 3] * scale);
+            }
+          }
+        }
+      }
+    }
+    named_barrier_sync(kNumThreads, barrier_id);
+    Tensor stile = make_tensor(make_smem_ptr(smem), make_layout(Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                                                               make_stride(Int<kPitch>{}, _1{})));  // (BLK_N, BLK_D)
+    load_accum_tile<kSwapAB, kBlockN, kHeadDim>(frag, thr_mma, stile, kBlockN, kHeadDim);
+    // The collective's store starts with a barrier: nobody overwrites the staging before all read it.
+  }
+};
+
+// The inverse for fp32 outputs: write the fragment's elements inside [0, valid_rows) x [0, num_cols).
+template <bool kSwapAB, int kBlockN, int kHeadDim, class Fragment, class ThrMma, class GmemTensor>
+CUTLASS_DEVICE void store_fragment_tile(Fragment const& frag, ThrMma const& thr_mma, GmemTensor const& gtile,
+                                        int valid_rows, int num_cols) {
+  auto store = [&](auto width, int i, int row, int col, auto ptr) {
+    if (row < valid_rows && col < num_cols) {
+      if constexpr (decltype(width)::value == 2) {
+        *reinterpret_cast<float2*>(ptr) = make_float2(frag(i), frag(i + 1));
+      } else {
+        *ptr = frag(i);
+      }
+    }
+  };
+  for_each_fragment_element<kSwapAB, kBlockN, kHeadDim>(thr_mma, gtile, store);
+}
+
+}  // namespace flash_epilogue
