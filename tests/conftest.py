@@ -1,7 +1,19 @@
-import os
+"""Shared test setup: the GPU marker, and the buffer builders every test file uses.
 
+Canary buffers: 16-bit ones hold CANARY_BITS, a NaN payload no conversion produces (an element the kernel
+did not write keeps these bits); fp32 ones NaN (a read outside a view poisons the result). Outputs are views
+carved out of such buffers and the WHOLE buffer is compared bitwise with the reference applied to a clone.
+"""
 import pytest
 import torch
+
+import flash_epilogue as fe
+
+CANARY_BITS = 0x7FBF
+DTYPES = (torch.bfloat16, torch.float16)
+ARCHS = (90, 80)  # the code paths: sm_90 (the H200's own) and the sm_80 path (`_arch=80`) on the same GPU
+arch_param = pytest.mark.parametrize("arch", ARCHS, ids=("sm90", "sm80"))
+LAYOUTS = ("plain", "padded", "transposed")
 
 
 def _sm90_kernels() -> tuple[bool, str]:
@@ -9,60 +21,135 @@ def _sm90_kernels() -> tuple[bool, str]:
         return False, "no CUDA device"
     if torch.cuda.get_device_capability() != (9, 0):
         return False, f"needs sm_90, device is sm_{''.join(map(str, torch.cuda.get_device_capability()))}"
-    import flash_epilogue
-
-    if not flash_epilogue.kernels_available():
-        return False, f"kernels not built: {flash_epilogue.UNAVAILABLE_REASON}"
+    if not fe.kernels_available():
+        return False, f"kernels not built: {fe.UNAVAILABLE_REASON}"
     return True, ""
 
 
-_HAVE_SM90, _WHY_NOT = _sm90_kernels()
-requires_sm90 = pytest.mark.skipif(not _HAVE_SM90, reason=_WHY_NOT)
-
-
-@pytest.fixture(autouse=True)
-def _env_flags_follow_the_environment():
-    """flash_epilogue reads FLASH_EPILOGUE_DEBUG / FLASH_EPILOGUE_CHECK_INPUTS once, at import; a test
-    that sets them calls flash_epilogue.refresh_env_flags(). Re-read before each test, when the
-    previous test's monkeypatch has restored the environment."""
-    from flash_epilogue import ops
-
-    ops.refresh_env_flags()
-    yield
-
-
-@pytest.fixture
-def sm90(monkeypatch):
-    """Pretend every tensor is on an sm_90 CUDA device with kernels compiled for sm_90a (the
-    validation tests' device hooks, flash_epilogue.validation)."""
-    import flash_epilogue.validation as V
-
-    monkeypatch.setattr(V, "_is_cuda_device", lambda device: True)
-    monkeypatch.setattr(V, "_device_capability", lambda device: (9, 0))
-    monkeypatch.setattr(V, "_compiled_archs", lambda: ("sm_90a",))
-
-
-@pytest.fixture(autouse=True)
-def _cpp_parity(request, monkeypatch):
-    """FLASH_EPILOGUE_TEST_CPP_PARITY=<file>: every Python validator call also runs the C++ op and
-    compares (tests/cpp_parity.py; tests/test_cpp_parity.py sets it)."""
-    path = os.environ.get("FLASH_EPILOGUE_TEST_CPP_PARITY")
-    if not path:
-        yield
-        return
-    import cpp_parity
-    import flash_epilogue.validation as V
-
-    comparer = cpp_parity.Comparer(path, request.node.nodeid)
-    for name in cpp_parity.SPECS:
-        wrapped = comparer.wrap(name)
-        monkeypatch.setattr(V, name, wrapped)
-        if request.module is not None and getattr(request.module, name, None) is cpp_parity.REAL[name]:
-            monkeypatch.setattr(request.module, name, wrapped)
-    yield
+HAVE_SM90, WHY_NOT = _sm90_kernels()
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if "gpu" in item.keywords and not _HAVE_SM90:
-            item.add_marker(pytest.mark.skip(reason=_WHY_NOT))
+        if "gpu" in item.keywords and not HAVE_SM90:
+            item.add_marker(pytest.mark.skip(reason=WHY_NOT))
+
+
+@pytest.fixture(autouse=True)
+def _env_flags_follow_the_environment():
+    """FLASH_EPILOGUE_DEBUG / FLASH_EPILOGUE_CHECK_INPUTS are read at import; a test that sets them
+    calls fe.refresh_env_flags(). Re-read before each test, once monkeypatch restored the environment."""
+    fe.refresh_env_flags()
+    yield
+
+
+# ---------------------------------------------------------------------------------------------
+# values and buffers
+
+
+def bits(t):
+    """The raw bits of t (same shape and strides), for bitwise comparisons (NaN payloads included)."""
+    return t.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def same(a, b):
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
+
+
+def first_diff(got, want) -> str:
+    idx = (bits(got) != bits(want)).nonzero()
+    if idx.shape[0] == 0:
+        return "equal"
+    i = tuple(idx[0].tolist())
+    return f"{idx.shape[0]} elements differ, first at {list(i)}: got {got[i].item()}, want {want[i].item()}"
+
+
+def assert_bits(got, want, name=""):
+    assert got.shape == want.shape, (name, got.shape, want.shape)
+    assert torch.equal(bits(got), bits(want)), f"{name}: {first_diff(got, want)}"
+
+
+def generator(seed, device="cuda"):
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def rand(shape, gen=None, dtype=torch.float32, device="cuda", binades=8):
+    """Normal samples times 2^e, e uniform in [-binades, binades]: the order of additions (and the
+    rounding of large and tiny magnitudes) matters."""
+    if gen is not None:
+        device = gen.device
+    x = torch.randn(shape, device=device, generator=gen)
+    e = torch.randint(-binades, binades + 1, shape, device=device, generator=gen).float()
+    return (x * torch.exp2(e)).to(dtype)
+
+
+def canary(shape, dtype=torch.bfloat16, device="cuda"):
+    """A buffer of the canary bits (16-bit dtypes) or of NaN (fp32)."""
+    if dtype == torch.float32:
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.full(shape, CANARY_BITS, dtype=torch.int16, device=device).view(dtype)
+
+
+def carve(shape, dtype, layout, device="cuda"):
+    """(buffer, view): a canary buffer and a `shape` view into it. plain: the view is the buffer;
+    padded: extra rows, heads, head-dim columns and batch slack around the view; transposed:
+    heads-major storage seen as (b, s, h, d) / (total, h, d)."""
+    d = shape[-1]
+    if layout == "plain":
+        buf = canary(shape, dtype, device)
+        return buf, buf
+    if len(shape) == 4:
+        b, s, h, _ = shape
+        if layout == "padded":
+            buf = canary((b + 1, s + 3, h + 2, d + 16), dtype, device)
+            return buf, buf[1:, 2 : s + 2, 1 : h + 1, 8 : d + 8]
+        buf = canary((b, h + 1, s + 2, d + 8), dtype, device)
+        return buf, buf[:, 1:, 1 : s + 1, :d].transpose(1, 2)
+    t, h, _ = shape
+    if layout == "padded":
+        buf = canary((t + 5, h + 1, d + 8), dtype, device)
+        return buf, buf[3 : t + 3, 1:, 8:]
+    buf = canary((h, t + 4, d), dtype, device)
+    return buf, buf[:, 2 : t + 2].transpose(0, 1)
+
+
+def input_view(shape, layout, gen, dtype=torch.float32, binades=8):
+    """An input of `shape` laid out per `layout` in a NaN/canary buffer (reads outside the view
+    poison the result)."""
+    _, view = carve(shape, dtype, layout, gen.device)
+    view.copy_(rand(shape, gen, dtype, binades=binades))
+    return view
+
+
+def same_view(clone, view):
+    """The view of `clone` (a copy of view's buffer) at view's offset and strides."""
+    return clone.as_strided(view.shape, view.stride(), view.storage_offset())
+
+
+def block_n(d, dv=None, arch=90):
+    """kBlockN of the tile that serves head dims (d, dv) on the path `arch` (90, 80; 0 = 90 here)."""
+    return fe.tile_config(d, dv, arch=80 if arch == 80 else 90).block_n
+
+
+def int32(*vals, device="cuda"):
+    return torch.tensor(vals, dtype=torch.int32, device=device)
+
+
+def cu_seqlens(lens, device="cuda"):
+    return torch.tensor([0] + list(lens), dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)
+
+
+def cuda_graph(step, warmup=1):
+    """(graph, what step returned while captured): step() captured once into a CUDA graph on a side stream,
+    after `warmup` runs on that stream outside the capture."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            step()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            out = step()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    return graph, out

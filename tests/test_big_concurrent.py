@@ -1,14 +1,11 @@
 """GPU tests of problems whose tensors exceed 2^31 elements (32-bit offsets would wrap) and of ops
 running concurrently on several CUDA streams and host threads.
 
-Big: every op is run once on tensors of more than 2^31 elements (store batched in (b, s, h, d)
-and heads-major storage on both code paths, store varlen + seqused, store_zero, gqa_reduce with
-big inputs and with big outputs, deterministic and non-deterministic gqa_accumulate into
-accumulators of more than 2^31 floats + gqa_postprocess). The outputs are canary-filled; the check
-walks the whole output in chunks of rows: valid rows bitwise against the reference computed on
-that chunk, all other rows still the canary (the last rows, past 2^31 elements, are checked too).
-Peak GPU memory: about 50 GB (the accumulate test); a test skips when the device has less free.
-GPU time: about 10-20 s for the file on an H200 (mostly filling 100+ GB of tensors).
+Big: every op once on tensors of more than 2^31 elements (store batched, heads-major, on both paths, and
+varlen + seqused; store_zero; gqa_reduce with big inputs and with big outputs; gqa_accumulate into
+accumulators of more than 2^31 floats, both modes, + gqa_postprocess). Canary outputs are checked in chunks
+of rows: valid rows bitwise against the reference of that chunk, all others still the canary. Peak GPU
+memory about 50 GB (a test skips when less is free); about 10-20 s on an H200.
 
 Concurrent: two streams each running deterministic gqa_accumulate into their own accumulators
 (reading the same partials), interleaved launch by launch, repeatedly: bitwise equal to the
@@ -24,6 +21,7 @@ import pytest
 import torch
 
 import flash_epilogue as fe
+from conftest import CANARY_BITS, bits, canary, rand
 from flash_epilogue.reference import (
     gqa_accumulate_reference,
     gqa_reduce_reference,
@@ -36,7 +34,6 @@ pytestmark = pytest.mark.gpu
 
 DEV = "cuda"
 I32 = torch.int32
-CANARY_BITS = 0x7FBF  # a NaN payload no conversion produces
 INT32_ELEMS = 2**31
 CHUNK_ELEMS = 2**28  # elements compared at a time
 
@@ -52,14 +49,6 @@ def _release_memory():
     yield
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
-
-
-def bits(t):
-    return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
-
-
-def canary(shape, dtype=torch.bfloat16):
-    return torch.full(shape, CANARY_BITS, dtype=torch.int16, device=DEV).view(dtype)
 
 
 def row_mask(rows: int, bounds) -> torch.Tensor:
@@ -228,11 +217,6 @@ def test_gqa_accumulate_beyond_int32(deterministic):
 
 # ---------------------------------------------------------------------------------------------
 # concurrency: streams and threads
-
-
-def rand(shape, gen, dtype=torch.float32):
-    x = torch.randn(shape, device=DEV, generator=gen)
-    return (x * torch.exp2(torch.randint(-8, 9, shape, device=DEV, generator=gen).float())).to(dtype)
 
 
 def test_two_streams_deterministic_accumulations():

@@ -21,9 +21,9 @@ def _nvcc():
 
 
 def _runs_on_gpu() -> bool:
-    from conftest import _HAVE_SM90
+    from conftest import HAVE_SM90
 
-    return _HAVE_SM90
+    return HAVE_SM90
 
 
 @pytest.mark.skipif(_nvcc() is None, reason="no nvcc")
@@ -49,7 +49,8 @@ def test_example_compiles(tmp_path):
     binding = [_nvcc(), "-x", "c++", "-std=c++20", "-DTORCH_EXTENSION_NAME=example", "-DTORCH_API_INCLUDE_EXTENSION_H",
                "-c", str(EXAMPLE / "example_binding.cpp"), "-o", str(tmp_path / "binding.o"),
                *[f"-I{d}" for d in includes]]
-    running = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for cmd in (kernel, binding)]
+    running = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for cmd in (kernel, binding)]
     for name, proc in zip(("epilogue_example.cu", "example_binding.cpp"), running):
         _, err = proc.communicate()
         assert proc.returncode == 0, f"{name}: {err[-3000:]}"

@@ -8,25 +8,20 @@ torch.export and CUDA graphs.
 * opcheck: store and store_zero, batched and varlen, on several samples (the GQA ops are
   opchecked in test_gqa.py, repeat_kv's in test_repeat_kv.py).
 * export: a module calling store/store_zero (the wrappers, non-strict; the ops, strict).
-* CUDA graphs: every op captured once (the accumulator reset and deterministic accumulate with
-  the semaphores it zeroes itself, varlen metadata read on the device), replayed on new contents
-  of the static inputs, metadata included (test_store_zero.py and test_gqa.py capture store_zero
-  and a batched GQA step; this graph adds store and the varlen forms).
+* CUDA graphs: every op captured once (the accumulator reset, deterministic accumulate, varlen metadata
+  read on the device), replayed on new contents of the static inputs, metadata included.
 
-The compile and export tests also run on the CPU (no GPU needed): the validation module's device
-hooks pretend the CPU is an sm_90 device and CPU kernels written with flash_epilogue.reference
-stand in for the CUDA ones (the accumulator in a row-major stand-in layout), so what is checked
-there is that the Python API traces, not the kernels' values. The CUDA-graph test's step and
+The compile and export tests also run on the CPU (no GPU needed): CPU kernels written with
+flash_epilogue.reference stand in for the CUDA ones (the accumulator in a row-major stand-in layout),
+so what is checked there is that the Python API traces, not the kernels' values. The CUDA-graph test's step and
 references run eagerly on the CPU the same way (a check of the test itself).
 """
-import importlib
 
 import pytest
 import torch
 
 import flash_epilogue as fe
-import flash_epilogue.validation as V
-from flash_epilogue._config import tile_config
+from conftest import CANARY_BITS, bits, cuda_graph, same
 from flash_epilogue.reference import (
     gqa_accumulate_reference,
     gqa_reduce_reference,
@@ -36,33 +31,19 @@ from flash_epilogue.reference import (
 
 I32, BF16, F16 = torch.int32, torch.bfloat16, torch.float16
 OPS = torch.ops.flash_epilogue
-OP_NAMES = ("store", "store_zero", "gqa_accumulate", "gqa_postprocess", "gqa_accum_to_dense", "gqa_reduce")
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
-
-
-
-def bits(t):
-    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()]) if t.is_floating_point() else t
-
-
-def same(a, b):
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
 
 
 # ---------------------------------------------------------------------------------------------
 # CPU stand-ins for the CUDA kernels (reference semantics; the accumulator row-major per tile)
 
 
-def _dense_view(accum, block_n):
-    """(batch, h_k, tiles * block_n, tile_elems // block_n): a row-major stand-in for the opaque tile."""
-    b, h, tiles, elems = accum.shape
-    return accum.view(b, h, tiles * block_n, elems // block_n)
-
-
 def _accum_dense(accum, block_n, rows, width, varlen=False):
-    """(batch, rows, h_k, width) view of a batched stand-in accumulator; varlen: (total, h_k, width),
-    packed row r at accumulator row r (the accumulator has at least `total` rows)."""
-    view = _dense_view(accum, block_n)
+    """A row-major stand-in for the opaque tile: the (batch, rows, h_k, width) view of a batched accumulator
+    (b, h_k, tiles, elems) as (b, h_k, tiles * block_n, elems // block_n); varlen: (total, h_k, width), packed
+    row r at accumulator row r (the accumulator has at least `total` rows)."""
+    b, h, tiles, elems = accum.shape
+    view = accum.view(b, h, tiles * block_n, elems // block_n)
     if varlen:
         return view[0, :, :rows, :width].transpose(0, 1)
     return view[:, :, :rows, :width].transpose(1, 2)
@@ -72,20 +53,18 @@ def _rows_of(t, varlen):
     return t.shape[0] if varlen else t.shape[1]
 
 
-def _cpu_store(dk_accum, dv_accum, dk, dv, *, cu_seqlens=None, seqused=None, _arch=0):
-    store_reference(dk_accum, dv_accum, dk, dv, cu_seqlens=cu_seqlens, seqused=seqused)
+def _cpu_store(*args, _arch=0, **kw):
+    store_reference(*args, **kw)
 
 
-def _cpu_store_zero(dk, dv, *, cu_seqlens=None, seqused=None, batch_idx=None, head_idx=None, row_start=0,
-                    row_end=None, _arch=0):
-    store_zero_reference(dk, dv, cu_seqlens=cu_seqlens, seqused=seqused, batch_idx=batch_idx, head_idx=head_idx,
-                         row_start=row_start, row_end=row_end)
+def _cpu_store_zero(*args, _arch=0, **kw):
+    store_zero_reference(*args, **kw)
 
 
 def _cpu_gqa_accumulate(dk_partial, dv_partial, dk_accum, dv_accum, semaphores=None, *, cu_seqlens=None,
                         seqused=None, deterministic=False, _arch=0):
     varlen = cu_seqlens is not None
-    block_n = tile_config(dk_partial.shape[-1], dv_partial.shape[-1]).block_n
+    block_n = fe.tile_config(dk_partial.shape[-1], dv_partial.shape[-1]).block_n
     for p, a in ((dk_partial, dk_accum), (dv_partial, dv_accum)):
         view = _accum_dense(a, block_n, _rows_of(p, varlen), p.shape[-1], varlen)
         dense = view.clone()
@@ -97,7 +76,7 @@ def _cpu_gqa_accumulate(dk_partial, dv_partial, dk_accum, dv_accum, semaphores=N
 def _cpu_gqa_postprocess(dk_accum, dv_accum, dk, dv, *, scale_dk=1.0, scale_dv=1.0, cu_seqlens=None, seqused=None,
                          _arch=0):
     varlen = cu_seqlens is not None
-    block_n = tile_config(dk.shape[-1], dv.shape[-1]).block_n
+    block_n = fe.tile_config(dk.shape[-1], dv.shape[-1]).block_n
     scaled = [_accum_dense(a, block_n, _rows_of(o, varlen), o.shape[-1], varlen) * torch.tensor(sc, dtype=torch.float32)
               for a, o, sc in ((dk_accum, dk, scale_dk), (dv_accum, dv, scale_dv))]
     store_reference(scaled[0], scaled[1], dk, dv, cu_seqlens=cu_seqlens, seqused=seqused)
@@ -105,7 +84,7 @@ def _cpu_gqa_postprocess(dk_accum, dv_accum, dk, dv, *, scale_dk=1.0, scale_dv=1
 
 def _cpu_gqa_accum_to_dense(accum, out, *, head_dim, cu_seqlens=None, seqused=None, _arch=0):
     varlen = cu_seqlens is not None
-    dense = _accum_dense(accum, tile_config(head_dim).block_n, _rows_of(out, varlen), out.shape[-1], varlen)
+    dense = _accum_dense(accum, fe.tile_config(head_dim).block_n, _rows_of(out, varlen), out.shape[-1], varlen)
     store_reference(dense, dense, out, torch.empty_like(out), cu_seqlens=cu_seqlens, seqused=seqused)
 
 
@@ -123,13 +102,10 @@ _CPU_KERNELS = {"store": _cpu_store, "store_zero": _cpu_store_zero, "gqa_accumul
 
 
 @pytest.fixture
-def cpu_kernels(monkeypatch):
-    """CPU tensors pass validation as an sm_90 device's, and the ops have CPU kernels."""
-    if not all(hasattr(OPS, n) for n in OP_NAMES):
-        pytest.skip("the loaded extension was built before the GQA ops")
-    monkeypatch.setattr(V, "_is_cuda_device", lambda device: True)
-    monkeypatch.setattr(V, "_device_capability", lambda device: (9, 0))
-    monkeypatch.setattr(V, "_compiled_archs", lambda: ("sm_90a",))
+def cpu_kernels():
+    """The ops get CPU kernels (in place of the registration that checks and refuses the device)."""
+    if not fe.kernels_available():
+        pytest.skip(f"the ops are not defined: {fe.UNAVAILABLE_REASON}")
     lib = torch.library.Library("flash_epilogue", "IMPL")
     try:
         for name, fn in _CPU_KERNELS.items():
@@ -199,13 +175,18 @@ def clone_problem(t, acc):
     return c, a
 
 
-def every_op(t, dk_accum, dv_accum, semaphores, d: int):
-    """Every op through torch.ops.flash_epilogue.* (no Python validation)."""
-    OPS.store(t["ak"], t["av"], t["dk"], t["dv"], seqused=t["used"])
-    OPS.store(t["vak"], t["vav"], t["vdk"], t["vdv"], cu_seqlens=t["cu"], seqused=t["vused"])
-    OPS.store_zero(t["vdk"], t["vdv"], cu_seqlens=t["cu"], seqused=t["vused"], batch_idx=t["bidx"],
+def stores(api, t):
+    """store batched and varlen, store_zero with selections and a row range, through `api` (the ops or fe)."""
+    api.store(t["ak"], t["av"], t["dk"], t["dv"], seqused=t["used"])
+    api.store(t["vak"], t["vav"], t["vdk"], t["vdv"], cu_seqlens=t["cu"], seqused=t["vused"])
+    api.store_zero(t["vdk"], t["vdv"], cu_seqlens=t["cu"], seqused=t["vused"], batch_idx=t["bidx"],
                    head_idx=t["hidx"], row_start=3, row_end=60)
-    OPS.store_zero(t["dk"], t["dv"], row_start=140)
+    api.store_zero(t["dk"], t["dv"], row_start=140)
+
+
+def every_op(t, dk_accum, dv_accum, semaphores, d: int):
+    """Every op through torch.ops.flash_epilogue.* (no Python wrapper)."""
+    stores(OPS, t)
     dk_accum.zero_()
     dv_accum.zero_()
     OPS.gqa_accumulate(t["pk"], t["pv"], dk_accum, dv_accum, semaphores, deterministic=True)
@@ -218,11 +199,7 @@ def every_op(t, dk_accum, dv_accum, semaphores, d: int):
 
 def every_wrapper(t, acc, hk: int):
     """Every op through the Python API: wrappers, the accumulator object, repeat_kv."""
-    fe.store(t["ak"], t["av"], t["dk"], t["dv"], seqused=t["used"])
-    fe.store(t["vak"], t["vav"], t["vdk"], t["vdv"], cu_seqlens=t["cu"], seqused=t["vused"])
-    fe.store_zero(t["vdk"], t["vdv"], cu_seqlens=t["cu"], seqused=t["vused"], batch_idx=t["bidx"],
-                  head_idx=t["hidx"], row_start=3, row_end=60)
-    fe.store_zero(t["dk"], t["dv"], row_start=140)
+    stores(fe, t)
     acc.reset()
     fe.gqa_accumulate(t["pk"], t["pv"], acc, deterministic=True)
     fe.gqa_accumulate(t["pk"] * 0.5, t["pv"], acc, seqused=t["used"])
@@ -274,20 +251,6 @@ def test_compile_fullgraph_every_wrapper(request, device):
         for a, b in zip(got, want):
             assert same(a, b)
         assert_same_problem(t, acc, t2, acc2)
-
-
-def test_compile_cpu_stand_ins_agree_with_the_api(cpu_kernels):
-    # the two functions above do the same work: the stand-ins are exercised eagerly end to end
-    t, acc, p = make_problem("cpu")
-    t2, acc2 = clone_problem(t, acc)
-    every_op(t, acc.dk_accum, acc.dv_accum, acc.semaphores, p["d"])
-    dense_k, dense_v, single, y = every_wrapper(t2, acc2, p["hk"])
-    assert same(dense_k, t.pop("dense"))  # every_op decodes into t["dense"], the accumulator allocates
-    t2.pop("dense")
-    assert_same_problem(t, acc, t2, acc2)
-    want = torch.empty_like(single)
-    gqa_reduce_reference(t["pk"], p["hk"], out=want, sequential=True)
-    assert same(single, want) and same(y, t["x"].repeat_interleave(3, dim=1))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -346,8 +309,8 @@ def test_opcheck_store_zero():
 
 
 def test_opcheck_samples_are_valid_for_the_wrappers(cpu_kernels):
-    # every sample passes the Python API's validation (so opcheck exercises the kernels, not error
-    # paths) and the CPU stand-ins (the reference) run it
+    # every sample is a valid call (so opcheck exercises the kernels, not error paths): the ops' checks
+    # accept it (test_accepted) and the CPU stand-ins (the reference) run it
     for args, kwargs in store_samples("cpu"):
         fe.store(*args, **kwargs)
     for args, kwargs in store_zero_samples("cpu"):
@@ -407,7 +370,7 @@ def test_export_store_and_store_zero(request, device, module, strict):
 
 
 def canary_(t):
-    bits(t).fill_(0x7FBF)  # a NaN payload no conversion produces
+    bits(t).fill_(CANARY_BITS)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -442,14 +405,7 @@ def test_cuda_graph_every_op(request, device):
 
     dense = []  # the accumulator decoded (GPU: the graph's static outputs)
     if device == "cuda":
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            step()  # warm-up outside the capture
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=stream):
-                dense[:] = step()
-        torch.cuda.current_stream().wait_stream(stream)
+        graph, dense[:] = cuda_graph(step)
         run = graph.replay
     else:  # the CPU stand-ins, eagerly: checks this test's references
         def run():

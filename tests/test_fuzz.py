@@ -1,18 +1,11 @@
 """Property-based fuzzing (hypothesis) of every op against the pure-PyTorch reference.
 
-Drawn per case: dtypes (bf16/fp16 outputs; fp32/bf16/fp16 partials for gqa_reduce), head dims
-(any multiple of 8 up to 256, the compiled ones more often; dv != d), batch (0 too), sequence
-lengths at the tile edges (0, 1, kBlockN - 1, kBlockN, kBlockN + 1, 2 kBlockN +- 1) or anywhere up
-to 3 kBlockN, varlen with slack rows after the last sequence, seqused, strides (views into bigger
-buffers: padded rows/heads/columns, heads-major storage), GQA group sizes 1, 2, 3, 4, 6, 8, 16 (MQA
-when h_k = 1), deterministic on/off, several accumulate calls, the sm_80 path (`_arch=80`).
-
-Every output is a view into a canary-filled buffer (a NaN payload no conversion produces) and the
-WHOLE buffer is compared bit for bit with the reference applied to a clone, so a write outside the
-valid rows, heads or columns is caught; inputs are views into NaN-filled buffers, so a read
-outside them poisons the result. Exact oracles: store, store_zero, gqa_postprocess (of the
-accumulator's own values), gqa_reduce and deterministic gqa_accumulate are bitwise; the
-non-deterministic accumulate is held to the fp32 reassociation bound of tests/test_gqa.py.
+Drawn per case: dtypes (bf16/fp16 outputs; fp32/bf16/fp16 partials for gqa_reduce), head dims (any
+multiple of 8 up to 256; dv != d), batch (0 too), sequence lengths at the tile edges or anywhere up to
+3 kBlockN, varlen with slack rows, seqused, strides (conftest.carve's layouts), GQA group sizes 1 to 16,
+deterministic on/off, several accumulate calls, the sm_80 path (`_arch=80`). Outputs are views into
+canary buffers compared whole, bit for bit, with the reference applied to a clone; inputs are views
+into NaN buffers. Exact oracles but for the non-deterministic accumulate (the bound of test_gqa.py).
 
 Reproducible: derandomized (the same cases every run) unless FLASH_EPILOGUE_FUZZ_SEED=<int> picks
 another seed; FLASH_EPILOGUE_FUZZ_SCALE=<float> scales the number of cases (default 1: 520 GPU
@@ -22,7 +15,7 @@ line, a python command that reruns exactly that case, e.g.
     python -c "import sys; sys.path[:0] = ['.', 'tests']; import test_fuzz as t; t.check_store(**{...})"
 
 test_fuzz_cases_validate_on_cpu runs a few cases of each op without a GPU (CI): every drawn call
-must pass every validation check up to the last one, the device check, and the references run.
+passes every check of the op up to the last one, the device check, and the references run.
 """
 from __future__ import annotations
 
@@ -36,6 +29,8 @@ from hypothesis import HealthCheck, given, note, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import flash_epilogue as fe  # noqa: E402
+from conftest import (LAYOUTS, assert_bits, block_n, carve, cu_seqlens, input_view, int32, rand,  # noqa: E402
+                      same_view)
 from flash_epilogue.reference import (  # noqa: E402
     gqa_accumulate_reference,
     gqa_reduce_reference,
@@ -43,11 +38,9 @@ from flash_epilogue.reference import (  # noqa: E402
     store_zero_reference,
 )
 
-CANARY_BITS = 0x7FBF  # a NaN payload (bf16 and fp16) no conversion produces
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 COMPILED = (64, 96, 128, 192, 256)
 GROUPS = (1, 2, 3, 4, 6, 8, 16)
-LAYOUTS = ("plain", "padded", "transposed")
 SCALES = (1.0, 0.5, 3.0, 1.0 / 3.0, 128**-0.5, 0.0)
 U32 = 2.0**-24
 
@@ -60,7 +53,8 @@ def fuzz_settings(n: int):
     unless a seed is given."""
     return settings(max_examples=max(1, int(n * _SCALE)), deadline=None, database=None, derandomize=_SEED is None,
                     print_blob=True, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                                            HealthCheck.filter_too_much, HealthCheck.large_base_example])
+                                                            HealthCheck.filter_too_much,
+                                                            HealthCheck.large_base_example])
 
 
 def seeded(f):
@@ -71,73 +65,15 @@ def seeded(f):
 # tensors
 
 
-def block_n(d, dv, arch):
-    return fe.tile_config(d, dv, arch=80 if arch == 80 else 90).block_n
-
-
-def bits(t):
-    return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
-
-
-def filled(shape, dtype, dev):
-    """A buffer of the canary (16-bit) or NaN (fp32)."""
-    if dtype == torch.float32:
-        return torch.full(shape, float("nan"), dtype=dtype, device=dev)
-    return torch.full(shape, CANARY_BITS, dtype=torch.int16, device=dev).view(dtype)
-
-
-def carve(shape, dtype, layout, dev):
-    """(buffer, view): a canary/NaN-filled buffer and a `shape` view into it. plain: the view is the
-    buffer; padded: extra rows, heads, head-dim columns and batch slack around the view; transposed:
-    heads-major storage seen as (b, s, h, d) / (total, h, d)."""
-    d = shape[-1]
-    if layout == "plain":
-        buf = filled(shape, dtype, dev)
-        return buf, buf
-    if len(shape) == 4:
-        b, s, h, _ = shape
-        if layout == "padded":
-            buf = filled((b + 1, s + 3, h + 2, d + 16), dtype, dev)
-            return buf, buf[1:, 2 : s + 2, 1 : h + 1, 8 : d + 8]
-        buf = filled((b, h + 1, s + 2, d + 8), dtype, dev)
-        return buf, buf[:, 1:, 1 : s + 1, :d].transpose(1, 2)
-    t, h, _ = shape
-    if layout == "padded":
-        buf = filled((t + 5, h + 1, d + 8), dtype, dev)
-        return buf, buf[3 : t + 3, 1:, 8:]
-    buf = filled((h, t + 4, d), dtype, dev)
-    return buf, buf[:, 2 : t + 2].transpose(0, 1)
-
-
-def same_view(clone, view):
-    return clone.as_strided(view.shape, view.stride(), view.storage_offset())
-
-
-def values(shape, gen, dev, binades=8, dtype=torch.float32):
-    """Normal samples times 2^e, e uniform in [-binades, binades]."""
-    x = torch.randn(shape, device=dev, generator=gen)
-    e = torch.randint(-binades, binades + 1, shape, device=dev, generator=gen).float()
-    return (x * torch.exp2(e)).to(dtype)
-
-
-def input_view(shape, layout, gen, dev, binades=8, dtype=torch.float32):
-    """An input of `shape` laid out per `layout` in a NaN/canary-filled buffer (reads outside the
-    view poison the result)."""
-    _, view = carve(shape, dtype, layout, dev)
-    view.copy_(values(shape, gen, dev, binades, dtype))
-    return view
-
-
 def problem(dev, batch, seqlen, lens, slack, used):
     """(leading shape, seq kwargs without seqused, seq kwargs with seqused if given)."""
     if lens is not None:
-        cu = torch.tensor([0] + list(lens), dtype=torch.int32).cumsum(0, dtype=torch.int32).to(dev)
-        lead, seq = (sum(lens) + slack,), {"cu_seqlens": cu}
+        lead, seq = (sum(lens) + slack,), {"cu_seqlens": cu_seqlens(lens, dev)}
     else:
         lead, seq = (batch, seqlen), {}
     with_used = dict(seq)
     if used is not None:
-        with_used["seqused"] = torch.tensor(list(used), dtype=torch.int32, device=dev)
+        with_used["seqused"] = int32(*used, device=dev)
     return lead, seq, with_used
 
 
@@ -157,7 +93,7 @@ def assert_buffers_written(dev, *checks):
         return
     sync(dev)
     for name, got, want in checks:
-        assert_bits_equal(name, got, want)
+        assert_bits(got, want, name)
 
 
 def call(dev, fn, *args, **kwargs):
@@ -168,15 +104,6 @@ def call(dev, fn, *args, **kwargs):
     with pytest.raises(ValueError, match="device: expected a CUDA tensor, got a tensor on cpu"):
         fn(*args, **kwargs)
     return None
-
-
-def assert_bits_equal(name, got, want):
-    if torch.equal(bits(got), bits(want)):
-        return
-    idx = (bits(got) != bits(want)).nonzero()
-    i = tuple(idx[0].tolist())
-    raise AssertionError(f"{name}: {idx.shape[0]} elements differ, first at {list(i)}: got {got[i].item()}, "
-                         f"want {want[i].item()}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -210,11 +137,15 @@ def geometry(draw, n, max_batch=3):
     return g
 
 
+def paths_and_dims(draw):
+    """arch (0 twice as often as the sm_80 path), d and dv (often d)."""
+    arch, d = draw(st.sampled_from((0, 0, 80))), draw(head_dims())
+    return arch, d, draw(st.one_of(st.just(d), head_dims()))
+
+
 @st.composite
 def store_cases(draw):
-    arch = draw(st.sampled_from((0, 0, 80)))
-    d = draw(head_dims())
-    dv = draw(st.one_of(st.just(d), head_dims()))
+    arch, d, dv = paths_and_dims(draw)
     p = {"dtype": draw(st.sampled_from(("bf16", "fp16"))), "d": d, "dv": dv, "arch": arch,
          "heads": draw(st.integers(1, 3))}
     p.update(draw(geometry(block_n(d, dv, arch))))
@@ -240,9 +171,7 @@ def selection(draw, limit):
 
 @st.composite
 def store_zero_cases(draw):
-    arch = draw(st.sampled_from((0, 0, 80)))
-    d = draw(head_dims())
-    dv = draw(st.one_of(st.just(d), head_dims()))
+    arch, d, dv = paths_and_dims(draw)
     n = block_n(d, dv, arch)
     heads = draw(st.sampled_from((2, 3, 1)))
     p = {"dtype": draw(st.sampled_from(("bf16", "fp16"))), "d": d, "dv": dv, "arch": arch, "heads": heads}
@@ -266,9 +195,7 @@ def group_shape(draw):
 
 @st.composite
 def accumulate_cases(draw):
-    arch = draw(st.sampled_from((0, 0, 80)))
-    d = draw(head_dims())
-    dv = draw(st.one_of(st.just(d), head_dims()))
+    arch, d, dv = paths_and_dims(draw)
     h_k, g = draw(group_shape())
     p = {"d": d, "dv": dv, "arch": arch, "h_k": h_k, "g": g, "deterministic": draw(st.booleans())}
     p.update(draw(geometry(block_n(d, dv, arch))))
@@ -285,10 +212,9 @@ def accumulate_cases(draw):
 
 @st.composite
 def reduce_cases(draw):
-    arch = draw(st.sampled_from((0, 0, 80)))
-    d = draw(head_dims())
+    arch, d, dv = paths_and_dims(draw)
     with_dv = draw(st.booleans())
-    dv = draw(st.one_of(st.just(d), head_dims())) if with_dv else d
+    dv = dv if with_dv else d
     h_k, g = draw(group_shape())
     partial_dtype = draw(st.sampled_from(("fp32", "fp32", "bf16", "fp16")))
     out_dtype = partial_dtype if partial_dtype != "fp32" else draw(st.sampled_from(("bf16", "fp16")))
@@ -312,8 +238,8 @@ def check_store(dtype, d, dv, arch, heads, batch, seqlen, lens, slack, used, lay
     gen = torch.Generator(device=dev).manual_seed(seed)
     lead, _, seq = problem(dev, batch, seqlen, lens, slack, used)
     shape_k, shape_v = lead + (heads, d), lead + (heads, dv)
-    acc_k = input_view(shape_k, layouts[2], gen, dev, binades=20)  # rounding of large and tiny magnitudes
-    acc_v = input_view(shape_v, layouts[3], gen, dev, binades=20)
+    acc_k = input_view(shape_k, layouts[2], gen, binades=20)  # rounding of large and tiny magnitudes
+    acc_v = input_view(shape_v, layouts[3], gen, binades=20)
     (buf_k, dk), (buf_v, dv_out) = carve(shape_k, dt, layouts[0], dev), carve(shape_v, dt, layouts[1], dev)
     expect_k, expect_v = buf_k.clone(), buf_v.clone()
     store_reference(acc_k, acc_v, same_view(expect_k, dk), same_view(expect_v, dv_out), **seq)
@@ -334,8 +260,8 @@ def check_store_zero(dtype, d, dv, arch, heads, batch, seqlen, lens, slack, used
     lead, _, seq = problem(dev, batch, seqlen, lens, slack, used)
     shape_k, shape_v = lead + (heads, d), lead + (heads, dv)
     (buf_k, dk), (buf_v, dv_out) = carve(shape_k, dt, layouts[0], dev), carve(shape_v, dt, layouts[1], dev)
-    dk.copy_(values(shape_k, gen, dev, dtype=dt))  # nonzero contents in the view, canary around it
-    dv_out.copy_(values(shape_v, gen, dev, dtype=dt))
+    dk.copy_(rand(shape_k, gen, dt))  # nonzero contents in the view, canary around it
+    dv_out.copy_(rand(shape_v, gen, dt))
     sel = {"batch_idx": _selection(batch_idx, dev), "head_idx": _selection(head_idx, dev)}
     expect_k, expect_v = buf_k.clone(), buf_v.clone()
     store_zero_reference(same_view(expect_k, dk), same_view(expect_v, dv_out), row_start=row_start, row_end=row_end,
@@ -362,8 +288,8 @@ def check_accumulate(d, dv, arch, h_k, g, deterministic, batch, seqlen, lens, sl
     mag = [torch.zeros(lead + (h_k, w), dtype=torch.float64, device=dev) for w in (d, dv)]
     for with_used in chunk_seqused:
         kw = seq_used if with_used else seq
-        pk = input_view(lead + (h_k * g, d), partial_layouts[0], gen, dev)
-        pv = input_view(lead + (h_k * g, dv), partial_layouts[1], gen, dev)
+        pk = input_view(lead + (h_k * g, d), partial_layouts[0], gen)
+        pv = input_view(lead + (h_k * g, dv), partial_layouts[1], gen)
         call(dev, fe.gqa_accumulate, pk, pv, acc, deterministic=deterministic, **kw)
         gqa_accumulate_reference(pk, pv, *ref, num_heads_kv=h_k, **kw)
         gqa_accumulate_reference(pk, pv, *ref64, num_heads_kv=h_k, sequential=False, **kw)
@@ -380,7 +306,7 @@ def check_accumulate(d, dv, arch, h_k, g, deterministic, batch, seqlen, lens, sl
     terms = len(chunk_seqused) * g
     for name, got, want, want64, m in zip(("dk", "dv"), dense, ref, ref64, mag):
         if deterministic:
-            assert_bits_equal(f"{name}_accum", got, want)
+            assert_bits(got, want, f"{name}_accum")
         else:
             err = (got.double() - want64).abs()
             excess = err - terms * U32 * m
@@ -391,8 +317,8 @@ def check_accumulate(d, dv, arch, h_k, g, deterministic, batch, seqlen, lens, sl
                     same_view(expect_v, dv_out), **post)
     call(dev, fe.gqa_postprocess, acc, dk, dv_out, scale_dk=scales[0], scale_dv=scales[1], **post)
     sync(dev)
-    assert_bits_equal("dk", buf_k, expect_k)
-    assert_bits_equal("dv", buf_v, expect_v)
+    assert_bits(buf_k, expect_k, "dk")
+    assert_bits(buf_v, expect_v, "dv")
 
 
 def check_reduce(d, dv, with_dv, arch, h_k, g, partial_dtype, out_dtype, batch, seqlen, lens, slack, used,
@@ -400,8 +326,8 @@ def check_reduce(d, dv, with_dv, arch, h_k, g, partial_dtype, out_dtype, batch, 
     gen = torch.Generator(device=dev).manual_seed(seed)
     lead, _, seq = problem(dev, batch, seqlen, lens, slack, used)
     pdt, odt = DTYPES[partial_dtype], DTYPES[out_dtype]
-    pk = input_view(lead + (h_k * g, d), partial_layouts[0], gen, dev, dtype=pdt)
-    pv = input_view(lead + (h_k * g, dv), partial_layouts[1], gen, dev, dtype=pdt) if with_dv else None
+    pk = input_view(lead + (h_k * g, d), partial_layouts[0], gen, dtype=pdt)
+    pv = input_view(lead + (h_k * g, dv), partial_layouts[1], gen, dtype=pdt) if with_dv else None
     kw = {"num_heads_kv": h_k, "scale_dk": scales[0], "scale_dv": scales[1], "_arch": arch, **seq}
     if give_out:
         (buf_k, dk), (buf_v, dv_out) = carve(lead + (h_k, d), odt, out_layouts[0], dev), \
@@ -415,8 +341,8 @@ def check_reduce(d, dv, with_dv, arch, h_k, g, partial_dtype, out_dtype, batch, 
             return
         sync(dev)
         assert (ret[0] is dk and ret[1] is dv_out) if with_dv else ret is dk
-        assert_bits_equal("dk", buf_k, expect_k)
-        assert_bits_equal("dv", buf_v, expect_v)
+        assert_bits(buf_k, expect_k, "dk")
+        assert_bits(buf_v, expect_v, "dv")
         return
     out_kw = {"out_dtype": odt} if partial_dtype == "fp32" else {}
     ret = call(dev, fe.gqa_reduce, pk, pv, **out_kw, **kw)
@@ -429,7 +355,7 @@ def check_reduce(d, dv, with_dv, arch, h_k, g, partial_dtype, out_dtype, batch, 
         got = out.clone()
         want = got.clone()  # rows outside the valid rows are uninitialized: compare the valid rows only
         gqa_reduce_reference(p, h_k, out=want, scale=scale, sequential=True, **seq)
-        assert_bits_equal(name, got, want)
+        assert_bits(got, want, name)
 
 
 # ---------------------------------------------------------------------------------------------

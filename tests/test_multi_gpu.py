@@ -5,16 +5,12 @@ gqa_postprocess, GQAAccumulator.to_dense, gqa_reduce, repeat_kv forward and back
 gives the reference's results and runs on device 1's *current* stream: that stream is a side
 stream which first sleeps, then copies the real inputs over stale ones; an op launched anywhere
 else (device 1's default stream, device 0's stream) would run during the sleep and read the stale
-values. The current device stays cuda:0 throughout. Both code paths (`_arch` 0: sm_90, and 80) run
+values. The current device stays cuda:0 throughout. Both code paths (`arch` 90 and 80) run
 on device 1, and hdim 96 and 80 (whose kernels need the raised dynamic shared-memory limit, an
 attribute set per device) work on device 1 first in a fresh process. Tensors on different
-devices raise errors naming the arguments, from the wrappers and from the ops themselves.
-
-CPU tests: the mixed-device errors of every wrapper, with fake cuda:0/cuda:1 tensors
-(FakeTensorMode) and the validation module's device hooks pretending both are sm_90 devices.
+devices raise errors naming the arguments: the rows of test_bad_inputs.py that need two GPUs.
 """
 import os
-import re
 import subprocess
 import sys
 from contextlib import contextmanager
@@ -22,10 +18,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 import flash_epilogue as fe
-import flash_epilogue.validation as V
+import conftest
+from conftest import HAVE_SM90, arch_param, generator, same
 from flash_epilogue.reference import (
     gqa_accumulate_reference,
     gqa_reduce_reference,
@@ -35,38 +31,16 @@ from flash_epilogue.reference import (
 
 ROOT = Path(__file__).resolve().parent.parent
 I32, BF16, F16 = torch.int32, torch.bfloat16, torch.float16
-ARCHS = pytest.mark.parametrize("arch", (0, 80), ids=("native", "sm80"))
 SLEEP_CYCLES = 200_000_000  # ~100 ms at the H200's clock: far longer than enqueueing one op
 
 
-def _two_sm90_gpus() -> tuple[bool, str]:
-    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
-        return False, "needs 2 CUDA devices"
-    caps = [torch.cuda.get_device_capability(i) for i in (0, 1)]
-    if any(c != (9, 0) for c in caps):
-        return False, f"needs two sm_90 devices, got {caps}"
-    if not fe.kernels_available():
-        return False, f"kernels not built: {fe.UNAVAILABLE_REASON}"
-    return True, ""
-
-
-_OK, _WHY = _two_sm90_gpus()
-two_gpus = pytest.mark.skipif(not _OK, reason=_WHY)
+_OK = HAVE_SM90 and torch.cuda.device_count() >= 2 and torch.cuda.get_device_capability(1) == (9, 0)
+two_gpus = pytest.mark.skipif(not _OK, reason="needs two sm_90 devices")  # the gpu marker: the first and the kernels
 D0, D1 = torch.device("cuda", 0), torch.device("cuda", 1)
 
 
-def bits(t):
-    return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
-
-
-def same(a, b):
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
-
-
 def rand(shape, seed, dtype=torch.float32, device=D1):
-    gen = torch.Generator(device=device).manual_seed(seed)
-    x = torch.randn(shape, device=device, generator=gen)
-    return (x * torch.exp2(torch.randint(-6, 7, shape, device=device, generator=gen).float())).to(dtype)
+    return conftest.rand(shape, generator(seed, device), dtype, binades=6)
 
 
 @contextmanager
@@ -150,7 +124,7 @@ def run_on_device1(inputs, call, outputs=()):
 
 @pytest.mark.gpu
 @two_gpus
-@ARCHS
+@arch_param
 def test_store_and_store_zero_on_device1(arch):
     inputs = Inputs()
     (ak, ak_real), (av, av_real) = inputs.add((2, 300, 3, 128), 1), inputs.add((2, 300, 3, 64), 2)
@@ -185,7 +159,7 @@ def test_store_and_store_zero_on_device1(arch):
 
 @pytest.mark.gpu
 @two_gpus
-@ARCHS
+@arch_param
 @pytest.mark.parametrize("deterministic", [True, False])
 def test_gqa_ops_on_device1(arch, deterministic):
     hk, g, d, b, s = 2, 4, 128, 2, 300
@@ -236,8 +210,8 @@ def test_repeat_kv_on_device1():
     y, gx = run_on_device1(inputs, call)
     assert y.device == gx.device == D1
     assert same(y, x_real.repeat_interleave(4, dim=1))
-    repeat_kv_module = sys.modules["flash_epilogue.repeat_kv"]
-    assert same(gx, repeat_kv_module.group_sum_reference(gy_real, 4, 1))
+    # the backward's arithmetic: the sequential fp32 group sum, rounded once
+    assert same(gx, gqa_reduce_reference(gy_real.transpose(1, 2), 2, out_dtype=BF16, sequential=True).transpose(1, 2))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -288,137 +262,3 @@ def test_hdim_80_96_on_device1_first_in_a_fresh_process():
     out = subprocess.run([sys.executable, "-c", _FRESH_PROCESS], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stdout + out.stderr
-
-
-# ---------------------------------------------------------------------------------------------
-# mixed devices: GPU
-
-
-def _mixed(arg, ref_arg, op, ref_dev=0, dev=1, exc=fe.FlashEpilogueInputError):
-    """The mixed-device error, from a wrapper (FlashEpilogueInputError) or an op (exc=ValueError)."""
-    return pytest.raises(exc,
-                         match=rf"^flash_epilogue\.{op}: {re.escape(arg)}: device: expected cuda:{ref_dev} \(the "
-                               rf"device of {re.escape(ref_arg)}\), got cuda:{dev}$")
-
-
-@pytest.mark.gpu
-@two_gpus
-def test_mixed_devices_raise_naming_the_arguments():
-    a0, a1 = torch.zeros(1, 64, 2, 64, device=D0), torch.zeros(1, 64, 2, 64, device=D1)
-    o0, o1 = (torch.zeros(1, 64, 2, 64, dtype=BF16, device=dev) for dev in (D0, D1))
-    with _mixed("dv_accum", "dk_accum", "store"):
-        fe.store(a0, a1, o0, o0.clone())
-    with _mixed("dk", "dk_accum", "store"):
-        fe.store(a0, a0.clone(), o1, o0)
-    with _mixed("seqused", "dk_accum", "store"):
-        fe.store(a0, a0.clone(), o0, o0.clone(), seqused=torch.tensor([3], dtype=I32, device=D1))
-    with _mixed("dv", "dk", "store_zero"):
-        fe.store_zero(o0, o1)
-    with _mixed("head_idx", "dk", "store_zero"):
-        fe.store_zero(o0, o0.clone(), head_idx=torch.tensor([1], dtype=I32, device=D1))
-    p0, p1 = torch.zeros(1, 64, 4, 64, device=D0), torch.zeros(1, 64, 4, 64, device=D1)
-    acc1 = fe.gqa_accumulator(2, 64, batch=1, seqlen=64, device=D1)
-    with _mixed("dk_accum", "dk_partial", "gqa_accumulate"):
-        fe.gqa_accumulate(p0, p0.clone(), acc1)
-    with _mixed("dv_partial", "dk_partial", "gqa_reduce"):
-        fe.gqa_reduce(p0, p1, num_heads_kv=2)
-    with _mixed("dk", "dk_partial", "gqa_reduce"):
-        fe.gqa_reduce(p0, num_heads_kv=2, out=o1)
-    with _mixed("dk", "dk_accum", "gqa_postprocess", ref_dev=1, dev=0):
-        fe.gqa_postprocess(acc1, o0, o0.clone())
-    with _mixed("dv", "dk_accum", "gqa_postprocess", ref_dev=1, dev=0):
-        fe.gqa_postprocess(acc1, o1, o0)
-    # the ops themselves (callers that skip the wrappers) refuse too, with the same messages
-    with _mixed("dk", "dk_accum", "store", ref_dev=1, dev=0, exc=ValueError):
-        torch.ops.flash_epilogue.store(a1, a1.clone(), o0, o0.clone())
-    with _mixed("dv", "dk", "store_zero", exc=ValueError):
-        torch.ops.flash_epilogue.store_zero(o0, o1)
-    with _mixed("dk", "dk_partial", "gqa_reduce", exc=ValueError):
-        torch.ops.flash_epilogue.gqa_reduce(p0, None, o1, None)
-    # nothing was launched on a wrong device: both devices are healthy
-    fe.store(a1, a1.clone(), o1, o1.clone())
-    torch.cuda.synchronize(D0)
-    torch.cuda.synchronize(D1)
-
-
-# ---------------------------------------------------------------------------------------------
-# mixed devices: CPU (fake cuda:0 / cuda:1 tensors)
-
-
-@pytest.fixture
-def fake_gpus(monkeypatch):
-    """FakeTensorMode tensors on cuda:0 and cuda:1, both passing for sm_90 devices; the wrappers
-    reach the fake kernels when nothing is wrong. With one real GPU, torch checks the ordinal of
-    cuda:1 even for fake tensors (AcceleratorError on the H200): skip there."""
-    if torch.cuda.is_available() and torch.cuda.device_count() < 2:
-        pytest.skip("fake cuda:1 tensors need no GPU or at least two (torch checks the device ordinal)")
-    monkeypatch.setattr(V, "_is_cuda_device", lambda device: device.type == "cuda")
-    monkeypatch.setattr(V, "_device_capability", lambda device: (9, 0))
-    monkeypatch.setattr(V, "_compiled_archs", lambda: ("sm_90a",))
-    with FakeTensorMode():
-        yield
-
-
-def _on(dev, *shape, dtype=torch.float32):
-    return torch.zeros(shape, dtype=dtype, device=f"cuda:{dev}")
-
-
-@pytest.mark.parametrize("pos,name", [(1, "dv_accum"), (2, "dk"), (3, "dv")])
-def test_fake_store_mixed_devices(fake_gpus, pos, name):
-    args = [_on(0, 2, 64, 2, 64), _on(0, 2, 64, 2, 64), _on(0, 2, 64, 2, 64, dtype=BF16),
-            _on(0, 2, 64, 2, 64, dtype=BF16)]
-    fe.store(*args)  # one device: fine
-    args[pos] = args[pos].to("cuda:1")
-    with _mixed(name, "dk_accum", "store"):
-        fe.store(*args)
-    # the reference is the first tensor: everything on cuda:1 but dk_accum names cuda:1 as expected
-    args = [a.to("cuda:1") for a in args]
-    fe.store(*args)
-    args[0] = args[0].to("cuda:0")
-    with _mixed("dv_accum", "dk_accum", "store", ref_dev=0, dev=1):
-        fe.store(*args)
-
-
-def test_fake_seqlens_and_indices_mixed_devices(fake_gpus):
-    acc = [_on(1, 300, 2, 64), _on(1, 300, 2, 64)]
-    out = [_on(1, 300, 2, 64, dtype=F16), _on(1, 300, 2, 64, dtype=F16)]
-    cu1 = torch.tensor([0, 100, 300], dtype=I32, device="cuda:1")
-    fe.store(*acc, *out, cu_seqlens=cu1)
-    with _mixed("cu_seqlens", "dk_accum", "store", ref_dev=1, dev=0):
-        fe.store(*acc, *out, cu_seqlens=cu1.to("cuda:0"))
-    with _mixed("seqused", "dk_accum", "store", ref_dev=1, dev=0):
-        fe.store(*acc, *out, cu_seqlens=cu1, seqused=torch.tensor([1, 2], dtype=I32, device="cuda:0"))
-    fe.store_zero(*out, cu_seqlens=cu1, batch_idx=[1], head_idx=0)  # lists become tensors on dk's device
-    for name in ("batch_idx", "head_idx"):
-        with _mixed(name, "dk", "store_zero", ref_dev=1, dev=0):
-            fe.store_zero(*out, cu_seqlens=cu1, **{name: torch.tensor([0], dtype=I32, device="cuda:0")})
-    with _mixed("cu_seqlens", "dk", "store_zero", ref_dev=1, dev=0):
-        fe.store_zero(*out, cu_seqlens=cu1.to("cuda:0"))
-
-
-def test_fake_gqa_mixed_devices(fake_gpus):
-    pk, pv = _on(0, 2, 64, 4, 64), _on(0, 2, 64, 4, 64)
-    acc0 = fe.gqa_accumulator(2, 64, batch=2, seqlen=64, deterministic=True, device="cuda:0")
-    acc1 = fe.gqa_accumulator(2, 64, batch=2, seqlen=64, deterministic=True, device="cuda:1")
-    assert acc1.dk_accum.device == acc1.semaphores.device == torch.device("cuda:1")
-    fe.gqa_accumulate(pk, pv, acc0)
-    with _mixed("dv_partial", "dk_partial", "gqa_accumulate"):
-        fe.gqa_accumulate(pk, pv.to("cuda:1"), acc0)
-    with _mixed("dk_accum", "dk_partial", "gqa_accumulate"):
-        fe.gqa_accumulate(pk, pv, acc1)
-    dk, dv = _on(0, 2, 64, 2, 64, dtype=BF16), _on(0, 2, 64, 2, 64, dtype=BF16)
-    fe.gqa_postprocess(acc0, dk, dv)
-    with _mixed("dk", "dk_accum", "gqa_postprocess", ref_dev=1, dev=0):
-        fe.gqa_postprocess(acc1, dk, dv)
-    with _mixed("dv", "dk_accum", "gqa_postprocess", ref_dev=1, dev=0):
-        fe.gqa_postprocess(acc1, dk.to("cuda:1"), dv)
-    acc1.to_dense()  # allocates on the accumulator's device
-    with _mixed("seqused", "accum", "gqa_accum_to_dense", ref_dev=1, dev=0):
-        acc1.to_dense(seqused=torch.tensor([1, 2], dtype=I32, device="cuda:0"))
-    fe.gqa_reduce(pk, pv, num_heads_kv=2)
-    with _mixed("dv_partial", "dk_partial", "gqa_reduce"):
-        fe.gqa_reduce(pk, pv.to("cuda:1"), num_heads_kv=2)
-    with _mixed("dk", "dk_partial", "gqa_reduce"):
-        fe.gqa_reduce(pk, num_heads_kv=2, out=dk.to("cuda:1"))
-    with _mixed("seqused", "dk_partial", "gqa_reduce"):
-        fe.gqa_reduce(pk, num_heads_kv=2, seqused=torch.tensor([1, 2], dtype=I32, device="cuda:1"))

@@ -31,7 +31,8 @@ def _cuobjdump():
 
 def _nvcc():
     cuda_home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
-    return shutil.which("nvcc") or (str(Path(cuda_home) / "bin/nvcc") if (Path(cuda_home) / "bin/nvcc").exists() else None)
+    nvcc = Path(cuda_home) / "bin/nvcc"
+    return shutil.which("nvcc") or (str(nvcc) if nvcc.exists() else None)
 
 
 def _compile(src: str, out: Path, gencode: str) -> None:
@@ -45,7 +46,8 @@ def _compile(src: str, out: Path, gencode: str) -> None:
 
 
 @pytest.mark.skipif(_nvcc() is None, reason="no nvcc")
-@pytest.mark.skipif(_cuobjdump() is None, reason="no cuobjdump (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
+@pytest.mark.skipif(_cuobjdump() is None,
+                    reason="no cuobjdump (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
 def test_sm80_path_has_no_breakpoint(tmp_path):
     cubin = tmp_path / "store_sm80.cubin"
     _compile("csrc/instantiations/store_bf16_hdim128_sm80.cu", cubin, "arch=compute_80,code=sm_80")

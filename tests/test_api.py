@@ -1,0 +1,244 @@
+"""CPU tests of the package surface: the tile table (the C++ one, as _C, fe.tile_config and the
+instantiation generator see it), the GQA accumulator's geometry and allocation, the fake kernels,
+`python -m flash_epilogue`, and the environment switches."""
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import flash_epilogue as fe
+
+ROOT = Path(__file__).resolve().parent.parent
+F32, BF16, I32 = torch.float32, torch.bfloat16, torch.int32
+C = fe._extension._C  # the extension module (None without it)
+needs_C = pytest.mark.skipif(C is None, reason=f"no extension: {fe.UNAVAILABLE_REASON}")
+OP_NAMES = ("store", "store_zero", "gqa_accumulate", "gqa_postprocess", "gqa_accum_to_dense", "gqa_reduce",
+            "repeat_kv", "repeat_kv_backward")
+
+
+# ---------------------------------------------------------------------------------------------
+# the tile table
+
+
+@needs_C
+def test_tile_table_is_the_extension_s():
+    rows = C.tile_configs()
+    assert [(r["head_dim"], r["arch"]) for r in rows] == [(hd, a) for hd in fe.COMPILED_HEAD_DIMS for a in (90, 80)]
+    for r in rows:
+        cfg = fe.tile_config(r["head_dim"], arch=r["arch"])
+        assert isinstance(cfg, fe.TileConfig)
+        got = {k: getattr(cfg, k) for k in ("head_dim", "block_n", "num_threads", "swap_ab", "atom_layout_n",
+                                           "accum_tile_elems")}
+        assert got == {k: r[k] for k in got}, r
+    # an uncompiled head dim runs on the next compiled tile
+    assert fe.tile_config(80).head_dim == 96 and fe.tile_config(72, 136).head_dim == 192
+
+
+def _generator():
+    path = ROOT / "scripts/generate_instantiations.py"
+    spec = importlib.util.spec_from_file_location("generate_instantiations", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@needs_C
+def test_instantiation_generator_has_the_extension_s_head_dims():
+    assert tuple(_generator().HEAD_DIMS) == tuple(sorted({r["head_dim"] for r in C.tile_configs()}))
+
+
+def test_instantiations_are_up_to_date():
+    out = subprocess.run([sys.executable, "scripts/generate_instantiations.py", "--check"], cwd=ROOT,
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_info_and_main_run():
+    from flash_epilogue.info import info
+
+    d = info()
+    assert d["flash_epilogue"] == fe.__version__
+    if fe.kernels_available():
+        assert "sm_90a" in d["compiled_archs"] and "sm_90a" in C.compiled_archs() and isinstance(C.build_info(), dict)
+        got = {(c["op"], c["dtype"], c["head_dim"], c["path"]) for c in d["compiled_configs"]}
+        assert got == {(op, dt, hd, path) for op in OP_NAMES[:4] + OP_NAMES[5:6] for dt in ("bfloat16", "float16")
+                       for hd in fe.COMPILED_HEAD_DIMS for path in ("sm90", "sm80")}
+    for module in ("flash_epilogue.info", "flash_epilogue"):
+        out = subprocess.run([sys.executable, "-m", module], cwd=ROOT, capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# the GQA accumulator
+
+
+@pytest.mark.parametrize("d,arch,block,elems", [
+    (64, 90, 128, 8192), (80, 90, 128, 12288), (96, 90, 128, 12288), (128, 90, 128, 16384),
+    (192, 90, 96, 18432), (256, 90, 80, 20480),
+    (64, 80, 128, 8192), (128, 80, 128, 16384), (192, 80, 80, 96 * 192), (256, 80, 64, 16384),
+])
+def test_accumulator_shape_batched(d, arch, block, elems):
+    for seqlen in (0, 1, block - 1, block, block + 1, 1000):
+        acc = fe.gqa_accumulator(2, d, batch=3, seqlen=seqlen, deterministic=True, device="meta", arch=arch)
+        assert acc.dk_accum.shape == acc.dv_accum.shape == (3, 2, -(-seqlen // block), elems)
+        assert (acc.block_n, acc.tile_elems, acc.arch) == (block, elems, arch)
+        assert acc.semaphores.shape == (2 * 3 * acc.num_tiles * 2 + 1,) and acc.semaphores.dtype == I32
+    assert fe.gqa_accumulator(2, d, batch=0, seqlen=50, device="meta", arch=arch).dk_accum.shape[0] == 0
+
+
+@pytest.mark.parametrize("arch", (90, 80))
+@pytest.mark.parametrize("d", (64, 192, 256))
+def test_accumulator_varlen_holds_every_padded_sequence(d, arch):
+    # (total + batch * kBlockN) // kBlockN tiles hold every sequence at its kBlockN-aligned offset_padded,
+    # whatever the lengths (sized from shapes alone: no max_seqlen)
+    cfg = fe.tile_config(d, arch=arch)
+    n = cfg.block_n
+    gen = torch.Generator().manual_seed(d + arch)
+    for trial in range(200):
+        batch = int(torch.randint(1, 9, (1,), generator=gen))
+        lens = torch.randint(0, 3 * n, (batch,), generator=gen)
+        lens[torch.rand(batch, generator=gen) < 0.2] = 0
+        cu_list = [0] + torch.cumsum(lens, 0).tolist()
+        total = cu_list[-1] + int(torch.randint(0, 5, (1,), generator=gen))
+        shape = fe.gqa_accumulator(3, d, batch=batch, total_tokens=total, device="meta", arch=arch).dk_accum.shape
+        assert shape[:2] == (1, 3) and shape[3] == cfg.accum_tile_elems and shape[2] == (total + batch * n) // n
+        end = 0
+        for b in range(batch):
+            padded = ((cu_list[b] + b * n) // n) * n
+            assert padded >= end  # sequences never share a tile
+            end = padded + -(-int(lens[b]) // n) * n
+        assert end <= shape[2] * n
+
+
+def test_accumulator_allocation():
+    acc = fe.gqa_accumulator(2, 128, batch=3, seqlen=300, device="meta")
+    assert isinstance(acc, fe.GQAAccumulator) and acc.dk_accum.shape == acc.dv_accum.shape == (3, 2, 3, 16384)
+    assert acc.dk_accum.dtype == F32 and acc.dk_accum.is_contiguous() and acc.dv_accum.is_contiguous()
+    assert acc.semaphores is None and not acc.deterministic
+    assert (acc.head_dim, acc.head_dim_v, acc.block_n, acc.tile_elems, acc.arch) == (128, 128, 128, 16384, 90)
+    assert (acc.num_heads_kv, acc.batch, acc.rows, acc.varlen, acc.batch_extent, acc.num_tiles) == \
+        (2, 3, 300, False, 3, 3)
+    assert acc.config == fe.tile_config(128) and acc.device.type == "meta" and acc.dense_shape(128) == (3, 300, 2, 128)
+    assert "GQAAccumulator(dk_accum/dv_accum=float32[3, 2, 3, 16384], semaphores=None" in repr(acc)
+    # dv's own head dim: one tile serves max(d, dv); an uncompiled head dim: the next tile
+    acc = fe.gqa_accumulator(4, 192, 128, batch=2, seqlen=200, deterministic=True, device="cpu")
+    assert acc.dk_accum.shape == (2, 4, 3, 18432) and acc.block_n == 96 and "semaphores=int32[49]" in repr(acc)
+    assert acc.deterministic and (acc.semaphores == 0).all() and (acc.dk_accum == 0).all()
+    assert fe.gqa_accumulator(1, 64, 256, batch=1, seqlen=200, device="meta").dk_accum.shape == (1, 1, 3, 20480)
+    assert fe.gqa_accumulator(1, 64, 256, batch=1, seqlen=200, device="meta", arch=80).dk_accum.shape == \
+        (1, 1, 4, 16384)
+    assert fe.gqa_accumulator(torch.tensor(3), 64, batch=1, seqlen=8, device="meta").dk_accum.shape[1] == 3
+    acc = fe.gqa_accumulator(1, 80, batch=1, seqlen=5, device="meta")
+    assert acc.config.head_dim == 96 and acc.tile_elems == 128 * 96 and acc.head_dim == 80
+    # varlen: cu_seqlens (its device by default) or batch
+    cs = torch.tensor([0, 100, 100, 700], dtype=I32)
+    acc = fe.gqa_accumulator(2, 64, cu_seqlens=cs, total_tokens=710, deterministic=True)
+    assert acc.device == cs.device and acc.varlen and acc.batch == 3 and acc.rows == 710
+    assert acc.dk_accum.shape == (1, 2, (710 + 3 * 128) // 128, 8192) and acc.dense_shape(64) == (710, 2, 64)
+    assert acc.semaphores.numel() == 2 * acc.num_tiles * 2 + 1
+    assert fe.gqa_accumulator(2, 64, batch=3, total_tokens=710, device="meta").dk_accum.shape == acc.dk_accum.shape
+    # the sm_80 path's layout
+    acc = fe.gqa_accumulator(2, 256, batch=2, seqlen=300, device="meta", arch=80)
+    assert acc.arch == 80 and acc.block_n == 64 and acc.dk_accum.shape == (2, 2, 5, 16384)
+    acc = fe.gqa_accumulator(1, 192, cu_seqlens=torch.tensor([0, 50, 90], dtype=I32), total_tokens=90, device="meta",
+                             arch=80)
+    assert acc.dk_accum.shape == (1, 1, (90 + 2 * 80) // 80, 96 * 192) and acc.block_n == 80
+    assert fe.gqa_accumulator(1, 128, batch=1, seqlen=10, device="meta", arch=90).arch == 90
+
+
+@needs_C
+def test_accumulator_layout_is_the_extension_s():
+    for args in ((2, 128, 128, 3, 300, False, 0), (2, 192, 128, 2, 200, False, 80), (3, 64, 64, 4, 710, True, 90)):
+        layout = C.gqa_accum_layout(*args, torch.device("cpu"))
+        h_k, d, dv, batch, rows, varlen, arch = args
+        acc = fe.gqa_accumulator(h_k, d, dv, batch=batch, **({"total_tokens": rows} if varlen else {"seqlen": rows}),
+                                 deterministic=True, device="cpu", arch=arch)
+        assert tuple(layout["shape"]) == tuple(acc.dk_accum.shape)
+        assert layout["semaphore_numel"] == acc.semaphores.numel()
+        assert (layout["arch"], layout["block_n"], layout["tile_elems"]) == (acc.arch, acc.block_n, acc.tile_elems)
+
+
+def test_accumulator_reset_and_pytree():
+    acc = fe.gqa_accumulator(1, 64, batch=1, seqlen=10, deterministic=True, device="cpu")
+    acc.dk_accum.fill_(3.0)
+    acc.dv_accum.fill_(-1.0)
+    assert acc.reset() is acc and (acc.dk_accum == 0).all() and (acc.dv_accum == 0).all()
+    leaves, spec = pytree.tree_flatten(acc)
+    assert len(leaves) == 3 and leaves[0] is acc.dk_accum and leaves[2] is acc.semaphores
+    back = pytree.tree_unflatten(leaves, spec)
+    assert isinstance(back, fe.GQAAccumulator) and back.dk_accum is acc.dk_accum and back.rows == 10
+    leaves, spec = pytree.tree_flatten(fe.gqa_accumulator(1, 64, batch=1, seqlen=10, device="cpu"))
+    assert leaves[2] is None and pytree.tree_unflatten(leaves, spec).semaphores is None
+
+
+# ---------------------------------------------------------------------------------------------
+# fake kernels: output metadata only (shapes, dtypes; no data, no device needed, no checks)
+
+
+@needs_C
+def test_every_op_has_a_fake_kernel():
+    from torch._library.simple_registry import singleton
+
+    for name in OP_NAMES:
+        assert singleton.find(f"flash_epilogue::{name}").fake_impl.kernel is not None, name
+
+
+@needs_C
+@pytest.mark.parametrize("varlen", [False, True])
+def test_fake_kernels(varlen):
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with FakeTensorMode():
+        cs = torch.tensor([0, 40, 100], dtype=I32, device=device)
+        lead = (100,) if varlen else (2, 50)
+        seq = {"cu_seqlens": cs} if varlen else {}
+        ops = torch.ops.flash_epilogue
+        acc32 = torch.empty(lead + (4, 128), device=device)
+        dk = torch.empty(lead + (2, 128), dtype=BF16, device=device)
+        dv = torch.empty(lead + (2, 64), dtype=BF16, device=device)
+        idx = torch.tensor([1], dtype=I32, device=device)
+        assert ops.store(acc32, acc32, dk.new_empty(lead + (4, 128)), dk.new_empty(lead + (4, 128)), **seq) is None
+        assert ops.store_zero(dk, dv, batch_idx=idx, head_idx=idx, row_start=3, row_end=9, **seq) is None
+        alloc = {"cu_seqlens": cs, "total_tokens": 100} if varlen else {"batch": 2, "seqlen": 50}
+        acc = fe.gqa_accumulator(2, 128, 64, deterministic=True, device=device, **alloc)
+        pk, pv = torch.empty(lead + (8, 128), device=device), torch.empty(lead + (8, 64), device=device)
+        assert ops.gqa_accumulate(pk, pv, acc.dk_accum, acc.dv_accum, acc.semaphores, deterministic=True,
+                                  **seq) is None
+        assert ops.gqa_postprocess(acc.dk_accum, acc.dv_accum, dk, dv, scale_dk=0.5, **seq) is None
+        assert ops.gqa_accum_to_dense(acc.dk_accum, torch.empty(lead + (2, 128), device=device), head_dim=128,
+                                      **seq) is None
+        assert ops.gqa_reduce(pk, None, dk, None, **seq) is None
+        # the wrappers, through the fakes: their outputs have the right metadata
+        fe.gqa_accumulate(pk, pv, acc, deterministic=True, **seq)
+        fe.gqa_postprocess(acc, dk, dv, **seq)
+        k, v = acc.to_dense(**seq)
+        assert k.shape == lead + (2, 128) and v.shape == lead + (2, 64) and k.dtype == F32
+        rk, rv = fe.gqa_reduce(pk, pv, num_heads_kv=4, **seq)
+        assert rk.shape == lead + (4, 128) and rv.shape == lead + (4, 64) and rk.dtype == BF16
+        r16 = fe.gqa_reduce(pk.half(), num_heads_kv=2, **seq)
+        assert r16.dtype == torch.float16 and r16.shape == lead + (2, 128) and r16.is_contiguous()
+        # heads-major partials seen as (.., rows, h_q, d): a contiguous (.., rows, h_k, d) output
+        rt = fe.gqa_reduce(torch.empty((8,) + lead + (128,), device=device).movedim(0, -2), num_heads_kv=2, **seq)
+        assert rt.shape == lead + (2, 128) and rt.is_contiguous()
+        assert fe.gqa_reduce(pk, num_heads_kv=8, out_dtype=torch.float16, **seq).dtype == torch.float16
+        y = ops.repeat_kv(torch.empty(2, 2, 5, 8, device=device), 3, 1)
+        assert y.shape == (2, 6, 5, 8) and y.is_contiguous()
+
+
+# ---------------------------------------------------------------------------------------------
+# environment switches
+
+
+@needs_C
+def test_debug_switch_reaches_the_extension(monkeypatch):
+    monkeypatch.setenv("FLASH_EPILOGUE_DEBUG", "1")
+    assert not C._debug_sync()  # read at import (host time), until refreshed
+    fe.refresh_env_flags()
+    assert C._debug_sync()  # repeat_kv's C++ backward synchronizes after its kernel
+    monkeypatch.setenv("FLASH_EPILOGUE_DEBUG", "0")
+    fe.refresh_env_flags()
+    assert not C._debug_sync()
