@@ -35,7 +35,7 @@ OPS = torch.ops.flash_epilogue
 ROOT = Path(__file__).resolve().parent.parent
 
 INPUT = fe.FlashEpilogueInputError  # a ValueError (and not a TypeError)
-TYPE = getattr(fe, "FlashEpilogueTypeError", TypeError)  # an INPUT and a TypeError (CONTRACT.md)
+TYPE = fe.FlashEpilogueTypeError
 PY = (INPUT,)  # a wrong Python scalar type seen by the wrapper: INPUT or its subclass TYPE
 RAW = (RuntimeError,)  # the dispatcher's own schema error (an op called directly): not our message format
 SELF = (r"memory: expected no two elements at one address \(no stride 0 or overlapping strides on a dim of size "
