@@ -1,22 +1,16 @@
 """flash_epilogue: FlashAttention-3's backward dK/dV epilogue for Hopper (sm_90) as PyTorch ops.
 
-    import flash_epilogue
-    flash_epilogue.store(dk_fp32, dv_fp32, dk_bf16, dv_bf16)    # or torch.ops.flash_epilogue.store
-    flash_epilogue.store_zero(dk_bf16, dv_bf16, batch_idx=[1])   # zero the valid rows of sequence 1
+    import flash_epilogue as fe
+    fe.store(dk_fp32, dv_fp32, dk_bf16, dv_bf16)                  # or torch.ops.flash_epilogue.store
+    fe.store_zero(dk_bf16, dv_bf16, batch_idx=[1])                 # zero the valid rows of sequence 1
+    acc = fe.gqa_accumulator(h_k, d, batch=b, seqlen=s, device="cuda")   # GQA: query-head partials -> KV heads
+    fe.gqa_accumulate(dk_partial, dv_partial, acc)                 # as many calls as chunks
+    fe.gqa_postprocess(acc, dk_bf16, dv_bf16, scale_dk=scale)
+    dk_bf16 = fe.gqa_reduce(dk_partial, num_heads_kv=h_k)          # or all at once
+    k = fe.repeat_kv(k, n_rep)   # autograd: (b, h_k, s, d) -> (b, h_k * n_rep, s, d), the group reduce as backward
 
-    # GQA: per-query-head fp32 partials -> KV-head dK/dV
-    acc = flash_epilogue.gqa_accumulator(h_k, d, batch=b, seqlen=s, device="cuda")
-    flash_epilogue.gqa_accumulate(dk_partial, dv_partial, acc)   # as many calls as chunks
-    flash_epilogue.gqa_postprocess(acc, dk_bf16, dv_bf16, scale_dk=scale)
-    dk_bf16 = flash_epilogue.gqa_reduce(dk_partial, num_heads_kv=h_k)   # or all at once
-
-    # autograd: transformers' repeat_kv whose backward is the deterministic group reduce
-    k = flash_epilogue.repeat_kv(k, n_rep)      # (b, h_k, s, d) -> (b, h_k * n_rep, s, d)
-
-The C++ collectives are a header library: see `get_include()`.
+The C++ collectives are a header library: see `get_include()`. The README documents the semantics.
 """
-from __future__ import annotations
-
 __version__ = "0.1.0"
 
 from . import reference
@@ -46,9 +40,7 @@ def get_include() -> list[str]:
     return [ours, *cutlass_include_dirs()]
 
 
-__all__ = [
-    "store", "store_zero", "GQAAccumulator", "gqa_accumulator", "gqa_accumulate", "gqa_postprocess", "gqa_reduce",
-    "refresh_env_flags", "repeat_kv", "reference", "tile_config", "TileConfig", "COMPILED_HEAD_DIMS",
-    "compiled_archs", "kernels_available", "get_include", "FlashEpilogueBuildError", "FlashEpilogueInputError",
-    "FlashEpilogueTypeError", "UNAVAILABLE_REASON", "__version__",
-]
+__all__ = ["store", "store_zero", "GQAAccumulator", "gqa_accumulator", "gqa_accumulate", "gqa_postprocess",
+           "gqa_reduce", "refresh_env_flags", "repeat_kv", "reference", "tile_config", "TileConfig",
+           "COMPILED_HEAD_DIMS", "compiled_archs", "kernels_available", "get_include", "FlashEpilogueBuildError",
+           "FlashEpilogueInputError", "FlashEpilogueTypeError", "UNAVAILABLE_REASON", "__version__"]

@@ -1,10 +1,6 @@
-"""`python -m flash_epilogue`: a self-check on this machine's GPU and a small benchmark table.
-
-Without an sm_90 GPU (or without the kernels) it runs the pure-PyTorch reference instead and says
-what the kernels need.
+"""`python -m flash_epilogue`: a self-check on this machine's GPU and a small benchmark table; without an sm_90 GPU
+(or without the kernels), the pure-PyTorch reference on the CPU and what the kernels need.
 """
-from __future__ import annotations
-
 import torch
 
 import flash_epilogue as fe
@@ -25,20 +21,16 @@ def _time_ms(fn, iters=50) -> float:
 
 def main() -> int:
     print(f"flash_epilogue {fe.__version__}, torch {torch.__version__}")
-    gpu_ok = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-    if not (gpu_ok and fe.kernels_available()):
-        why = fe.UNAVAILABLE_REASON if not fe.kernels_available() else (
-            "no CUDA device" if not torch.cuda.is_available()
-            else f"device is sm_{''.join(map(str, torch.cuda.get_device_capability()))}")
+    cc = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+    if cc != (9, 0) or not fe.kernels_available():
+        why = fe.UNAVAILABLE_REASON or ("no CUDA device" if cc is None else f"device is sm_{''.join(map(str, cc))}")
         print(f"kernels need an sm_90 GPU (H100/H200) and a CUDA build; here: {why}")
         acc = torch.randn(2, 100, 4, 64)
-        dk = torch.zeros(2, 100, 4, 64, dtype=torch.bfloat16)
-        dv = torch.zeros_like(dk)
+        dk, dv = (torch.zeros(2, 100, 4, 64, dtype=torch.bfloat16) for _ in range(2))
         store_reference(acc, acc, dk, dv)
         ok = torch.equal(dk, acc.to(torch.bfloat16))
         print(f"reference store on CPU: {'ok' if ok else 'MISMATCH'}")
         return 0 if ok else 1
-
     print(f"device: {torch.cuda.get_device_name()}")
     failures = 0
     for d in fe.COMPILED_HEAD_DIMS:
@@ -49,7 +41,6 @@ def main() -> int:
             ok = torch.equal(dk, acc_k.to(dtype)) and torch.equal(dv, acc_v.to(dtype))
             failures += not ok
             print(f"  store d={d:<3} {str(dtype):15s} {'ok' if ok else 'MISMATCH'}")
-
     print("\nbenchmark (bf16, median of 50): flash_epilogue.store vs torch .to()")
     print(f"  {'shape':22s} {'store us':>9s} {'TB/s':>6s} {'.to us':>8s} {'TB/s':>6s}")
     for shape in [(4, 8192, 8, 128), (8, 4096, 4, 64), (1, 512, 8, 128)]:

@@ -1,40 +1,21 @@
-"""The opt-in checks of tensor contents, and the FLASH_EPILOGUE_CHECK_INPUTS / FLASH_EPILOGUE_DEBUG switches.
-
-The ops check metadata only (no host sync). The contents of cu_seqlens, seqused, batch_idx and head_idx are
-checked here, by a copy to the host, only when asked: ``check_inputs=True``, or FLASH_EPILOGUE_CHECK_INPUTS=1;
-never while a CUDA graph is being captured or under torch.compile. The kernels clamp every row range to the
-tensor's extent and skip out-of-range selections, so bad contents cannot write outside a tensor even unchecked.
-
-FLASH_EPILOGUE_DEBUG=1 turns the content checks on and synchronizes after every launch, so a device-side
-failure is reported by the op that caused it. Both variables are read once, at import (an environment lookup
-on every call costs host time): after changing them in a running process call :func:`refresh_env_flags`.
-"""
-from __future__ import annotations
-
+"""The opt-in content checks of cu_seqlens, seqused, batch_idx and head_idx (a host sync: ``check_inputs=True`` or
+FLASH_EPILOGUE_CHECK_INPUTS=1; never under torch.compile or CUDA-graph capture), and FLASH_EPILOGUE_DEBUG=1 (checks,
+and a sync after every launch so that the op that failed reports it). The ops check metadata only."""
 import os
-from typing import Optional
 
 import torch
 
 from . import _extension
 from .errors import fail
 
-DEBUG = False  # FLASH_EPILOGUE_DEBUG
-CHECK_INPUTS = False  # FLASH_EPILOGUE_CHECK_INPUTS or FLASH_EPILOGUE_DEBUG: content checks by default
-
-
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "0") not in ("", "0")
+DEBUG = CHECK_INPUTS = False  # FLASH_EPILOGUE_DEBUG; content checks by default (FLASH_EPILOGUE_CHECK_INPUTS or DEBUG)
 
 
 def refresh_env_flags() -> None:
-    """Re-read FLASH_EPILOGUE_CHECK_INPUTS and FLASH_EPILOGUE_DEBUG from the environment.
-
-    They are read once, when the package is imported; call this after changing them in a running process
-    (``os.environ[...] = "1"``, pytest's ``monkeypatch.setenv``)."""
+    """Re-read FLASH_EPILOGUE_CHECK_INPUTS and FLASH_EPILOGUE_DEBUG (read once, at import) after changing them."""
     global DEBUG, CHECK_INPUTS
-    DEBUG = _env_flag("FLASH_EPILOGUE_DEBUG")
-    CHECK_INPUTS = _env_flag("FLASH_EPILOGUE_CHECK_INPUTS") or DEBUG
+    DEBUG = os.environ.get("FLASH_EPILOGUE_DEBUG", "0") not in ("", "0")
+    CHECK_INPUTS = os.environ.get("FLASH_EPILOGUE_CHECK_INPUTS", "0") not in ("", "0") or DEBUG
     if _extension._C is not None:
         _extension._C._set_debug_sync(DEBUG)  # repeat_kv's backward synchronizes in C++
 
@@ -44,25 +25,17 @@ refresh_env_flags()
 
 def _eager() -> bool:
     """Neither traced by torch.compile nor capturing a CUDA graph (no host sync allowed then)."""
-    if torch.compiler.is_compiling():
-        return False
-    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+    return not (torch.compiler.is_compiling() or torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
-def _values(t) -> Optional[list]:
+def _values(t) -> list | None:
     """The values of an int32 1-D tensor; None for anything else (the op rejects it)."""
-    if isinstance(t, torch.Tensor) and t.dtype == torch.int32 and t.dim() == 1:
-        return t.tolist()
-    return None
+    return t.tolist() if isinstance(t, torch.Tensor) and t.dtype == torch.int32 and t.dim() == 1 else None
 
 
 def check_contents(op: str, t, cu_seqlens=None, seqused=None, batch_idx=None, head_idx=None) -> None:
-    """The content checks of one call (a host sync); `t` is the call's tensor of the dk layout (dk, a partial).
-
-    cu_seqlens: first >= 0, non-decreasing, last <= the tensors' token count; seqused[b] in [0, the length of
-    sequence b]; batch_idx / head_idx entries in [0, batch) / [0, heads). What the op rejects anyway (a tensor
-    that is not int32 1-D, `t` of the wrong rank) is skipped: the op then reports it.
-    """
+    """The content checks of one call (`t`: its tensor of the dk layout): cu_seqlens non-decreasing in [0, tokens],
+    seqused[b] in [0, length of b], selections in range; what the op rejects anyway (not int32 1-D) is left to it."""
     varlen = cu_seqlens is not None
     if not (_eager() and isinstance(t, torch.Tensor) and t.dim() == (3 if varlen else 4)):
         return

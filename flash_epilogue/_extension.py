@@ -1,12 +1,5 @@
-"""Loads flash_epilogue._C (the CUDA kernels and the op schemas) or records why it is unavailable, and turns
-the ops' errors into the package's.
-
-A build made against another torch than the running one fails to load with an undefined symbol; the versions
-recorded at build time (_build_info.py) let us say so by name first. Without _C no op is defined: the wrappers
-raise FlashEpilogueBuildError naming UNAVAILABLE_REASON.
-"""
-from __future__ import annotations
-
+"""Loads flash_epilogue._C (the kernels, the op schemas) or records why not (a build for another torch is named from
+_build_info.py before it fails to load), and turns the ops' errors into the package's."""
 import importlib
 import os
 import re
@@ -15,9 +8,6 @@ import torch
 
 from .errors import FlashEpilogueBuildError, FlashEpilogueInputError, FlashEpilogueTypeError
 
-_C = None
-UNAVAILABLE_REASON: str | None = None
-
 try:
     from . import _build_info
 except ImportError:  # a source checkout that was never built
@@ -25,39 +15,33 @@ except ImportError:  # a source checkout that was never built
 
 
 def _load():
-    global _C, UNAVAILABLE_REASON
+    """(_C, None) or (None, the reason it is unavailable)."""
     if os.environ.get("FLASH_EPILOGUE_DISABLE_KERNELS", "0") not in ("", "0"):
-        UNAVAILABLE_REASON = "disabled by FLASH_EPILOGUE_DISABLE_KERNELS"
-        return
+        return None, "disabled by FLASH_EPILOGUE_DISABLE_KERNELS"
     if _build_info is None:
-        UNAVAILABLE_REASON = ("flash_epilogue was not built: run `pip install --no-build-isolation .` "
-                              "(or `-e .`) in the repository")
-        return
+        return None, ("flash_epilogue was not built: run `pip install --no-build-isolation .` (or `-e .`) "
+                      "in the repository")
     if not _build_info.CUDA_KERNELS:
-        UNAVAILABLE_REASON = ("this install was built with FLASH_EPILOGUE_SKIP_CUDA_BUILD=1 (reference only); "
-                              "reinstall without it: `pip install --no-build-isolation .`")
-        return
+        return None, ("this install was built with FLASH_EPILOGUE_SKIP_CUDA_BUILD=1 (reference only); "
+                      "reinstall without it: `pip install --no-build-isolation .`")
     built, running = _build_info.TORCH_VERSION, torch.__version__
     if built != running:
-        UNAVAILABLE_REASON = (f"flash_epilogue was built against torch {built} but torch {running} is running; "
-                              "rebuild it: `pip install --no-build-isolation --force-reinstall --no-deps .`")
-        return
+        return None, (f"flash_epilogue was built against torch {built} but torch {running} is running; "
+                      "rebuild it: `pip install --no-build-isolation --force-reinstall --no-deps .`")
     try:
-        ext = importlib.import_module(f"{__package__}._C")
+        return importlib.import_module(f"{__package__}._C"), None
     except ImportError as e:
-        UNAVAILABLE_REASON = f"the extension flash_epilogue._C failed to load: {e}"
-        return
-    _C = ext
+        return None, f"the extension flash_epilogue._C failed to load: {e}"
 
 
-_load()
+_C, UNAVAILABLE_REASON = _load()
 
 # Read once: a constant that torch.compile can trace (calling into _C would break the graph).
 _COMPILED_ARCHS: tuple[str, ...] = tuple(_C.compiled_archs()) if _C is not None else ()
 
 
 def compiled_archs() -> tuple[str, ...]:
-    return _COMPILED_ARCHS if _C is not None else ()
+    return _COMPILED_ARCHS
 
 
 def unavailable(op: str) -> FlashEpilogueBuildError:
@@ -72,8 +56,7 @@ def require(op: str):
     return _C
 
 
-# The dispatcher's error for an argument of the wrong type (a list for a Tensor); other types are coerced
-# by the wrappers before the call.
+# The dispatcher's error for an argument of the wrong type (a list for a Tensor); the wrappers coerce the scalars.
 _SCHEMA_TYPE = re.compile(r"Expected a value of type '(?:Optional\[)?Tensor\]?' for argument '(\w+)' "
                           r"but instead found type '(\w+)'")
 

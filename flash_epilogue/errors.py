@@ -1,17 +1,13 @@
-"""The package's errors, and the coercions of the Python scalars the wrappers pass to the ops.
-
-Messages read ``flash_epilogue.<op>: <arg>: expected <expected>, got <got>``, as the C++ checks' do.
-"""
-from __future__ import annotations
-
+"""The package's errors, and the coercions of the Python scalars the wrappers pass to the ops. Messages read
+``flash_epilogue.<op>: <arg>: expected <expected>, got <got>``, as the C++ checks' do."""
 import numbers
 import operator
 from typing import NoReturn
 
 __all__ = ["FlashEpilogueInputError", "FlashEpilogueTypeError", "FlashEpilogueBuildError"]
 
-_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
-_FP32_RANGE = "a float in fp32's range (|scale| <= 3.4028234663852886e+38; inf and nan pass)"
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # the schemas' `int`
+_INT64 = "an int64 (the op's integer type)"
 
 
 class FlashEpilogueInputError(ValueError):
@@ -45,8 +41,8 @@ def as_index(op: str, name: str, v, expected: str = "an int") -> int:
 def as_int(op: str, name: str, v, expected: str = "an int") -> int:
     """v as the value of an op's `int` argument (int64)."""
     v = as_index(op, name, v, expected)
-    if not _INT64_MIN <= v <= _INT64_MAX:
-        fail(op, name, "an int64 (the op's integer type)", v)
+    if not INT64_MIN <= v <= INT64_MAX:
+        fail(op, name, _INT64, v)
     return v
 
 
@@ -57,7 +53,7 @@ def as_float(op: str, name: str, v) -> float:
     try:
         return float(v)
     except OverflowError:  # an int beyond the double range
-        fail(op, name, _FP32_RANGE, v)
+        fail(op, name, "a float in fp32's range (|scale| <= 3.4028234663852886e+38; inf and nan pass)", v)
 
 
 def as_count(op: str, name: str, v, expected: str, low: int = 0) -> int:
@@ -68,6 +64,6 @@ def as_count(op: str, name: str, v, expected: str, low: int = 0) -> int:
         n = None
     if n is None or n < low:
         fail(op, name, expected, v)
-    if n > _INT64_MAX:
-        fail(op, name, "an int64 (the op's integer type)", n)
+    if n > INT64_MAX:
+        fail(op, name, _INT64, n)
     return n

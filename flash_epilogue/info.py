@@ -1,40 +1,30 @@
 """`python -m flash_epilogue.info`: what this install is and what it can run here."""
-from __future__ import annotations
-
 import torch
 
 from . import __version__, _extension
 
 
 def info() -> dict:
-    build = _extension._build_info
+    C, build, cuda = _extension._C, _extension._build_info, torch.cuda.is_available()
     d = {
         "flash_epilogue": __version__,
-        "kernels": "available" if _extension._C is not None else f"unavailable: {_extension.UNAVAILABLE_REASON}",
+        "kernels": "available" if C is not None else f"unavailable: {_extension.UNAVAILABLE_REASON}",
         "built_with_torch": getattr(build, "TORCH_VERSION", None),
         "built_with_cuda": getattr(build, "CUDA_VERSION", None),
         "compiled_archs": list(_extension.compiled_archs()),
-        "torch": torch.__version__,
-        "torch_cuda": torch.version.cuda,
-        "device": None,
-        "compute_capability": None,
+        "torch": torch.__version__, "torch_cuda": torch.version.cuda,
+        "device": torch.cuda.get_device_name() if cuda else None,
+        "compute_capability": "sm_{}{}".format(*torch.cuda.get_device_capability()) if cuda else None,
     }
-    if _extension._C is not None:
-        d["build_info"] = dict(_extension._C.build_info())
-        d["compiled_configs"] = [dict(c) for c in _extension._C.compiled_configs()]
-        d["tile_configs"] = [dict(c) for c in _extension._C.tile_configs()]
-    if torch.cuda.is_available():
-        d["device"] = torch.cuda.get_device_name()
-        major, minor = torch.cuda.get_device_capability()
-        d["compute_capability"] = f"sm_{major}{minor}"
+    if C is not None:
+        d.update(build_info=dict(C.build_info()), compiled_configs=[dict(c) for c in C.compiled_configs()],
+                 tile_configs=[dict(c) for c in C.tile_configs()])
     return d
 
 
 def main() -> None:
     d = info()
-    configs = d.pop("compiled_configs", [])
-    tiles = d.pop("tile_configs", [])
-    d.pop("build_info", None)
+    configs, tiles, _ = d.pop("compiled_configs", []), d.pop("tile_configs", []), d.pop("build_info", None)
     width = max(len(k) for k in d)
     for k, v in d.items():
         print(f"{k:<{width}}  {v}")

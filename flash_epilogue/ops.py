@@ -1,48 +1,33 @@
-"""The Python API: thin wrappers over torch.ops.flash_epilogue.* (the ops of csrc/binding).
-
-The C++ ops check every argument (metadata only, no host sync) with messages
-``flash_epilogue.<op>: <arg>: expected <expected>, got <got>``. A wrapper calls its op and raises the op's error
-as FlashEpilogueInputError (FlashEpilogueTypeError for a wrong type or dtype). It checks only what the op does not
-see: Python scalars (coerced to the schema's int64 and float), the GQAAccumulator, gqa_reduce's
-num_heads_kv/out/out_dtype and store_zero's index lists. Under torch.compile a wrapper calls the op directly: an
-invalid compiled call fails when it runs, with the op's message. The opt-in content checks of cu_seqlens, seqused
-and the selections (a host sync) and FLASH_EPILOGUE_DEBUG: see flash_epilogue._checks.
-"""
-from __future__ import annotations
-
+"""The Python API: thin wrappers over torch.ops.flash_epilogue.*, whose C++ checks every argument. A wrapper coerces
+the Python scalars, checks what the op does not see (the GQAAccumulator, gqa_reduce's out, store_zero's index lists)
+and raises the op's error as the package's; under torch.compile it calls the op directly (checked when it runs)."""
 import operator
-from typing import Optional, Sequence, Union
+from typing import Sequence
 
 import torch
 
 from . import _checks, _extension
 from ._checks import refresh_env_flags
-from .errors import FlashEpilogueTypeError, as_count, as_float, as_index, as_int, fail
+from .errors import INT64_MAX, INT64_MIN, FlashEpilogueTypeError, as_count, as_float, as_index, as_int, fail
 from .gqa import GQAAccumulator
 
 __all__ = ["store", "store_zero", "gqa_accumulate", "gqa_postprocess", "gqa_reduce", "refresh_env_flags"]
 
 _ops = torch.ops.flash_epilogue  # looked up once (host time); each op is looked up per call
-_I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
 _I32_MIN, _I32_MAX = -(2**31), 2**31 - 1
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
+IndexArg = None | int | Sequence[int] | torch.Tensor
 
 
 def store(dk_accum: torch.Tensor, dv_accum: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, *,
-          cu_seqlens: Optional[torch.Tensor] = None, seqused: Optional[torch.Tensor] = None,
-          check_inputs: Optional[bool] = None, _arch: int = 0) -> None:
-    """Convert fp32 dK/dV accumulators to dk/dv (bf16 or fp16, round to nearest even), in place.
-
-    Layouts: batched (batch, seqlen, heads, d) with any strides whose last dim is contiguous
-    (e.g. a (batch, heads, seqlen, d) tensor passed as `.transpose(1, 2)`), or varlen
-    (total_tokens, heads, d) with `cu_seqlens` (int32, batch + 1). `seqused` (int32, batch) limits
-    each sequence to its first seqused[b] rows. Only valid rows of dk/dv are written; dv may have
-    its own head dim. The fp32 inputs have the shapes of dk and dv.
-    """
+          cu_seqlens: torch.Tensor | None = None, seqused: torch.Tensor | None = None,
+          check_inputs: bool | None = None, _arch: int = 0) -> None:
+    """In place: the valid rows of dk/dv (bf16 or fp16) get the fp32 accumulators of their shapes, rounded to nearest
+    even. Batched (batch, seqlen, heads, d), last dim contiguous, or varlen (total_tokens, heads, d) with
+    ``cu_seqlens``; ``seqused`` limits sequence b to its first seqused[b] rows; dv may have its own head dim."""
     if torch.compiler.is_compiling():
         return _ops.store(dk_accum, dv_accum, dk, dv, cu_seqlens=cu_seqlens, seqused=seqused, _arch=_arch)
-    if type(_arch) is not int or not _I64_MIN <= _arch <= _I64_MAX:
-        _arch = as_int("store", "_arch", _arch)
+    _arch = _arch if type(_arch) is int and INT64_MIN <= _arch <= INT64_MAX else as_int("store", "_arch", _arch)
     if check_inputs or (check_inputs is None and _checks.CHECK_INPUTS):
         _checks.check_contents("store", dk, cu_seqlens, seqused)
     try:
@@ -53,12 +38,8 @@ def store(dk_accum: torch.Tensor, dv_accum: torch.Tensor, dk: torch.Tensor, dv: 
         _checks.debug_sync("store", dk.device)
 
 
-IndexArg = Union[None, int, Sequence[int], torch.Tensor]
-
-
-def _index_tensor(name: str, idx: IndexArg, device) -> Optional[torch.Tensor]:
-    """batch_idx/head_idx as the op takes them: None or a tensor (passed on: the op checks it), or an int or a
-    sequence of ints as a new int32 tensor on `device` (a host -> device copy)."""
+def _index_tensor(name: str, idx: IndexArg, device) -> torch.Tensor | None:
+    """batch_idx/head_idx as the op takes them: None or a tensor as given, an int or ints as a new int32 tensor."""
     if idx is None or isinstance(idx, torch.Tensor):
         return idx
     op, what = "store_zero", "None, an int, a sequence of ints or an int32 tensor"
@@ -79,26 +60,14 @@ def _index_tensor(name: str, idx: IndexArg, device) -> Optional[torch.Tensor]:
     return torch.tensor(values, dtype=torch.int32, device=device)
 
 
-def store_zero(dk: torch.Tensor, dv: torch.Tensor, *, cu_seqlens: Optional[torch.Tensor] = None,
-               seqused: Optional[torch.Tensor] = None, batch_idx: IndexArg = None, head_idx: IndexArg = None,
-               row_start: int = 0, row_end: Optional[int] = None, check_inputs: Optional[bool] = None,
+def store_zero(dk: torch.Tensor, dv: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None,
+               seqused: torch.Tensor | None = None, batch_idx: IndexArg = None, head_idx: IndexArg = None,
+               row_start: int = 0, row_end: int | None = None, check_inputs: bool | None = None,
                _arch: int = 0) -> None:
-    """Write zeros into the valid rows of dk and dv (bf16 or fp16), in place.
-
-    Layouts as for :func:`store`: batched (batch, seqlen, heads, d) or varlen
-    (total_tokens, heads, d) with `cu_seqlens`; `seqused` limits sequence b to its first
-    seqused[b] rows; dv may have its own head dim. Zeroed: for each sequence in `batch_idx` and
-    each head in `head_idx`, the rows [row_start, row_end) counted from the sequence's start,
-    clipped to its valid rows (`row_end=None`: to the end of each sequence). Nothing else is
-    written: not rows past seqused, not the rows between sequences, not other heads.
-
-    `batch_idx`/`head_idx`: None (all), an int, a sequence of ints, or an int32 1-D tensor on
-    dk's device. Ints and sequences are copied to a new device tensor on every call (a host ->
-    device copy, not allowed during CUDA-graph capture); pass a tensor to avoid it. Entries out
-    of range (< 0, or >= batch / heads) are skipped, duplicates are harmless, an empty selection
-    writes nothing; with `check_inputs` (or FLASH_EPILOGUE_CHECK_INPUTS=1) out-of-range entries
-    raise instead, together with the cu_seqlens/seqused content checks.
-    """
+    """In place: zeros in rows [row_start, row_end) (from each sequence's start, clipped to its valid rows; row_end
+    None: to its end) of the sequences ``batch_idx`` and heads ``head_idx`` of dk and dv; layouts as for
+    :func:`store`. ``batch_idx``/``head_idx``: None (all), an int or ints (copied to the device on every call) or an
+    int32 1-D tensor on dk's device; out-of-range entries are skipped (raise with ``check_inputs``)."""
     op = "store_zero"
     if (batch_idx is not None or head_idx is not None) and isinstance(dk, torch.Tensor):
         batch_idx = _index_tensor("batch_idx", batch_idx, dk.device)
@@ -106,12 +75,11 @@ def store_zero(dk: torch.Tensor, dv: torch.Tensor, *, cu_seqlens: Optional[torch
     if torch.compiler.is_compiling():
         return _ops.store_zero(dk, dv, cu_seqlens=cu_seqlens, seqused=seqused, batch_idx=batch_idx,
                                head_idx=head_idx, row_start=row_start, row_end=row_end, _arch=_arch)
-    if type(row_start) is not int or not _I64_MIN <= row_start <= _I64_MAX:
+    if type(row_start) is not int or not INT64_MIN <= row_start <= INT64_MAX:
         row_start = as_int(op, "row_start", row_start)
-    if row_end is not None and (type(row_end) is not int or not _I64_MIN <= row_end <= _I64_MAX):
+    if row_end is not None and (type(row_end) is not int or not INT64_MIN <= row_end <= INT64_MAX):
         row_end = as_int(op, "row_end", row_end, "None or an int")
-    if type(_arch) is not int or not _I64_MIN <= _arch <= _I64_MAX:
-        _arch = as_int(op, "_arch", _arch)
+    _arch = _arch if type(_arch) is int and INT64_MIN <= _arch <= INT64_MAX else as_int(op, "_arch", _arch)
     if check_inputs or (check_inputs is None and _checks.CHECK_INPUTS):
         _checks.check_contents(op, dk, cu_seqlens, seqused, batch_idx, head_idx)
     try:
@@ -123,85 +91,54 @@ def store_zero(dk: torch.Tensor, dv: torch.Tensor, *, cu_seqlens: Optional[torch
         _checks.debug_sync(op, dk.device)
 
 
-# --------------------------------------------------------------------------------------------
-# GQA: accumulate per-query-head partials into a GQAAccumulator, postprocess it; one-call reduce
-
-
 def _check_acc(op: str, acc, k, v, cu_seqlens, k_name: str, v_name: str) -> None:
-    """`acc` is a GQAAccumulator sized for this call (`k`/`v`: the call's tensors of dK's/dV's head dim): the
-    ints that accumulator tensors of one shape can still disagree on."""
+    """`acc` is a GQAAccumulator sized for this call (`k`/`v`: its tensors of dK's/dV's head dim), in the ints that
+    accumulators of one shape can disagree on; what the op rejects anyway (wrong ranks, shapes) is left to it."""
     if not isinstance(acc, GQAAccumulator):
         fail(op, "acc", "a flash_epilogue.GQAAccumulator (from flash_epilogue.gqa_accumulator)", type(acc).__name__,
              FlashEpilogueTypeError)
     try:
         shape, varlen = k.shape, cu_seqlens is not None
-        want = (varlen, cu_seqlens.numel() - 1 if varlen else shape[0], shape[0 if varlen else 1], shape[-1],
-                v.shape[-1])
+        want = (cu_seqlens.numel() - 1 if varlen else shape[0], shape[0 if varlen else 1], shape[-1], v.shape[-1])
     except Exception:  # noqa: BLE001 (not tensors, too few dims: the op reports them)
         return
-    if (acc.varlen, acc.batch, acc.rows, acc.head_dim, acc.head_dim_v) != want:
-        _acc_mismatch(op, acc, k, v, cu_seqlens, k_name, v_name)
-
-
-def _acc_mismatch(op: str, acc: GQAAccumulator, k, v, cu_seqlens, k_name: str, v_name: str) -> None:
-    """_check_acc found a difference: name it, unless the op rejects the call anyway (tensors of the wrong rank,
-    a malformed cu_seqlens)."""
-    varlen = cu_seqlens is not None
-    rank = 3 if varlen else 4
-    if not (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor) and k.dim() == rank == v.dim()):
+    if (acc.varlen, acc.batch, acc.rows, acc.head_dim, acc.head_dim_v) == (varlen, *want):
         return
-    if varlen and not (isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dim() == 1):
+    tensors = isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor) and k.dim() == (3 if varlen else 4) == v.dim()
+    if not tensors or varlen and not (isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dim() == 1):
         return
-    shape = k.shape
-    want = (cu_seqlens.numel() - 1, shape[0]) if varlen else (shape[0], shape[1])
-    # The op's own check comes first: where the accumulator's tensors lack the shape the op computes for this
-    # call (its KV heads: dk's for postprocess, the accumulator's for accumulate), the op names dk_accum's shape.
-    try:
+    try:  # the op's own shape check comes first; it sizes with dk's heads (postprocess) or the accumulator's
         heads = shape[-2] if op == "gqa_postprocess" else acc.dk_accum.shape[1]
-        layout = _extension._C.gqa_accum_layout(heads, shape[-1], v.shape[-1], *want, varlen, acc.arch, k.device)
+        layout = _extension._C.gqa_accum_layout(heads, *want[2:], *want[:2], varlen, acc.arch, k.device)
+        if tuple(layout["shape"]) != tuple(acc.dk_accum.shape):
+            return
     except Exception:  # noqa: BLE001 (arguments the op rejects itself)
-        return
-    if tuple(layout["shape"]) != tuple(acc.dk_accum.shape):
         return
     if acc.varlen != varlen:
         kind = "varlen (cu_seqlens given)" if varlen else "batched (cu_seqlens None)"
         fail(op, "acc.varlen", f"{varlen}: the call's layout is {kind}", acc.varlen)
     whys = ("cu_seqlens.numel() - 1", f"{k_name}.shape[0], the total tokens") if varlen else (
         f"{k_name}.shape[0]", f"{k_name}.shape[1], the seqlen")
-    for field, w, why in zip(("batch", "rows", "head_dim", "head_dim_v"), want + (shape[-1], v.shape[-1]),
+    for field, w, why in zip(("batch", "rows", "head_dim", "head_dim_v"), want,
                              whys + (f"{k_name}.shape[-1]", f"{v_name}.shape[-1]")):
         if getattr(acc, field) != w:
             fail(op, f"acc.{field}", f"{w} ({why})", getattr(acc, field))
 
 
 def gqa_accumulate(dk_partial: torch.Tensor, dv_partial: torch.Tensor, acc: GQAAccumulator, *,
-                   deterministic: Optional[bool] = None, cu_seqlens: Optional[torch.Tensor] = None,
-                   seqused: Optional[torch.Tensor] = None, check_inputs: Optional[bool] = None) -> None:
-    """Add per-query-head fp32 dK/dV partials into the GQA accumulator ``acc``, in place.
-
-    ``dk_partial``/``dv_partial``: fp32 (batch, seqlen, h_q, d) / (batch, seqlen, h_q, dv), or
-    varlen (total_tokens, h_q, d) with ``cu_seqlens``; last dim contiguous, other strides multiples
-    of 16 bytes. h_q must be a multiple of ``acc.num_heads_kv``: query head j belongs to KV head
-    j // (h_q / h_k), and each KV head's accumulator receives the sum of its group over the valid
-    rows (rows past ``seqused`` add nothing). Callable many times into the same accumulator
-    (chunks of tokens, KV blocks, context-parallel steps): each call carries whole groups.
-
-    ``deterministic``: bitwise reproducible, ``acc + p_0 + p_1 + ... + p_{g-1}`` in fp32 in head
-    order; needs an accumulator allocated with ``deterministic=True``. Otherwise the group is
-    added in any order (fp32 reassociation only). Default (None): deterministic when the
-    accumulator was allocated with ``deterministic=True`` or when
-    ``torch.are_deterministic_algorithms_enabled()``.
-    """
+                   deterministic: bool | None = None, cu_seqlens: torch.Tensor | None = None,
+                   seqused: torch.Tensor | None = None, check_inputs: bool | None = None) -> None:
+    """In place: add fp32 per-query-head partials (batch, seqlen, h_q, d) / (..., dv), or varlen with ``cu_seqlens``,
+    into ``acc``; query head j goes to KV head j // (h_q / h_k), valid rows only. Callable many times (each call
+    carrying whole groups). ``deterministic``: bitwise reproducible, needs ``acc`` allocated with it; default: as
+    ``acc`` was allocated, or ``torch.are_deterministic_algorithms_enabled()``."""
     op = "gqa_accumulate"
     _check_acc(op, acc, dk_partial, dv_partial, cu_seqlens, "dk_partial", "dv_partial")
-    if deterministic is None:
-        # an accumulator allocated for deterministic mode asks for it; so does torch's global switch
-        deterministic = acc.semaphores is not None or torch.are_deterministic_algorithms_enabled()
-        why = "torch.are_deterministic_algorithms_enabled() is True"
-    elif type(deterministic) is not bool:
+    if deterministic is not None and type(deterministic) is not bool:
         fail(op, "deterministic", "a bool", type(deterministic).__name__, FlashEpilogueTypeError)
-    else:
-        why = "deterministic=True"
+    why = "deterministic=True" if deterministic else "torch.are_deterministic_algorithms_enabled() is True"
+    if deterministic is None:  # an accumulator allocated for deterministic mode asks for it; so does torch's switch
+        deterministic = acc.semaphores is not None or torch.are_deterministic_algorithms_enabled()
     if deterministic and acc.semaphores is None:
         fail(op, "acc.semaphores", f"an int32 workspace because {why}: allocate the accumulator with "
              "flash_epilogue.gqa_accumulator(..., deterministic=True) (or pass deterministic=False)",
@@ -209,8 +146,7 @@ def gqa_accumulate(dk_partial: torch.Tensor, dv_partial: torch.Tensor, acc: GQAA
     semaphores = acc.semaphores if deterministic else None
     if torch.compiler.is_compiling():
         return _ops.gqa_accumulate(dk_partial, dv_partial, acc.dk_accum, acc.dv_accum, semaphores,
-                                   cu_seqlens=cu_seqlens, seqused=seqused, deterministic=deterministic,
-                                   _arch=acc.arch)
+                                   cu_seqlens=cu_seqlens, seqused=seqused, deterministic=deterministic, _arch=acc.arch)
     if check_inputs or (check_inputs is None and _checks.CHECK_INPUTS):
         _checks.check_contents(op, dk_partial, cu_seqlens, seqused)
     try:
@@ -223,25 +159,18 @@ def gqa_accumulate(dk_partial: torch.Tensor, dv_partial: torch.Tensor, acc: GQAA
 
 
 def gqa_postprocess(acc: GQAAccumulator, dk: torch.Tensor, dv: torch.Tensor, *, scale_dk: float = 1.0,
-                    scale_dv: float = 1.0, cu_seqlens: Optional[torch.Tensor] = None,
-                    seqused: Optional[torch.Tensor] = None, check_inputs: Optional[bool] = None) -> None:
-    """Write the accumulator to dk/dv (bf16 or fp16), in place: ``(accum * scale).to(dtype)``
-    (fp32 multiply by the scale rounded to fp32, then round to nearest even).
-
-    dk/dv: (batch, seqlen, h_k, d) / (..., dv), or varlen (total_tokens, h_k, d) with
-    ``cu_seqlens``; layouts and strides as for :func:`store`. Only the valid rows are written
-    (rows past ``seqused``, padding between sequences and everything else stay untouched). The
-    accumulator is not changed: call ``acc.reset()`` before reusing it.
-    """
+                    scale_dv: float = 1.0, cu_seqlens: torch.Tensor | None = None,
+                    seqused: torch.Tensor | None = None, check_inputs: bool | None = None) -> None:
+    """In place: the valid rows of dk/dv (bf16 or fp16, h_k heads; layouts as for :func:`store`) get
+    ``(accum * scale).to(dtype)`` (fp32 multiply by the scale rounded to fp32). ``acc`` is unchanged:
+    ``acc.reset()`` before reusing it."""
     op = "gqa_postprocess"
     _check_acc(op, acc, dk, dv, cu_seqlens, "dk", "dv")
     if torch.compiler.is_compiling():
         return _ops.gqa_postprocess(acc.dk_accum, acc.dv_accum, dk, dv, scale_dk=scale_dk, scale_dv=scale_dv,
                                     cu_seqlens=cu_seqlens, seqused=seqused, _arch=acc.arch)
-    if type(scale_dk) is not float:
-        scale_dk = as_float(op, "scale_dk", scale_dk)
-    if type(scale_dv) is not float:
-        scale_dv = as_float(op, "scale_dv", scale_dv)
+    scale_dk = scale_dk if type(scale_dk) is float else as_float(op, "scale_dk", scale_dk)
+    scale_dv = scale_dv if type(scale_dv) is float else as_float(op, "scale_dv", scale_dv)
     if check_inputs or (check_inputs is None and _checks.CHECK_INPUTS):
         _checks.check_contents(op, dk, cu_seqlens, seqused)
     try:
@@ -254,14 +183,11 @@ def gqa_postprocess(acc: GQAAccumulator, dk: torch.Tensor, dv: torch.Tensor, *, 
 
 
 def _new_output(name: str, partial, num_heads_kv: int, varlen: bool, out_dtype):
-    """gqa_reduce's output for `partial` (None: None): (batch, seqlen, h_k, d) or varlen (total, h_k, d) of
-    `out_dtype` (default: the partial's dtype if 16-bit, else bfloat16). For a partial the op rejects (not a
-    tensor, the wrong rank) a placeholder that lets the op report it."""
+    """gqa_reduce's output for `partial` (None: None), of `out_dtype` (default: the partial's if 16-bit, else bf16);
+    for a partial the op rejects (not a tensor, the wrong rank) a placeholder that lets the op report it."""
     if not isinstance(partial, torch.Tensor):
         return None if partial is None else torch.empty(0)
-    dtype = out_dtype
-    if dtype is None:
-        dtype = partial.dtype if partial.dtype in _HALF_DTYPES else torch.bfloat16
+    dtype = out_dtype or (partial.dtype if partial.dtype in _HALF_DTYPES else torch.bfloat16)
     if partial.dim() != (3 if varlen else 4):
         return partial.new_empty(0, dtype=dtype)
     h_q = partial.shape[-2]
@@ -295,24 +221,14 @@ def _reduce_outputs(dk_partial, dv_partial, num_heads_kv: int, varlen: bool, out
     return dk, dv
 
 
-def gqa_reduce(dk_partial: torch.Tensor, dv_partial: Optional[torch.Tensor] = None, *, num_heads_kv: int,
-               cu_seqlens: Optional[torch.Tensor] = None, seqused: Optional[torch.Tensor] = None,
-               out: Union[None, torch.Tensor, tuple] = None, out_dtype: Optional[torch.dtype] = None,
-               scale_dk: float = 1.0, scale_dv: float = 1.0, check_inputs: Optional[bool] = None, _arch: int = 0):
-    """Sum each group of query-head partials into dK (and dV) in one call: deterministic.
-
-    ``dk_partial`` (and ``dv_partial``, optional): fp32, bf16 or fp16 (batch, seqlen, h_q, d) or
-    varlen (total_tokens, h_q, d) with ``cu_seqlens``; any strides with the last dim contiguous
-    and the others multiples of 16 bytes (a (batch, h_q, seqlen, d) tensor is passed as
-    ``.transpose(1, 2)``). For every KV head k < ``num_heads_kv`` the output is
-    ``(0 + p_{k*g} + p_{k*g+1} + ... + p_{k*g+g-1}) * scale`` summed in fp32 in head order, then
-    rounded to the output dtype (g = h_q / num_heads_kv).
-
-    ``out``: None (new tensors (batch, seqlen, num_heads_kv, d) of ``out_dtype``, default the
-    partials' dtype if 16-bit, else bfloat16; rows outside the valid rows are left uninitialized),
-    dk, or a (dk, dv) pair (bf16/fp16, any strides as for :func:`store`). Only the valid rows are
-    written. Returns dk, or (dk, dv) when dv_partial is given.
-    """
+def gqa_reduce(dk_partial: torch.Tensor, dv_partial: torch.Tensor | None = None, *, num_heads_kv: int,
+               cu_seqlens: torch.Tensor | None = None, seqused: torch.Tensor | None = None,
+               out: torch.Tensor | tuple | None = None, out_dtype: torch.dtype | None = None,
+               scale_dk: float = 1.0, scale_dv: float = 1.0, check_inputs: bool | None = None, _arch: int = 0):
+    """Each group of query-head partials (fp32/bf16/fp16, batched or varlen, last dim contiguous, other strides
+    multiples of 16 bytes) summed into KV head k: ``(0 + p_{k*g} + ... + p_{k*g+g-1}) * scale`` in fp32 in head order
+    (deterministic), rounded to the output dtype. ``out``: None (new tensors of ``out_dtype``, default the partials'
+    if 16-bit, else bf16; invalid rows uninitialized), dk, or (dk, dv). Returns dk, or (dk, dv) with dv_partial."""
     op = "gqa_reduce"
     if type(num_heads_kv) is not int or num_heads_kv < 1:
         num_heads_kv = as_count(op, "num_heads_kv", num_heads_kv, "a positive int", 1)
@@ -321,12 +237,9 @@ def gqa_reduce(dk_partial: torch.Tensor, dv_partial: Optional[torch.Tensor] = No
         _ops.gqa_reduce(dk_partial, dv_partial, dk, dv, cu_seqlens=cu_seqlens, seqused=seqused, scale_dk=scale_dk,
                         scale_dv=scale_dv, _arch=_arch)
         return dk if dv_partial is None else (dk, dv)
-    if type(scale_dk) is not float:
-        scale_dk = as_float(op, "scale_dk", scale_dk)
-    if type(scale_dv) is not float:
-        scale_dv = as_float(op, "scale_dv", scale_dv)
-    if type(_arch) is not int or not _I64_MIN <= _arch <= _I64_MAX:
-        _arch = as_int(op, "_arch", _arch)
+    scale_dk = scale_dk if type(scale_dk) is float else as_float(op, "scale_dk", scale_dk)
+    scale_dv = scale_dv if type(scale_dv) is float else as_float(op, "scale_dv", scale_dv)
+    _arch = _arch if type(_arch) is int and INT64_MIN <= _arch <= INT64_MAX else as_int(op, "_arch", _arch)
     if check_inputs or (check_inputs is None and _checks.CHECK_INPUTS):
         _checks.check_contents(op, dk_partial, cu_seqlens, seqused)
     try:
@@ -340,8 +253,7 @@ def gqa_reduce(dk_partial: torch.Tensor, dv_partial: Optional[torch.Tensor] = No
 
 
 def _no_outputs(*args, **kwargs) -> None:
-    """The fake kernel of the ops that only write their arguments: no output to describe, no checks (the op
-    checks when the compiled code runs)."""
+    """The fake kernel of the ops that only write their arguments: no output, no checks (the op checks at run time)."""
 
 
 if _extension._C is not None:

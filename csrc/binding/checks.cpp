@@ -1,44 +1,30 @@
-// Every argument check of the ops. They run before anything reaches a kernel, in one order for
-// every op: None tensors, dtypes, ranks, shapes and head dims, strides (last dim, then the others),
-// alignment, overlaps (of a written tensor with itself, with another written one, with a read
-// one), cu_seqlens/seqused metadata, grid limits and last the devices and the code path. The ops
-// are also registered for CPU tensors, where every metadata check runs and the device check then
-// says that a CUDA tensor is needed. Messages are built only on failure.
+// Every argument check of the ops, in one order for every op: None, dtypes, ranks, shapes and head dims, strides,
+// alignment, overlaps (of a written tensor with itself, another written one, a read one), cu_seqlens/seqused, grid
+// limits, last the devices (CPU tensors fail only there) and the code path. Messages are built on failure only.
 
-#include "checks.h"
+#include "binding.h"
 
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
-#include <c10/util/ArrayRef.h>
-#include <c10/util/Exception.h>
 #include <c10/util/SmallVector.h>
+#include <c10/util/strides.h>
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
 #include <array>
 #include <charconv>
 #include <cmath>
-#include <cstdio>
 #include <limits>
 #include <map>
 #include <mutex>
-
-#ifndef FLASH_EPILOGUE_COMPILED_ARCHS
-#define FLASH_EPILOGUE_COMPILED_ARCHS "sm_90a"
-#endif
+#include <string_view>
 
 namespace flash_epilogue {
 
 std::vector<std::string> const& compiled_archs() {
   static std::vector<std::string> const archs = [] {
-    std::vector<std::string> out(1);
-    for (char c : std::string(FLASH_EPILOGUE_COMPILED_ARCHS)) {
-      if (c == ',') {
-        out.emplace_back();
-      } else {
-        out.back() += c;
-      }
-    }
+    std::vector<std::string> out(1);  // from setup.py's comma-separated list
+    for (char c : std::string_view(FLASH_EPILOGUE_COMPILED_ARCHS)) { c == ',' ? out.emplace_back() : out.back() += c; }
     return out;
   }();
   return archs;
@@ -48,10 +34,7 @@ namespace {
 
 using c10::ScalarType;
 
-// ---- Messages. Numbers are formatted here, never by streaming them into TORCH_CHECK: on some
-// toolchains (the H200 image: GCC 13 with -Bsymbolic-functions from Python's LDSHARED) an
-// extension's own copy of ostream's integer insertion crashes. std::to_string has no locale.
-
+// Numbers are formatted here, never streamed (the extension's own ostream integer insertion crashes on the H200 image).
 std::string num(int64_t v) { return std::to_string(v); }
 
 // As Python prints a tuple ((), (3,), (2, 3); '*' at index `star`) or, with `list`, a list.
@@ -64,752 +47,566 @@ std::string seq(c10::IntArrayRef v, int64_t star = -1, bool list = false) {
 }
 std::string num(c10::IntArrayRef v) { return seq(v); }
 
-std::string hex_str(int64_t v) {  // as Python's f"{v:#x}"
-  char buf[32];
-  std::snprintf(buf, sizeof(buf), "0x%llx", static_cast<unsigned long long>(v));
-  return buf;
-}
-
-std::string repr(double v) {  // as Python's repr of a float: the shortest round trip
+template <class... A>
+std::string chars(A... a) {  // std::to_chars(a...) as a string
   std::array<char, 32> buf;
-  return std::string(buf.data(), std::to_chars(buf.data(), buf.data() + buf.size(), v).ptr);
+  return std::string(buf.data(), std::to_chars(buf.data(), buf.data() + buf.size(), a...).ptr);
 }
-
-std::string message(char const* op, std::string const& arg, std::string const& expected, std::string const& got) {
-  return "flash_epilogue." + std::string(op) + ": " + arg + ": expected " + expected + ", got " + got;
-}
-
-[[noreturn]] void fail(char const* op, std::string const& arg, std::string const& expected, std::string const& got) {
-  C10_THROW_ERROR(ValueError, message(op, arg, expected, got));
-}
-
+std::string hex_str(int64_t v) { return "0x" + chars(static_cast<uint64_t>(v), 16); }  // Python's f"{v:#x}"
+std::string repr(double v) { return chars(v); }  // Python's repr of a float: the shortest round trip
 std::string dtype_name(ScalarType t) { return "torch." + std::string(c10::getDtypeNames(t).first); }
+std::string rank_got(TensorArg t) { return num(t.dim()) + " dims, shape " + num(t.sizes()); }
+int64_t address(TensorArg t) { return static_cast<int64_t>(reinterpret_cast<uintptr_t>(t.const_data_ptr())); }
 
-[[noreturn]] void fail_dtype(char const* op, std::string const& name, std::string const& expected, ScalarType got) {
-  C10_THROW_ERROR(TypeError, message(op, name + ": dtype", expected, dtype_name(got)));
-}
-
-// ---- The build, the GPU, the tile table
-
-bool compiled_for(char const* arch) {
-  auto const& archs = compiled_archs();
-  return std::find(archs.begin(), archs.end(), arch) != archs.end();
-}
-
-// (major, minor) per device, read once (op calls stay free of driver queries).
-std::pair<int, int> device_capability(int device) {
-  static std::mutex mutex;
-  static std::vector<std::pair<int, int>> cache;
-  std::lock_guard<std::mutex> lock(mutex);
-  if (device >= static_cast<int>(cache.size())) { cache.resize(device + 1, {-1, -1}); }
-  if (cache[device].first < 0) {
-    int major = 0, minor = 0;
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-    cache[device] = {major, minor};
-  }
-  return cache[device];
-}
-
-int device_index(at::Device device) { return device.has_index() ? device.index() : c10::cuda::current_device(); }
-
-// This build has kernels for an sm_90 GPU with sm_90a code, or an sm_8x GPU with sm_80 code.
-bool has_kernels(int major, int minor) {
+bool compiled_for(char const* arch) { return std::ranges::count(compiled_archs(), arch) > 0; }
+bool has_kernels(int major, int minor) {  // an sm_90 GPU with sm_90a code, an sm_8x GPU with sm_80 code
   return (major == 9 && minor == 0 && compiled_for("sm_90a")) || (major == 8 && compiled_for("sm_80"));
 }
 
-// The head dims the kernels take (a compiled config rounds up to the next compiled head dim), and
-// what they index with 32-bit ints (the grid's y and z with 16 bits).
+std::pair<int, int> device_capability(int device) {  // (major, minor), read once per device
+  static std::mutex mutex;
+  static std::map<int, std::pair<int, int>> cache;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (auto const it = cache.find(device); it != cache.end()) { return it->second; }
+  int major = 0, minor = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  return cache[device] = {major, minor};
+}
+
+// The head dims the kernels take (a config serves those up to its own); rows are 32-bit, grid y and z 16-bit.
 bool head_dim_supported(int64_t d) { return d > 0 && d % 8 == 0 && d <= 256; }
 bool within_grid_limits(int64_t rows, int64_t heads, int64_t batch) {
   return rows < (int64_t(1) << 31) && heads < 65536 && batch < 65536;
 }
 
-// The compiled tile config serving head dims up to `width` (head_dim_supported) on path `arch`.
-CompiledTileConfig const& tile_config(int64_t width, int arch) {
+CompiledTileConfig const& tile_config(int64_t width, int arch) {  // the one serving head dims up to width
   for (CompiledTileConfig const& c : compiled_tile_configs()) {
     if (c.arch == arch && width <= c.head_dim) { return c; }
   }
   C10_THROW_ERROR(Error, "flash_epilogue: internal: no tile config for head dim " + num(width) + " on sm_" + num(arch));
 }
 
-// Batched: one tile row per (batch, ceil(rows / block_n) tiles). Varlen (rows = total tokens):
-// batch_extent 1 and (rows + batch * block_n) // block_n tiles, enough for every sequence to start
-// at its block_n-aligned offset ((cu_seqlens[b] + b * block_n) // block_n) * block_n.
+// Batched: ceil(rows / block_n) tiles per sequence. Varlen (rows: total tokens): batch_extent 1 and
+// (rows + batch * block_n) // block_n tiles, so that sequence b starts at ((cu_seqlens[b] + b * block_n) // block_n).
 AccumLayout accum_layout(int arch, bool varlen, int64_t batch, int64_t rows, int64_t heads_kv, int64_t d, int64_t dv) {
   CompiledTileConfig const& c = tile_config(std::max(d, dv), arch);
-  int64_t const n = c.block_n;
-  int64_t const tiles = varlen ? (rows + batch * n) / n : (rows + n - 1) / n;
+  int64_t const n = c.block_n, tiles = varlen ? (rows + batch * n) / n : (rows + n - 1) / n;
   return {arch, c.block_n, varlen ? 1 : batch, heads_kv, tiles, c.accum_tile_elems};
 }
 
-// ---- Tensors
-
-// A tensor argument and its name; t null: the argument is None.
-struct Named {
-  char const* name;
-  at::Tensor const* t;
-};
-Named named(char const* name, OptTensor const& t) { return {name, t.has_value() ? &*t : nullptr}; }
-
-// The schema lets None through for a Tensor argument as an undefined tensor.
-void check_defined(char const* op, c10::ArrayRef<Named> tensors) {
-  for (auto const& n : tensors) {
-    if (!n.t->defined()) { C10_THROW_ERROR(TypeError, message(op, n.name, "a torch.Tensor", "NoneType")); }
-  }
+// The path of a GQA call's accumulators, before the device checks: `requested`, else the device's (sm_8x: 80, else 90)
+int accum_path(at::Device device, int64_t requested) {
+  if (requested != 0) { return static_cast<int>(requested); }
+  if (!device.is_cuda()) { return 90; }
+  return device_capability(device.has_index() ? device.index() : c10::cuda::current_device()).first == 8 ? 80 : 90;
 }
 
-void check_float32(char const* op, Named n) {
-  if (n.t->scalar_type() != at::kFloat) { fail_dtype(op, n.name, "torch.float32", n.t->scalar_type()); }
-}
+int64_t floor_div(int64_t a, int64_t b) { return a / b - (a % b < 0); }  // Python's a // b (b > 0)
 
-void check_half(char const* op, Named n) {
-  if (n.t->scalar_type() != at::kHalf && n.t->scalar_type() != at::kBFloat16) {
-    fail_dtype(op, n.name, "torch.float16 or torch.bfloat16", n.t->scalar_type());
-  }
-}
-
-void check_same_dtype(char const* op, Named n, Named ref) {
-  if (n.t && n.t->scalar_type() != ref.t->scalar_type()) {
-    fail_dtype(op, n.name, dtype_name(ref.t->scalar_type()) + " (the dtype of " + ref.name + ")", n.t->scalar_type());
-  }
-}
-
-std::string rank_got(at::Tensor const& t) { return num(t.dim()) + " dims, shape " + num(t.sizes()); }
-
-void check_rank(char const* op, Named n, bool varlen) {
-  if (n.t->dim() != (varlen ? 3 : 4)) {
-    fail(op, std::string(n.name) + ": rank",
-         varlen ? "3 dims (total_tokens, heads, headdim) because cu_seqlens is given"
-                : "4 dims (batch, seqlen, heads, headdim) because cu_seqlens is None",
-         rank_got(*n.t));
-  }
-}
-
-void check_same_shape(char const* op, Named n, Named ref) {
-  if (n.t->sizes() != ref.t->sizes()) {
-    fail(op, std::string(n.name) + ": shape", num(ref.t->sizes()) + " (the shape of " + ref.name + ")",
-         num(n.t->sizes()));
-  }
-}
-
-// n has ref's shape but at dim (-1: the last dim, dv's own head dim; -2: the heads dim, h_k
-// against h_q), where `which` names it.
-void check_shape_but(char const* op, Named n, Named ref, int64_t dim, char const* which) {
-  int64_t const star = ref.t->dim() + dim;
-  bool same = n.t->dim() == ref.t->dim();
-  for (int64_t i = 0; same && i < n.t->dim(); ++i) { same = i == star || n.t->size(i) == ref.t->size(i); }
-  if (!same) {
-    fail(op, std::string(n.name) + ": shape",
-         seq(ref.t->sizes(), star) + " (" + ref.name + "'s shape but the " + which + " dim)", num(n.t->sizes()));
-  }
-}
-
-void check_head_dim(char const* op, std::string const& name, int64_t d) {
-  if (!head_dim_supported(d)) { fail(op, name + ": head dim", "a multiple of 8 in [8, 256]", num(d)); }
-}
-
-// v (dV's side) has k's shape but the head dim; both head dims supported.
-void check_kv_shapes(char const* op, Named k, Named v) {
-  check_shape_but(op, v, k, -1, "last");
-  check_head_dim(op, k.name, k.t->size(-1));
-  check_head_dim(op, v.name, v.t->size(-1));
-}
-
-// The last dim contiguous, then every other stride a non-negative multiple of 16 bytes (dims of
-// size <= 1 ignored; an empty tensor touches no memory: the kernels return early).
-void check_layouts(char const* op, c10::ArrayRef<Named> tensors) {
-  for (auto const& n : tensors) {
-    if (n.t->dim() > 0 && n.t->stride(-1) != 1) {
-      fail(op, std::string(n.name) + ": stride(-1)", "1 (last dim contiguous)",
-           num(n.t->stride(-1)) + " (strides " + num(n.t->strides()) + ")");
-    }
-  }
-  for (auto const& n : tensors) {
-    at::Tensor const& t = *n.t;
-    int64_t const multiple = std::max<int64_t>(16 / t.element_size(), 1);
-    for (int64_t i = 0; t.numel() > 0 && i + 1 < t.dim(); ++i) {
-      if (t.size(i) > 1 && (t.stride(i) < 0 || t.stride(i) % multiple != 0)) {
-        fail(op, std::string(n.name) + ": stride(" + num(i) + ")",
-             "a non-negative multiple of " + num(multiple) + " elements (16 bytes)",
-             num(t.stride(i)) + " (shape " + num(t.sizes()) + ", strides " + num(t.strides()) + ")");
-      }
-    }
-  }
-}
-
-int64_t address(at::Tensor const& t) { return static_cast<int64_t>(reinterpret_cast<uintptr_t>(t.const_data_ptr())); }
-
-void check_alignments(char const* op, c10::ArrayRef<Named> tensors) {
-  for (auto const& n : tensors) {
-    int64_t const ptr = n.t->numel() > 0 ? address(*n.t) : 0;
-    if (ptr % 16 != 0) {
-      fail(op, std::string(n.name) + ": data_ptr", "a 16-byte aligned address",
-           hex_str(ptr) + " (address % 16 = " + num(ptr % 16) + ")");
-    }
-  }
-}
-
-void check_contiguous(char const* op, Named n) {
-  at::Tensor const& t = *n.t;
-  if (t.numel() == 0 || t.is_contiguous()) { return; }
-  std::vector<int64_t> strides(t.dim());
-  int64_t acc = 1;
-  for (int64_t i = t.dim(); i-- > 0;) {
-    strides[i] = acc;
-    acc *= std::max<int64_t>(t.size(i), 1);
-  }
-  fail(op, std::string(n.name) + ": strides", num(strides) + " (contiguous)", num(t.strides()));
-}
-
-// ---- Overlaps
-
-// No two elements of a written tensor at one address (an expanded output would race): its dims of
-// size > 1 sorted by |stride|, each stride must exceed the farthest offset the smaller ones reach.
-// Sufficient, as torch's own check of outputs.
-void check_no_self_overlap(char const* op, Named n) {
-  if (!n.t || n.t->numel() <= 1 || n.t->is_non_overlapping_and_dense()) { return; }
-  at::Tensor const& t = *n.t;
-  c10::SmallVector<std::pair<int64_t, int64_t>, 6> dims;  // (|stride|, size)
-  for (int64_t i = 0; i < t.dim(); ++i) {
-    if (t.size(i) > 1) { dims.emplace_back(std::abs(t.stride(i)), t.size(i)); }
-  }
-  std::sort(dims.begin(), dims.end());
-  int64_t reach = 0;
-  for (auto const& [stride, size] : dims) {
-    if (stride <= reach) {
-      fail(op, std::string(n.name) + ": memory",
-           "no two elements at one address (no stride 0 or overlapping strides on a dim of size > 1)",
-           "shape " + num(t.sizes()) + ", strides " + num(t.strides()));
-    }
-    reach += (size - 1) * stride;
-  }
-}
-
-int64_t floor_div(int64_t a, int64_t b) {  // Python's a // b (b > 0)
-  int64_t const q = a / b;
-  return (a % b != 0 && a < 0) ? q - 1 : q;
-}
-
-// Whether some element of `t` and one of `other` (which starts delta_bytes after t) share memory:
-// exact for equal element sizes (a bounded search over the strides, so packed layouts such as
-// dk = kv[:, :, 0], dv = kv[:, :, 1] are told apart), conservative (true) otherwise.
-bool elements_coincide(at::Tensor const& t, at::Tensor const& other, int64_t delta_bytes) {
+// Whether an element of `t` and one of `other` (starting delta_bytes after t) share memory: exact for equal element
+// sizes (a bounded search over the strides tells packed dk = kv[:, :, 0], dv = kv[:, :, 1] apart), else true.
+bool elements_coincide(TensorArg t, TensorArg other, int64_t delta_bytes) {
   int64_t const size = t.element_size();
   if (other.element_size() != size || delta_bytes % size != 0) { return true; }
   // sum over dims of x_d * stride_d == delta, x_d in [0, n-1] for t and [-(n-1), 0] for other
   std::map<int64_t, std::array<int64_t, 2>> terms;  // |stride| -> (lo, hi)
-  auto add = [&](at::Tensor const& x, int sign) {
-    for (int64_t d = 0; d < x.dim(); ++d) {
-      int64_t const n = x.size(d), s = x.stride(d);
-      if (n > 1 && s != 0) {
-        auto& lo_hi = terms[std::abs(s)];
-        int64_t const reach = (n - 1) * (((sign > 0) == (s > 0)) ? 1 : -1);
-        lo_hi[reach < 0 ? 0 : 1] += reach;
-      }
+  for (auto const& [x, sign] : {std::pair{&t, 1}, std::pair{&other, -1}}) {
+    for (int64_t d = 0; d < x->dim(); ++d) {
+      int64_t const n = x->size(d), s = x->stride(d), reach = (n - 1) * ((sign > 0) == (s > 0) ? 1 : -1);
+      if (n > 1 && s != 0) { terms[std::abs(s)][reach < 0 ? 0 : 1] += reach; }
     }
-  };
-  add(t, 1);
-  add(other, -1);
-  std::vector<std::array<int64_t, 3>> items;  // (stride, lo, hi), largest stride first
-  for (auto it = terms.rbegin(); it != terms.rend(); ++it) {
-    items.push_back({it->first, it->second[0], it->second[1]});
   }
-  size_t const k_end = items.size();
-  std::vector<int64_t> suffix_lo(k_end + 1, 0), suffix_hi(k_end + 1, 0);
-  for (size_t k = k_end; k-- > 0;) {
-    suffix_lo[k] = suffix_lo[k + 1] + items[k][1] * items[k][0];
-    suffix_hi[k] = suffix_hi[k + 1] + items[k][2] * items[k][0];
+  // from the smallest stride: (stride, lo, hi, least and most offset of it and the smaller ones); first a zero sentinel
+  std::vector<std::array<int64_t, 5>> items(1);
+  for (auto const& [s, r] : terms) {
+    items.push_back({s, r[0], r[1], items.back()[3] + r[0] * s, items.back()[4] + r[1] * s});
   }
   int64_t budget = 100000;
-  auto reachable = [&](auto&& self, size_t k, int64_t rem) -> bool {
-    if (k == k_end) { return rem == 0; }
+  auto reachable = [&](auto&& self, size_t k, int64_t rem) -> bool {  // largest stride first
+    if (k == 0) { return rem == 0; }
     if (--budget < 0) { return true; }  // too many candidates to rule out: assume they coincide
-    auto const [s, lo, hi] = items[k];
-    int64_t const first = std::max(lo, -floor_div(suffix_hi[k + 1] - rem, s));
-    int64_t const last = std::min(hi, floor_div(rem - suffix_lo[k + 1], s));
+    auto const [s, lo, hi, least, most] = items[k];
+    int64_t const first = std::max(lo, -floor_div(items[k - 1][4] - rem, s));
+    int64_t const last = std::min(hi, floor_div(rem - items[k - 1][3], s));
     for (int64_t x = first; x <= last; ++x) {
-      if (self(self, k + 1, rem - x * s)) { return true; }
+      if (self(self, k - 1, rem - x * s)) { return true; }
     }
     return false;
   };
-  return reachable(reachable, 0, delta_bytes / size);
+  return reachable(reachable, items.size() - 1, delta_bytes / size);
 }
 
-// `t` (written) shares no element with `other`.
-void check_no_overlap(char const* op, Named t, Named other) {
-  if (!t.t || !other.t || t.t->numel() == 0 || other.t->numel() == 0) { return; }
-  auto const range = [](at::Tensor const& x) {  // [first byte, past the last)
-    int64_t extent = 1;
-    for (int64_t i = 0; i < x.dim(); ++i) { extent += (x.size(i) - 1) * x.stride(i); }
-    return std::array<int64_t, 2>{address(x), address(x) + extent * x.element_size()};
-  };
-  auto const [a0, a1] = range(*t.t);
-  auto const [b0, b1] = range(*other.t);
-  if (t.t->device() == other.t->device() && a0 < b1 && b0 < a1 && elements_coincide(*t.t, *other.t, b0 - a0)) {
-    fail(op, std::string(t.name) + ": memory", std::string("no overlap with ") + other.name,
-         "bytes [" + hex_str(a0) + ", " + hex_str(a1) + ") overlapping " + other.name + "'s [" + hex_str(b0) + ", " +
-             hex_str(b1) + ")");
-  }
-}
-
-// No written tensor shares an element with a read one.
-void check_disjoint(char const* op, c10::ArrayRef<Named> written, c10::ArrayRef<Named> read) {
-  for (auto const& w : written) {
-    for (auto const& r : read) { check_no_overlap(op, w, r); }
-  }
-}
-
-// No written tensor overlaps itself, another written one or a read one.
-void check_no_overlaps(char const* op, c10::ArrayRef<Named> written, c10::ArrayRef<Named> read) {
-  for (auto const& w : written) { check_no_self_overlap(op, w); }
-  for (size_t i = 0; i < written.size(); ++i) {
-    for (size_t j = 0; j < i; ++j) { check_no_overlap(op, written[i], written[j]); }
-  }
-  check_disjoint(op, written, read);
-}
-
-// ---- cu_seqlens, seqused and the other int32 vectors
-
-// An int32, 1-D, contiguous tensor of `numel` elements (any number when numel < 0).
-void check_index_tensor(char const* op, char const* name, at::Tensor const& t, int64_t numel,
-                        std::string const& numel_why, char const* rank = "1 dim") {
-  if (t.scalar_type() != at::kInt) { fail_dtype(op, name, "torch.int32", t.scalar_type()); }
-  if (t.dim() != 1) { fail(op, std::string(name) + ": rank", rank, rank_got(t)); }
-  if (t.numel() > 1 && t.stride(0) != 1) {
-    fail(op, std::string(name) + ": stride(0)", "1 (contiguous)", num(t.stride(0)));
-  }
-  if (numel >= 0 && t.numel() != numel) {
-    fail(op, std::string(name) + ": numel", num(numel) + " (" + numel_why + ")", num(t.numel()));
-  }
-}
-
+struct Named {  // a tensor argument and its name; t null: None
+  char const* name;
+  at::Tensor const* t;
+  at::Tensor const* operator->() const { return t; }
+};
+Named named(char const* name, OptArg t) { return {name, t.has_value() ? &*t : nullptr}; }
+using Names = c10::ArrayRef<Named>;
 struct Extents {
   int64_t batch, rows;
 };
 
-// Metadata of cu_seqlens/seqused and the problem's extents: the batch size (t's shape[0] in the
-// batched layout; cu_seqlens.numel() - 1 >= 1 in varlen) and the rows (seqlen, or total tokens).
-Extents check_seqlens(char const* op, OptTensor const& cu_seqlens, OptTensor const& seqused, Named t, bool varlen) {
-  int64_t batch = t.t->size(0);
-  if (varlen) {
-    check_index_tensor(op, "cu_seqlens", *cu_seqlens, -1, "", "1 dim (batch + 1,)");
-    if (cu_seqlens->numel() < 2) {
-      fail(op, "cu_seqlens: numel", "batch + 1 >= 2 (at least one sequence)", num(cu_seqlens->numel()));
-    }
-    batch = cu_seqlens->numel() - 1;
+struct Checker {
+  char const* op;
+  Named cu, used;  // cu_seqlens, seqused
+  bool varlen;     // cu_seqlens given
+  explicit Checker(char const* op, OptArg cu_seqlens = {}, OptArg seqused = {})
+      : op(op), cu(named("cu_seqlens", cu_seqlens)), used(named("seqused", seqused)), varlen(cu.t != nullptr) {}
+  [[noreturn]] void fail(std::string const& arg, std::string const& expected, std::string const& got,
+                         bool type_error = false) const {
+    std::string const m = "flash_epilogue." + std::string(op) + ": " + arg + ": expected " + expected + ", got " + got;
+    if (type_error) { C10_THROW_ERROR(TypeError, m); }
+    C10_THROW_ERROR(ValueError, m);
   }
-  if (seqused.has_value()) {
-    check_index_tensor(
-        op, "seqused", *seqused, batch,
-        varlen ? std::string("batch = cu_seqlens.numel() - 1") : "batch = " + std::string(t.name) + ".shape[0]");
+  [[noreturn]] void fail(Named n, char const* what, std::string const& expected, std::string const& got) const {
+    fail(std::string(n.name) + ": " + what, expected, got);
   }
-  return {batch, t.t->size(varlen ? 0 : 1)};
-}
-
-// ---- Scalars
-
-void check_arch_value(char const* op, char const* name, int64_t requested) {
-  if (requested != 0 && requested != 80 && requested != 90) {
-    fail(op, name, "0 (the device's path), 80 or 90", num(requested));
+  [[noreturn]] void fail_dtype(Named n, std::string const& expected) const {
+    fail(std::string(n.name) + ": dtype", expected, dtype_name(n->scalar_type()), true);
   }
-}
-
-// A double the kernels take as a float: inf and nan pass (they are fp32 values), a finite value
-// outside fp32's range does not.
-void check_scale(char const* op, char const* name, double v) {
-  double const max = std::numeric_limits<float>::max();
-  if (std::isfinite(v) && std::abs(v) > max) {
-    fail(op, name, "a float in fp32's range (|scale| <= " + repr(max) + "; inf and nan pass)", repr(v));
-  }
-}
-
-// ---- Devices and code paths
-
-at::Device check_devices(char const* op, c10::ArrayRef<Named> tensors) {
-  Named const* ref = nullptr;
-  for (auto const& n : tensors) {
-    if (n.t && !n.t->is_cuda()) {
-      fail(op, std::string(n.name) + ": device", "a CUDA tensor", "a tensor on " + n.t->device().str());
+  void defined(Names ts) const {  // the schema passes None for a Tensor as an undefined tensor
+    for (auto const& n : ts) {
+      if (!n->defined()) { fail(n.name, "a torch.Tensor", "NoneType", true); }
     }
   }
-  for (auto const& n : tensors) {
-    if (!n.t) { continue; }
-    if (!ref) {
-      ref = &n;
-    } else if (n.t->device() != ref->t->device()) {
-      fail(op, std::string(n.name) + ": device", ref->t->device().str() + " (the device of " + ref->name + ")",
-           n.t->device().str());
+  void float32(Names ts) const {
+    for (auto const& n : ts) {
+      if (n->scalar_type() != at::kFloat) { fail_dtype(n, "torch.float32"); }
     }
   }
-  return ref->t->device();
-}
-
-// The code path an op runs: 90 on an sm_90 GPU (sm_90a kernels), 80 on an sm_8x GPU when the build
-// has sm_80 code; `requested` = 80 forces the sm_80 path on an sm_90 GPU (a testing knob: the
-// sm_80 collectives are compiled for every arch of the build). After check_devices.
-int resolve_arch(char const* op, at::Device device, int64_t requested) {
-  check_arch_value(op, "_arch", requested);
-  auto const [major, minor] = device_capability(device.index());
-  auto const capability = [major = major, minor = minor] { return "sm_" + num(major) + num(minor); };
-  bool const sm90 = major == 9 && minor == 0;
-  if (!has_kernels(major, minor)) {
-    std::string archs;
-    for (auto const& a : compiled_archs()) { archs += (archs.empty() ? "" : ", ") + a; }
-    fail(op, "device", "a GPU of compute capability sm_90 (compiled for " + archs + ")",
-         device.str() + " with compute capability " + capability());
+  void half(Named k, Named v) const {  // k 16-bit, v (when given) of k's dtype
+    if (k->scalar_type() != at::kHalf && k->scalar_type() != at::kBFloat16) {
+      fail_dtype(k, "torch.float16 or torch.bfloat16");
+    }
+    same_dtype(v, k);
   }
-  if (requested == 90 && !sm90) {
-    fail(op, "_arch", "0 or 80 on " + device.str() + " (compute capability " + capability() + ")", num(requested));
+  void same_dtype(Named n, Named ref) const {
+    if (n.t && n->scalar_type() != ref->scalar_type()) {
+      fail_dtype(n, dtype_name(ref->scalar_type()) + " (the dtype of " + ref.name + ")");
+    }
   }
-  return sm90 && compiled_for("sm_90a") && requested != 80 ? 90 : 80;
-}
-
-// The path whose accumulator layout a GQA call expects, before the device checks: `requested`,
-// else the device's own (80 on sm_8x, otherwise 90, also for a device the checks reject later).
-int accum_path(at::Device device, int64_t requested) {
-  if (requested != 0) { return static_cast<int>(requested); }
-  return device.is_cuda() && device_capability(device_index(device)).first == 8 ? 80 : 90;
-}
-
-// The launch's extents once they are within the grid's limits (checked on `t`): rows, heads (the
-// larger head count, h_q on the GQA side) and batch; the config serving head dims up to `width`.
-Problem problem(char const* op, Named t, bool varlen, Extents e, int64_t heads, int64_t width) {
-  if (!within_grid_limits(e.rows, heads, e.batch)) {
-    fail(op, std::string(t.name) + ": shape", "rows < 2^31 and heads, batch < 65536", num(t.t->sizes()));
+  void ranks(Names ts, bool accum = false) const {  // accum: the GQA accumulators' 4 dims
+    for (auto const& n : ts) {
+      if (n->dim() == (accum || !varlen ? 4 : 3)) { continue; }
+      fail(n, "rank",
+           accum    ? "4 dims (batch_extent, heads_kv, num_tiles, tile_elems)"
+           : varlen ? "3 dims (total_tokens, heads, headdim) because cu_seqlens is given"
+                    : "4 dims (batch, seqlen, heads, headdim) because cu_seqlens is None",
+           rank_got(*n.t));
+    }
   }
-  Problem p;
-  p.varlen = varlen;
-  p.rows = static_cast<int>(e.rows);
-  p.heads = p.heads_q = static_cast<int>(heads);
-  p.batch = static_cast<int>(e.batch);
-  p.head_dim = tile_config(width, 90).head_dim;
-  return p;
-}
-
-// The devices (last), then the code path: p, placed.
-Problem place(Problem p, char const* op, c10::ArrayRef<Named> tensors, int64_t arch) {
-  p.device = check_devices(op, tensors);
-  p.arch = resolve_arch(op, p.device, arch);
-  TORCH_CHECK(p.accum.block_n == 0 || p.arch == p.accum.arch, "flash_epilogue.", op, ": internal: arch paths disagree");
-  return p;
-}
-
-// ---- GQA
-
-void check_accum_rank(char const* op, Named n) {
-  if (n.t->dim() != 4) {
-    fail(op, std::string(n.name) + ": rank", "4 dims (batch_extent, heads_kv, num_tiles, tile_elems)", rank_got(*n.t));
+  // n (None: no check) has ref's shape but at dim (-1: the head dim; -2: the heads, h_k against h_q), named `which`
+  void shape_but(Named n, Named ref, int64_t dim, char const* which) const {
+    if (!n.t) { return; }
+    int64_t const star = ref->dim() + dim;
+    bool same = n->dim() == ref->dim();
+    for (int64_t i = 0; same && i < n->dim(); ++i) { same = i == star || n->size(i) == ref->size(i); }
+    if (!same) {
+      fail(n, "shape", seq(ref->sizes(), star) + " (" + ref.name + "'s shape but the " + which + " dim)",
+           num(n->sizes()));
+    }
   }
-}
+  void head_dim(char const* name, int64_t d) const {
+    if (!head_dim_supported(d)) { fail(std::string(name) + ": head dim", "a multiple of 8 in [8, 256]", num(d)); }
+  }
+  void kv_shapes(Named k, Named v) const {  // v (or None) has k's shape but the head dim; the head dims supported
+    shape_but(v, k, -1, "last");
+    head_dim(k.name, k->size(-1));
+    if (v.t) { head_dim(v.name, v->size(-1)); }
+  }
+  // h_k >= 1 and h_q a positive multiple of h_k (query head j belongs to KV head j // (h_q / h_k))
+  void group(int64_t h_q, char const* kv_name, int64_t h_k, char const* kv_src) const {
+    if (h_k < 1) {
+      fail(std::string(kv_name) + ": heads", ">= 1 (" + std::string(kv_src) + ", the number of KV heads)", num(h_k));
+    }
+    if (h_q < 1 || h_q % h_k != 0) {
+      fail("dk_partial: heads",
+           "a positive multiple of the " + num(h_k) + " KV heads (" + kv_src +
+               "): every KV head serves h_q / h_k query heads",
+           num(h_q) + " query heads (dk_partial.shape[-2])");
+    }
+  }
 
-// The accumulators' layout for a problem on the path of `device` and `arch`; each of `accums` has
-// its shape.
-AccumLayout check_accum_shapes(char const* op, c10::ArrayRef<Named> accums, at::Device device, int64_t arch,
-                               bool varlen, Extents e, int64_t heads_kv, int64_t d, int64_t dv) {
-  AccumLayout const layout = accum_layout(accum_path(device, arch), varlen, e.batch, e.rows, heads_kv, d, dv);
-  std::vector<int64_t> const expected = layout.shape();
-  for (auto const& n : accums) {
-    if (n.t->sizes() == c10::IntArrayRef(expected)) { continue; }
-    std::string const what = varlen ? num(e.batch) + " sequences of " + num(e.rows) + " total tokens"
-                                    : "batch " + num(e.batch) + ", seqlen " + num(e.rows);
-    fail(op, std::string(n.name) + ": shape",
-         num(expected) + " (the accumulator of " + what + ", " + num(heads_kv) + " KV heads, head dims (" + num(d) +
-             ", " + num(dv) + ") on the sm_" + num(layout.arch) +
-             " path: allocate it with flash_epilogue.gqa_accumulator)",
-         num(n.t->sizes()));
+  // The last dim contiguous, then every other stride a non-negative multiple of 16 bytes (dims of size <= 1 ignored;
+  // an empty tensor touches no memory: the kernels return early).
+  void layouts(Names ts) const {
+    for (auto const& n : ts) {
+      if (n->dim() > 0 && n->stride(-1) != 1) {
+        fail(n, "stride(-1)", "1 (last dim contiguous)", num(n->stride(-1)) + " (strides " + num(n->strides()) + ")");
+      }
+    }
+    for (auto const& n : ts) {
+      int64_t const multiple = std::max<int64_t>(16 / n->element_size(), 1);
+      for (int64_t i = 0; n->numel() > 0 && i + 1 < n->dim(); ++i) {
+        if (n->size(i) > 1 && (n->stride(i) < 0 || n->stride(i) % multiple != 0)) {
+          fail(std::string(n.name) + ": stride(" + num(i) + ")",
+               "a non-negative multiple of " + num(multiple) + " elements (16 bytes)",
+               num(n->stride(i)) + " (shape " + num(n->sizes()) + ", strides " + num(n->strides()) + ")");
+        }
+      }
+    }
   }
-  return layout;
-}
+  void alignments(Names ts) const {
+    for (auto const& n : ts) {
+      int64_t const ptr = n->numel() > 0 ? address(*n.t) : 0;
+      if (ptr % 16 != 0) {
+        fail(n, "data_ptr", "a 16-byte aligned address", hex_str(ptr) + " (address % 16 = " + num(ptr % 16) + ")");
+      }
+    }
+  }
+  void contiguous(Names ts) const {
+    for (auto const& n : ts) {
+      if (n->numel() == 0 || n->is_contiguous()) { continue; }
+      fail(n, "strides", num(c10::contiguous_strides(n->sizes())) + " (contiguous)", num(n->strides()));
+    }
+  }
 
-// h_k >= 1 and h_q a positive multiple of h_k (query head j belongs to KV head j // (h_q / h_k)).
-void check_group(char const* op, char const* q_name, int64_t h_q, char const* kv_name, int64_t h_k,
-                 char const* kv_src) {
-  if (h_k < 1) {
-    fail(op, std::string(kv_name) + ": heads", ">= 1 (" + std::string(kv_src) + ", the number of KV heads)", num(h_k));
+  // No two elements of a written tensor at one address: its dims of size > 1 sorted by |stride|, each stride must
+  // exceed the farthest offset the smaller ones reach (sufficient, as torch's check of outputs).
+  void no_self_overlap(Named n) const {
+    if (!n.t || n->numel() <= 1 || n->is_non_overlapping_and_dense()) { return; }
+    c10::SmallVector<std::pair<int64_t, int64_t>, 6> dims;  // (|stride|, size)
+    for (int64_t i = 0; i < n->dim(); ++i) {
+      if (n->size(i) > 1) { dims.emplace_back(std::abs(n->stride(i)), n->size(i)); }
+    }
+    std::sort(dims.begin(), dims.end());
+    int64_t reach = 0;
+    for (auto const& [stride, size] : dims) {
+      if (stride <= reach) {
+        fail(n, "memory", "no two elements at one address (no stride 0 or overlapping strides on a dim of size > 1)",
+             "shape " + num(n->sizes()) + ", strides " + num(n->strides()));
+      }
+      reach += (size - 1) * stride;
+    }
   }
-  if (h_q < 1 || h_q % h_k != 0) {
-    fail(op, std::string(q_name) + ": heads",
-         "a positive multiple of the " + num(h_k) + " KV heads (" + kv_src +
-             "): every KV head serves h_q / h_k query heads",
-         num(h_q) + " query heads (" + q_name + ".shape[-2])");
+  void no_overlap(Named t, Named other) const {  // t (written) shares no element with other
+    if (!t.t || !other.t || t->numel() == 0 || other->numel() == 0) { return; }
+    auto const range = [](at::Tensor const& x) {  // [first byte, past the last)
+      int64_t extent = 1;
+      for (int64_t i = 0; i < x.dim(); ++i) { extent += (x.size(i) - 1) * x.stride(i); }
+      return std::array<int64_t, 2>{address(x), address(x) + extent * x.element_size()};
+    };
+    auto const [a0, a1] = range(*t.t);
+    auto const [b0, b1] = range(*other.t);
+    if (t->device() == other->device() && a0 < b1 && b0 < a1 && elements_coincide(*t.t, *other.t, b0 - a0)) {
+      fail(t, "memory", std::string("no overlap with ") + other.name,
+           "bytes [" + hex_str(a0) + ", " + hex_str(a1) + ") overlapping " + other.name + "'s [" + hex_str(b0) + ", " +
+               hex_str(b1) + ")");
+    }
   }
-}
-
-// x (or grad) is 4-D, n_rep >= 1, dim names the heads dim; returns dim normalized to 1 or 2.
-int64_t check_repeat_kv_args(char const* op, char const* name, char const* heads, at::Tensor const& t, int64_t n_rep,
-                             int64_t dim) {
-  if (t.dim() != 4) {
-    fail(op, std::string(name) + ": rank",
-         std::string("4 dims: (batch, ") + heads + ", seqlen, head_dim) for dim=1, (batch, seqlen, " + heads +
-             ", head_dim) for dim=2",
-         rank_got(t));
+  void disjoint(Names written, Names read) const {
+    for (auto const& w : written) {
+      for (auto const& r : read) { no_overlap(w, r); }
+    }
   }
-  if (n_rep < 1) { fail(op, "n_rep", "a positive int", num(n_rep)); }
-  if (dim != 1 && dim != 2 && dim != -3 && dim != -2) {
-    fail(op, "dim", "1 (or -3) or 2 (or -2): the KV-head dim of a 4-D tensor", num(dim));
+  void no_overlaps(Names written, Names read) const {  // with itself, another written one, a read one
+    for (auto const& w : written) { no_self_overlap(w); }
+    for (size_t i = 0; i < written.size(); ++i) {
+      for (size_t j = 0; j < i; ++j) { no_overlap(written[i], written[j]); }
+    }
+    disjoint(written, read);
   }
-  return dim < 0 ? dim + 4 : dim;
-}
+  Extents written_pair(Names all, Named k, Named v, Names read, Named t) const {  // k, v written; seqlens(t)
+    layouts(all);
+    alignments(all);
+    no_overlaps({k, v}, read);
+    return seqlens(t);
+  }
+  void index_tensor(Named n, char const* rank = "1 dim") const {  // None, or int32, 1-D, contiguous
+    if (!n.t) { return; }
+    if (n->scalar_type() != at::kInt) { fail_dtype(n, "torch.int32"); }
+    if (n->dim() != 1) { fail(n, "rank", rank, rank_got(*n.t)); }
+    if (n->numel() > 1 && n->stride(0) != 1) { fail(n, "stride(0)", "1 (contiguous)", num(n->stride(0))); }
+  }
+  // cu_seqlens/seqused; the batch (t.shape[0], varlen: cu_seqlens.numel() - 1) and rows (seqlen or total tokens)
+  Extents seqlens(Named t) const {
+    int64_t batch = t->size(0);
+    if (varlen) {
+      index_tensor(cu, "1 dim (batch + 1,)");
+      if (cu->numel() < 2) { fail(cu, "numel", "batch + 1 >= 2 (at least one sequence)", num(cu->numel())); }
+      batch = cu->numel() - 1;
+    }
+    index_tensor(used);
+    if (used.t && used->numel() != batch) {
+      std::string const src = varlen ? "cu_seqlens.numel() - 1" : std::string(t.name) + ".shape[0]";
+      fail(used, "numel", num(batch) + " (batch = " + src + ")", num(used->numel()));
+    }
+    return {batch, t->size(varlen ? 0 : 1)};
+  }
+  void arch_value(int64_t requested, char const* name = "_arch") const {
+    if (requested != 0 && requested != 80 && requested != 90) {
+      fail(name, "0 (the device's path), 80 or 90", num(requested));
+    }
+  }
+  void scalars(double scale_dk, double scale_dv, int64_t arch) const {  // scales as floats: inf and nan pass
+    double const max = std::numeric_limits<float>::max();
+    for (auto const& [name, v] : {std::pair{"scale_dk", scale_dk}, std::pair{"scale_dv", scale_dv}}) {
+      if (std::isfinite(v) && std::abs(v) > max) {
+        fail(name, "a float in fp32's range (|scale| <= " + repr(max) + "; inf and nan pass)", repr(v));
+      }
+    }
+    arch_value(arch);
+  }
+  at::Device devices(Names ts) const {  // all CUDA tensors, then all on one device
+    for (auto const& n : ts) {
+      if (n.t && !n->is_cuda()) { fail(n, "device", "a CUDA tensor", "a tensor on " + n->device().str()); }
+    }
+    Named const* ref = nullptr;
+    for (auto const& n : ts) {
+      ref = ref || !n.t ? ref : &n;
+      if (n.t && n->device() != (*ref)->device()) {
+        fail(n, "device", (*ref)->device().str() + " (the device of " + ref->name + ")", n->device().str());
+      }
+    }
+    return (*ref)->device();
+  }
+  // The code path: 90 on an sm_90 GPU (sm_90a kernels), 80 on an sm_8x GPU when the build has sm_80 code;
+  // `requested` = 80 forces the sm_80 path on an sm_90 GPU (a testing knob). After devices().
+  int resolve_arch(at::Device device, int64_t requested) const {
+    arch_value(requested);
+    auto const [major, minor] = device_capability(device.index());
+    auto const capability = [major = major, minor = minor] { return "sm_" + num(major) + num(minor); };
+    bool const sm90 = major == 9 && minor == 0;
+    if (!has_kernels(major, minor)) {
+      std::string archs;
+      for (auto const& a : compiled_archs()) { archs += (archs.empty() ? "" : ", ") + a; }
+      fail("device", "a GPU of compute capability sm_90 (compiled for " + archs + ")",
+           device.str() + " with compute capability " + capability());
+    }
+    if (requested == 90 && !sm90) {
+      fail("_arch", "0 or 80 on " + device.str() + " (compute capability " + capability() + ")", num(requested));
+    }
+    return sm90 && compiled_for("sm_90a") && requested != 80 ? 90 : 80;
+  }
+  // seqlens(t), the accumulators' layout on the path of t's device (each of accums of its shape), strides, alignment
+  std::pair<Extents, AccumLayout> accum_side(Named t, Names rows, Names accums, Names aligned, int64_t arch,
+                                             int64_t heads_kv, int64_t d, int64_t dv) const {
+    Extents const e = seqlens(t);
+    AccumLayout const layout = accum_layout(accum_path(t->device(), arch), varlen, e.batch, e.rows, heads_kv, d, dv);
+    std::vector<int64_t> const shape = layout.shape();
+    for (auto const& n : accums) {
+      if (n->sizes() == c10::IntArrayRef(shape)) { continue; }
+      std::string const what = varlen ? num(e.batch) + " sequences of " + num(e.rows) + " total tokens"
+                                      : "batch " + num(e.batch) + ", seqlen " + num(e.rows);
+      fail(n, "shape",
+           num(shape) + " (the accumulator of " + what + ", " + num(heads_kv) + " KV heads, head dims (" + num(d) +
+               ", " + num(dv) + ") on the sm_" + num(layout.arch) +
+               " path: allocate it with flash_epilogue.gqa_accumulator)",
+           num(n->sizes()));
+    }
+    layouts(rows);
+    contiguous(accums);
+    alignments(aligned);
+    return {e, layout};
+  }
+  // The launch: grid limits (on t), tile config, devices, code path; heads: h_q on the GQA side, heads_kv: dk/dv's
+  Problem finish(Named t, Extents e, int64_t heads, int64_t width, Names ts, int64_t arch, int64_t heads_kv = 0,
+                 AccumLayout const& accum = {}) const {
+    if (!within_grid_limits(e.rows, heads, e.batch)) {
+      fail(t, "shape", "rows < 2^31 and heads, batch < 65536", num(t->sizes()));
+    }
+    auto const i32 = [](int64_t v) { return static_cast<int>(v); };
+    int const hd = tile_config(width, 90).head_dim;
+    Problem p{varlen, i32(e.rows), i32(heads_kv ? heads_kv : heads), i32(heads), i32(e.batch), hd, accum, devices(ts)};
+    p.arch = resolve_arch(p.device, arch);
+    TORCH_CHECK(!accum.block_n || p.arch == accum.arch, "flash_epilogue.", op, ": internal: arch paths disagree");
+    return p;
+  }
+};
 
 }  // namespace
 
 AccumLayout gqa_accum_layout(int64_t num_heads_kv, int64_t head_dim, int64_t head_dim_v, int64_t batch, int64_t rows,
                              bool varlen, int64_t arch, at::Device device) {
-  constexpr char const* op = "gqa_accumulator";
-  if (num_heads_kv < 1 || num_heads_kv > 65535) { fail(op, "num_heads_kv", "an int in [1, 65535]", num(num_heads_kv)); }
-  check_head_dim(op, "head_dim", head_dim);
-  check_head_dim(op, "head_dim_v", head_dim_v);
-  if (batch < 0) { fail(op, "batch", "an int >= 0", num(batch)); }
-  if (rows < 0) { fail(op, "rows", "an int >= 0", num(rows)); }
-  if (batch >= 65536) { fail(op, "batch", "an int < 65536 (the kernels' grid limit)", num(batch)); }
-  if (rows >= (int64_t(1) << 31)) { fail(op, "rows", "an int < 2^31 (the kernels' row index)", num(rows)); }
-  check_arch_value(op, "arch", arch);
+  Checker const c("gqa_accumulator");
+  if (num_heads_kv < 1 || num_heads_kv > 65535) { c.fail("num_heads_kv", "an int in [1, 65535]", num(num_heads_kv)); }
+  c.head_dim("head_dim", head_dim);
+  c.head_dim("head_dim_v", head_dim_v);
+  if (batch < 0) { c.fail("batch", "an int >= 0", num(batch)); }
+  if (rows < 0) { c.fail("rows", "an int >= 0", num(rows)); }
+  if (batch >= 65536) { c.fail("batch", "an int < 65536 (the kernels' grid limit)", num(batch)); }
+  if (rows >= (int64_t(1) << 31)) { c.fail("rows", "an int < 2^31 (the kernels' row index)", num(rows)); }
+  c.arch_value(arch, "arch");
   int path = 90;
   try {
     path = accum_path(device, arch);
-  } catch (c10::Error const&) {  // a device that cannot be queried: allocating on it says why
-  }
+  } catch (c10::Error const&) {}  // a device that cannot be queried: allocating on it says why
   return accum_layout(path, varlen, batch, rows, num_heads_kv, head_dim, head_dim_v);
 }
 
-Problem check_store(at::Tensor const& dk_accum, at::Tensor const& dv_accum, at::Tensor const& dk, at::Tensor const& dv,
-                    OptTensor const& cu_seqlens, OptTensor const& seqused, int64_t arch) {
-  constexpr char const* op = "store";
-  bool const varlen = cu_seqlens.has_value();
-  Named const cu = named("cu_seqlens", cu_seqlens), used = named("seqused", seqused);
+Problem check_store(TensorArg dk_accum, TensorArg dv_accum, TensorArg dk, TensorArg dv, OptArg cu_seqlens,
+                    OptArg seqused, int64_t arch) {
+  Checker const c("store", cu_seqlens, seqused);
   Named const k_in{"dk_accum", &dk_accum}, v_in{"dv_accum", &dv_accum}, k{"dk", &dk}, v{"dv", &dv};
-  Named const four[] = {k_in, v_in, k, v};
-  check_defined(op, four);
-  check_float32(op, k_in);
-  check_float32(op, v_in);
-  check_half(op, k);
-  check_same_dtype(op, v, k);
-  for (auto const& n : four) { check_rank(op, n, varlen); }
-  check_same_shape(op, k_in, k);
-  check_same_shape(op, v_in, v);
-  check_kv_shapes(op, k, v);
-  check_layouts(op, four);
-  check_alignments(op, four);
-  check_no_overlaps(op, {k, v}, {k_in, v_in});
-  Extents const e = check_seqlens(op, cu_seqlens, seqused, k, varlen);
-  check_disjoint(op, {k, v}, {cu, used});
-  return place(problem(op, k, varlen, e, dk.size(-2), std::max(dk.size(-1), dv.size(-1))), op,
-               {k_in, v_in, k, v, cu, used}, arch);
+  Named const all[] = {k_in, v_in, k, v};
+  c.defined(all);
+  c.float32({k_in, v_in});
+  c.half(k, v);
+  c.ranks(all);
+  for (auto const& [n, ref] : {std::pair{k_in, k}, std::pair{v_in, v}}) {
+    if (n->sizes() != ref->sizes()) {
+      c.fail(n, "shape", num(ref->sizes()) + " (the shape of " + ref.name + ")", num(n->sizes()));
+    }
+  }
+  c.kv_shapes(k, v);
+  Extents const e = c.written_pair(all, k, v, {k_in, v_in}, k);
+  c.disjoint({k, v}, {c.cu, c.used});
+  return c.finish(k, e, dk.size(-2), std::max(dk.size(-1), dv.size(-1)), {k_in, v_in, k, v, c.cu, c.used}, arch);
 }
 
-Problem check_store_zero(at::Tensor const& dk, at::Tensor const& dv, OptTensor const& cu_seqlens,
-                         OptTensor const& seqused, OptTensor const& batch_idx, OptTensor const& head_idx,
-                         int64_t row_start, std::optional<int64_t> row_end, int64_t arch) {
-  constexpr char const* op = "store_zero";
-  bool const varlen = cu_seqlens.has_value();
-  Named const cu = named("cu_seqlens", cu_seqlens), used = named("seqused", seqused);
-  Named const k{"dk", &dk}, v{"dv", &dv};
-  check_defined(op, {k, v});
-  check_half(op, k);
-  check_same_dtype(op, v, k);
-  check_rank(op, k, varlen);
-  check_rank(op, v, varlen);
-  check_kv_shapes(op, k, v);
-  check_layouts(op, {k, v});
-  check_alignments(op, {k, v});
-  check_no_overlaps(op, {k, v}, {});
-  Extents const e = check_seqlens(op, cu_seqlens, seqused, k, varlen);
-  Named const selections[] = {named("batch_idx", batch_idx), named("head_idx", head_idx)};
-  for (auto const& n : selections) {
-    if (n.t) { check_index_tensor(op, n.name, *n.t, -1, ""); }
-  }
-  check_disjoint(op, {k, v}, {cu, used, selections[0], selections[1]});
-  for (auto const& n : selections) {  // the kernel reads the selections with 16-bit grid dims
+Problem check_store_zero(TensorArg dk, TensorArg dv, OptArg cu_seqlens, OptArg seqused, OptArg batch_idx,
+                         OptArg head_idx, int64_t row_start, std::optional<int64_t> row_end, int64_t arch) {
+  Checker const c("store_zero", cu_seqlens, seqused);
+  Named const k{"dk", &dk}, v{"dv", &dv}, sel[] = {named("batch_idx", batch_idx), named("head_idx", head_idx)};
+  c.defined({k, v});
+  c.half(k, v);
+  c.ranks({k, v});
+  c.kv_shapes(k, v);
+  Extents const e = c.written_pair({k, v}, k, v, {}, k);
+  for (auto const& n : sel) { c.index_tensor(n); }
+  c.disjoint({k, v}, {c.cu, c.used, sel[0], sel[1]});
+  for (auto const& n : sel) {  // the kernel reads the selections with 16-bit grid dims
     if (n.t && n.t->numel() >= 65536) {
-      fail(op, std::string(n.name) + ": numel", "fewer than 65536 entries", num(n.t->numel()));
+      c.fail(std::string(n.name) + ": numel", "fewer than 65536 entries", num(n.t->numel()));
     }
   }
   int64_t constexpr int_max = std::numeric_limits<int>::max();  // the kernel's row window is int
-  if (row_start < 0 || row_start > int_max) { fail(op, "row_start", "an int in [0, 2147483647]", num(row_start)); }
+  if (row_start < 0 || row_start > int_max) { c.fail("row_start", "an int in [0, 2147483647]", num(row_start)); }
   if (row_end.has_value() && (*row_end < row_start || *row_end > int_max)) {
-    fail(op, "row_end", "None or an int in [row_start = " + num(row_start) + ", 2147483647]", num(*row_end));
+    c.fail("row_end", "None or an int in [row_start = " + num(row_start) + ", 2147483647]", num(*row_end));
   }
-  return place(problem(op, k, varlen, e, dk.size(-2), std::max(dk.size(-1), dv.size(-1))), op,
-               {k, v, cu, used, selections[0], selections[1]}, arch);
+  return c.finish(k, e, dk.size(-2), std::max(dk.size(-1), dv.size(-1)), {k, v, c.cu, c.used, sel[0], sel[1]}, arch);
 }
 
-Problem check_gqa_accumulate(at::Tensor const& dk_partial, at::Tensor const& dv_partial, at::Tensor const& dk_accum,
-                             at::Tensor const& dv_accum, OptTensor const& semaphores, OptTensor const& cu_seqlens,
-                             OptTensor const& seqused, bool deterministic, int64_t arch) {
-  constexpr char const* op = "gqa_accumulate";
-  bool const varlen = cu_seqlens.has_value();
-  Named const cu = named("cu_seqlens", cu_seqlens), used = named("seqused", seqused);
-  Named const k{"dk_partial", &dk_partial}, v{"dv_partial", &dv_partial};
-  Named const accums[] = {{"dk_accum", &dk_accum}, {"dv_accum", &dv_accum}}, four[] = {k, v, accums[0], accums[1]};
-  check_defined(op, four);
-  check_arch_value(op, "_arch", arch);
-  for (auto const& n : four) { check_float32(op, n); }
-  check_rank(op, k, varlen);
-  check_rank(op, v, varlen);
-  for (auto const& n : accums) { check_accum_rank(op, n); }
-  check_kv_shapes(op, k, v);
-  int64_t const h_q = dk_partial.size(-2), h_k = dk_accum.size(1);
-  check_group(op, "dk_partial", h_q, "dk_accum", h_k, "dk_accum.shape[1]");
-  Extents const e = check_seqlens(op, cu_seqlens, seqused, k, varlen);
-  AccumLayout const layout = check_accum_shapes(op, accums, dk_partial.device(), arch, varlen, e, h_k,
-                                                dk_partial.size(-1), dv_partial.size(-1));
-  check_layouts(op, {k, v});
-  for (auto const& n : accums) { check_contiguous(op, n); }
-  check_alignments(op, four);
+Problem check_gqa_accumulate(TensorArg dk_partial, TensorArg dv_partial, TensorArg dk_accum, TensorArg dv_accum,
+                             OptArg semaphores, OptArg cu_seqlens, OptArg seqused, bool deterministic, int64_t arch) {
+  Checker const c("gqa_accumulate", cu_seqlens, seqused);
+  Named const k{"dk_partial", &dk_partial}, v{"dv_partial", &dv_partial}, sem = named("semaphores", semaphores);
+  Named const accums[] = {{"dk_accum", &dk_accum}, {"dv_accum", &dv_accum}}, all[] = {k, v, accums[0], accums[1]};
+  c.defined(all);
+  c.arch_value(arch);
+  c.float32(all);
+  c.ranks({k, v});
+  c.ranks(accums, true);
+  c.kv_shapes(k, v);
+  int64_t const h_q = dk_partial.size(-2), h_k = dk_accum.size(1), d = dk_partial.size(-1), dv = dv_partial.size(-1);
+  c.group(h_q, "dk_accum", h_k, "dk_accum.shape[1]");
+  auto const [e, layout] = c.accum_side(k, {k, v}, accums, all, arch, h_k, d, dv);
   int64_t const counters = layout.semaphore_numel();
-  if (!semaphores.has_value() && deterministic) {
-    fail(op, "semaphores",
-         "an int32 tensor of >= " + num(counters) +
-             " entries because deterministic=True (allocate the accumulator with "
-             "flash_epilogue.gqa_accumulator(..., deterministic=True))",
-         "None");
+  if (!sem.t && deterministic) {
+    c.fail("semaphores",
+           "an int32 tensor of >= " + num(counters) +
+               " entries because deterministic=True (allocate the accumulator with "
+               "flash_epilogue.gqa_accumulator(..., deterministic=True))",
+           "None");
   }
-  if (semaphores.has_value()) {
-    check_index_tensor(op, "semaphores", *semaphores, -1, "");
-    if (semaphores->numel() < counters) {
-      fail(op, "semaphores: numel",
+  c.index_tensor(sem);
+  if (sem.t && sem.t->numel() < counters) {
+    c.fail("semaphores: numel",
            ">= " + num(counters) + " (2 * batch_extent * num_tiles * heads_kv + 1 for accumulators of shape " +
                num(layout.shape()) + ")",
-           num(semaphores->numel()));
-    }
+           num(sem.t->numel()));
   }
-  Named const sem = named("semaphores", semaphores);
-  check_no_overlaps(op, {accums[0], accums[1], sem}, {k, v, cu, used});
-  Problem p = problem(op, k, varlen, e, h_q, std::max(dk_partial.size(-1), dv_partial.size(-1)));
-  p.heads = static_cast<int>(h_k);
-  p.accum = layout;
-  return place(p, op, {k, v, accums[0], accums[1], sem, cu, used}, arch);
+  c.no_overlaps({accums[0], accums[1], sem}, {k, v, c.cu, c.used});
+  return c.finish(k, e, h_q, std::max(d, dv), {k, v, accums[0], accums[1], sem, c.cu, c.used}, arch, h_k, layout);
 }
 
-Problem check_gqa_postprocess(at::Tensor const& dk_accum, at::Tensor const& dv_accum, at::Tensor const& dk,
-                              at::Tensor const& dv, double scale_dk, double scale_dv, OptTensor const& cu_seqlens,
-                              OptTensor const& seqused, int64_t arch) {
-  constexpr char const* op = "gqa_postprocess";
-  bool const varlen = cu_seqlens.has_value();
-  Named const cu = named("cu_seqlens", cu_seqlens), used = named("seqused", seqused);
+Problem check_gqa_postprocess(TensorArg dk_accum, TensorArg dv_accum, TensorArg dk, TensorArg dv, double scale_dk,
+                              double scale_dv, OptArg cu_seqlens, OptArg seqused, int64_t arch) {
+  Checker const c("gqa_postprocess", cu_seqlens, seqused);
   Named const accums[] = {{"dk_accum", &dk_accum}, {"dv_accum", &dv_accum}}, k{"dk", &dk}, v{"dv", &dv};
-  Named const four[] = {accums[0], accums[1], k, v};
-  check_defined(op, four);
-  check_scale(op, "scale_dk", scale_dk);
-  check_scale(op, "scale_dv", scale_dv);
-  check_arch_value(op, "_arch", arch);
-  for (auto const& n : accums) { check_float32(op, n); }
-  check_half(op, k);
-  check_same_dtype(op, v, k);
-  for (auto const& n : accums) { check_accum_rank(op, n); }
-  check_rank(op, k, varlen);
-  check_rank(op, v, varlen);
-  check_kv_shapes(op, k, v);
-  Extents const e = check_seqlens(op, cu_seqlens, seqused, k, varlen);
-  AccumLayout const layout =
-      check_accum_shapes(op, accums, dk.device(), arch, varlen, e, dk.size(-2), dk.size(-1), dv.size(-1));
-  check_layouts(op, {k, v});
-  for (auto const& n : accums) { check_contiguous(op, n); }
-  check_alignments(op, four);
-  check_no_overlaps(op, {k, v}, {accums[0], accums[1], cu, used});
-  Problem p = problem(op, k, varlen, e, dk.size(-2), std::max(dk.size(-1), dv.size(-1)));
-  p.accum = layout;
-  return place(p, op, {accums[0], accums[1], k, v, cu, used}, arch);
+  Named const all[] = {accums[0], accums[1], k, v};
+  c.defined(all);
+  c.scalars(scale_dk, scale_dv, arch);
+  c.float32(accums);
+  c.half(k, v);
+  c.ranks(accums, true);
+  c.ranks({k, v});
+  c.kv_shapes(k, v);
+  int64_t const h_k = dk.size(-2), d = dk.size(-1);
+  auto const [e, layout] = c.accum_side(k, {k, v}, accums, all, arch, h_k, d, dv.size(-1));
+  c.no_overlaps({k, v}, {accums[0], accums[1], c.cu, c.used});
+  return c.finish(k, e, h_k, std::max(d, dv.size(-1)), {accums[0], accums[1], k, v, c.cu, c.used}, arch, 0, layout);
 }
 
-Problem check_gqa_accum_to_dense(at::Tensor const& accum, at::Tensor const& out, int64_t head_dim,
-                                 OptTensor const& cu_seqlens, OptTensor const& seqused, int64_t arch) {
-  constexpr char const* op = "gqa_accum_to_dense";
-  bool const varlen = cu_seqlens.has_value();
-  Named const cu = named("cu_seqlens", cu_seqlens), used = named("seqused", seqused);
+Problem check_gqa_accum_to_dense(TensorArg accum, TensorArg out, int64_t head_dim, OptArg cu_seqlens, OptArg seqused,
+                                 int64_t arch) {
+  Checker const c("gqa_accum_to_dense", cu_seqlens, seqused);
   Named const in{"accum", &accum}, dense{"out", &out};
-  check_defined(op, {in, dense});
-  check_arch_value(op, "_arch", arch);
-  check_float32(op, in);
-  check_float32(op, dense);
-  check_accum_rank(op, in);
-  check_rank(op, dense, varlen);
-  check_head_dim(op, "head_dim", head_dim);
-  int64_t const w = out.size(-1);
-  check_head_dim(op, "out", w);
-  if (w > head_dim) { fail(op, "out: head dim", "<= head_dim = " + num(head_dim), num(w)); }
-  Extents const e = check_seqlens(op, cu_seqlens, seqused, dense, varlen);
-  AccumLayout const layout =
-      check_accum_shapes(op, {in}, out.device(), arch, varlen, e, out.size(-2), head_dim, head_dim);
-  check_layouts(op, {dense});
-  check_contiguous(op, in);
-  check_alignments(op, {in, dense});
-  check_no_overlaps(op, {dense}, {in, cu, used});
-  Problem p = problem(op, dense, varlen, e, out.size(-2), head_dim);
-  p.accum = layout;
-  return place(p, op, {in, dense, cu, used}, arch);
+  c.defined({in, dense});
+  c.arch_value(arch);
+  c.float32({in, dense});
+  c.ranks({in}, true);
+  c.ranks({dense});
+  c.head_dim("head_dim", head_dim);
+  c.head_dim("out", out.size(-1));
+  if (out.size(-1) > head_dim) { c.fail("out: head dim", "<= head_dim = " + num(head_dim), num(out.size(-1))); }
+  auto const [e, layout] = c.accum_side(dense, {dense}, {in}, {in, dense}, arch, out.size(-2), head_dim, head_dim);
+  c.no_overlaps({dense}, {in, c.cu, c.used});
+  return c.finish(dense, e, out.size(-2), head_dim, {in, dense, c.cu, c.used}, arch, 0, layout);
 }
 
-Problem check_gqa_reduce(at::Tensor const& dk_partial, OptTensor const& dv_partial, at::Tensor const& dk,
-                         OptTensor const& dv, OptTensor const& cu_seqlens, OptTensor const& seqused, double scale_dk,
-                         double scale_dv, int64_t arch) {
-  constexpr char const* op = "gqa_reduce";
-  bool const varlen = cu_seqlens.has_value();
-  Named const cu = named("cu_seqlens", cu_seqlens), used = named("seqused", seqused);
+Problem check_gqa_reduce(TensorArg dk_partial, OptArg dv_partial, TensorArg dk, OptArg dv, OptArg cu_seqlens,
+                         OptArg seqused, double scale_dk, double scale_dv, int64_t arch) {
+  Checker const c("gqa_reduce", cu_seqlens, seqused);
   bool const has_dv = dv_partial.has_value();
-  // dv_partial and dv: null when not given
-  Named const k_in{"dk_partial", &dk_partial}, v_in = named("dv_partial", dv_partial);
+  Named const k_in{"dk_partial", &dk_partial}, v_in = named("dv_partial", dv_partial);  // v_in, v: null when None
   Named const k{"dk", &dk}, v = named("dv", dv);
-  check_defined(op, {k_in, k});
-  if (!has_dv && dv.has_value()) { fail(op, "dv", "None because dv_partial is None", "Tensor"); }
-  if (has_dv && !dv.has_value()) { fail(op, "dv", "a torch.Tensor because dv_partial is given", "NoneType"); }
-  check_scale(op, "scale_dk", scale_dk);
-  check_scale(op, "scale_dv", scale_dv);
-  check_arch_value(op, "_arch", arch);
-  check_half(op, k);
-  check_same_dtype(op, v, k);
+  c.defined({k_in, k});
+  if (!has_dv && v.t) { c.fail("dv", "None because dv_partial is None", "Tensor"); }
+  if (has_dv && !v.t) { c.fail("dv", "a torch.Tensor because dv_partial is given", "NoneType"); }
+  c.scalars(scale_dk, scale_dv, arch);
+  c.half(k, v);
   if (dk_partial.scalar_type() != at::kFloat && dk_partial.scalar_type() != dk.scalar_type()) {
-    fail_dtype(op, "dk_partial", "torch.float32 or " + dtype_name(dk.scalar_type()) + " (the dtype of dk)",
-               dk_partial.scalar_type());
+    c.fail_dtype(k_in, "torch.float32 or " + dtype_name(dk.scalar_type()) + " (the dtype of dk)");
   }
-  check_same_dtype(op, v_in, k_in);
+  c.same_dtype(v_in, k_in);
   std::array<Named, 4> const given = {k_in, has_dv ? v_in : k, k, v};
-  c10::ArrayRef<Named> const all(given.data(), has_dv ? 4 : 2);  // the tensors given, partials first
-  for (auto const& n : all) { check_rank(op, n, varlen); }
-  if (has_dv) { check_shape_but(op, v_in, k_in, -1, "last"); }
-  check_shape_but(op, k, k_in, -2, "heads");
-  if (has_dv) {
-    check_shape_but(op, v, v_in, -2, "heads");
-    check_shape_but(op, v, k, -1, "last");
-  }
-  check_head_dim(op, "dk", dk.size(-1));
-  if (has_dv) { check_head_dim(op, "dv", dv->size(-1)); }
+  Names const all(given.data(), has_dv ? 4 : 2);  // the tensors given, partials first
+  c.ranks(all);
+  c.shape_but(v_in, k_in, -1, "last");
+  c.shape_but(k, k_in, -2, "heads");
+  c.shape_but(v, v_in, -2, "heads");
+  c.kv_shapes(k, v);
   int64_t const h_q = dk_partial.size(-2), h_k = dk.size(-2);
-  check_group(op, "dk_partial", h_q, "dk", h_k, "dk.shape[-2]");
-  check_layouts(op, all);
-  check_alignments(op, all);
-  check_no_overlaps(op, {k, v}, {k_in, v_in});
-  Extents const e = check_seqlens(op, cu_seqlens, seqused, k_in, varlen);
-  check_disjoint(op, {k, v}, {cu, used});
-  Problem p = problem(op, k_in, varlen, e, h_q, std::max(dk.size(-1), has_dv ? dv->size(-1) : 0));
-  p.heads = static_cast<int>(h_k);
-  return place(p, op, {k_in, v_in, k, v, cu, used}, arch);
+  c.group(h_q, "dk", h_k, "dk.shape[-2]");
+  Extents const e = c.written_pair(all, k, v, {k_in, v_in}, k_in);
+  c.disjoint({k, v}, {c.cu, c.used});
+  int64_t const width = std::max(dk.size(-1), has_dv ? dv->size(-1) : 0);
+  return c.finish(k_in, e, h_q, width, {k_in, v_in, k, v, c.cu, c.used}, arch, h_k);
 }
 
-int64_t check_repeat_kv(at::Tensor const& x, int64_t n_rep, int64_t dim) {
-  dim = check_repeat_kv_args("repeat_kv", "x", "kv_heads", x, n_rep, dim);
-  if (x.size(dim) > std::numeric_limits<int64_t>::max() / n_rep) {
-    fail("repeat_kv", "n_rep", "a positive int with x.shape[dim] * n_rep < 2^63", num(n_rep));
+int64_t check_repeat_kv(TensorArg t, int64_t n_rep, int64_t dim, std::optional<c10::IntArrayRef> layout) {
+  Checker const c(layout ? "repeat_kv_backward" : "repeat_kv");
+  char const* const heads = layout ? "heads" : "kv_heads";
+  if (t.dim() != 4) {
+    c.fail(layout ? "grad: rank" : "x: rank",
+           std::string("4 dims: (batch, ") + heads + ", seqlen, head_dim) for dim=1, (batch, seqlen, " + heads +
+               ", head_dim) for dim=2",
+           rank_got(t));
   }
-  return dim;
-}
-
-int64_t check_repeat_kv_backward(at::Tensor const& grad, int64_t n_rep, int64_t dim, c10::IntArrayRef layout) {
-  constexpr char const* op = "repeat_kv_backward";
-  dim = check_repeat_kv_args(op, "grad", "heads", grad, n_rep, dim);
-  if (grad.size(dim) % n_rep != 0) {
-    fail(op, "grad: heads", "a multiple of n_rep = " + num(n_rep) + " in dim " + num(dim),
-         num(grad.size(dim)) + " (shape " + num(grad.sizes()) + ")");
+  if (n_rep < 1) { c.fail("n_rep", "a positive int", num(n_rep)); }
+  if (dim != 1 && dim != 2 && dim != -3 && dim != -2) {
+    c.fail("dim", "1 (or -3) or 2 (or -2): the KV-head dim of a 4-D tensor", num(dim));
+  }
+  dim = dim < 0 ? dim + 4 : dim;
+  if (!layout && t.size(dim) > std::numeric_limits<int64_t>::max() / n_rep) {
+    c.fail("n_rep", "a positive int with x.shape[dim] * n_rep < 2^63", num(n_rep));
+  }
+  if (layout && t.size(dim) % n_rep != 0) {
+    c.fail("grad: heads", "a multiple of n_rep = " + num(n_rep) + " in dim " + num(dim),
+           num(t.size(dim)) + " (shape " + num(t.sizes()) + ")");
   }
   std::array<int64_t, 3> const dims = {0, 1, 2};
-  if (layout.size() != 3 || !std::is_permutation(layout.begin(), layout.end(), dims.begin())) {
-    fail(op, "layout", "a permutation of [0, 1, 2]", seq(layout, -1, true));
+  if (layout && (layout->size() != 3 || !std::is_permutation(layout->begin(), layout->end(), dims.begin()))) {
+    c.fail("layout", "a permutation of [0, 1, 2]", seq(*layout, -1, true));
   }
   return dim;
 }
 
-bool gqa_reduce_takes(at::Tensor const& partial) {
+bool gqa_reduce_takes(TensorArg partial) {
   ScalarType const dtype = partial.scalar_type();
   if (!partial.is_cuda() || (dtype != at::kBFloat16 && dtype != at::kHalf)) { return false; }
   auto const [major, minor] = device_capability(partial.get_device());
@@ -817,7 +614,7 @@ bool gqa_reduce_takes(at::Tensor const& partial) {
          within_grid_limits(partial.size(1), partial.size(2), partial.size(0)) && has_kernels(major, minor);
 }
 
-bool gqa_reduce_reads_in_place(at::Tensor const& partial) {
+bool gqa_reduce_reads_in_place(TensorArg partial) {
   int64_t const multiple = 16 / partial.element_size();
   if (partial.size(3) > 1 && partial.stride(3) != 1) { return false; }
   for (int64_t i = 0; i < 3; ++i) {

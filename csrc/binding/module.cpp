@@ -1,6 +1,5 @@
-// Registration: the op schemas (their one definition), the kernels per dispatch key, and the
-// pybind11 module flash_epilogue._C (build info, the compiled configs and tile table, the GQA
-// accumulator's geometry).
+// The op schemas (their one definition; ops.cpp and repeat_kv.cpp register the kernels) and the pybind11 module
+// flash_epilogue._C (build info, the compiled configs and tile table, the GQA accumulator's geometry).
 
 #include <cuda_runtime_api.h>
 #include <cutlass/version.h>
@@ -11,8 +10,8 @@
 #include <string>
 #include <vector>
 
+#include "binding.h"
 #include "flash_epilogue/version.h"
-#include "ops.h"
 
 TORCH_LIBRARY(flash_epilogue, m) {
   m.def("store(Tensor dk_accum, Tensor dv_accum, Tensor(a!) dk, Tensor(b!) dv, *, Tensor? cu_seqlens=None, "
@@ -32,32 +31,6 @@ TORCH_LIBRARY(flash_epilogue, m) {
   m.def("repeat_kv_backward(Tensor grad, int n_rep, int dim, int[] layout) -> Tensor");
 }
 
-// One registration per backend: CUDA tensors run the kernels; CPU tensors get every metadata check
-// and then the device check's message (instead of "could not run ... with arguments from the 'CPU'
-// backend"), which also lets the CPU tests run the checks.
-static void register_impls(torch::Library& m) {
-  m.impl("store", &flash_epilogue::store);
-  m.impl("store_zero", &flash_epilogue::store_zero);
-  m.impl("gqa_accumulate", &flash_epilogue::gqa_accumulate);
-  m.impl("gqa_postprocess", &flash_epilogue::gqa_postprocess);
-  m.impl("gqa_accum_to_dense", &flash_epilogue::gqa_accum_to_dense);
-  m.impl("gqa_reduce", &flash_epilogue::gqa_reduce);
-}
-
-TORCH_LIBRARY_IMPL(flash_epilogue, CUDA, m) { register_impls(m); }
-TORCH_LIBRARY_IMPL(flash_epilogue, CPU, m) { register_impls(m); }
-
-// repeat_kv's kernels are plain ATen calls plus gqa_reduce on a GPU with kernels: one kernel for
-// every backend (the Python fake kernels serve Meta and FakeTensor), and autograd in C++.
-TORCH_LIBRARY_IMPL(flash_epilogue, CompositeExplicitAutograd, m) {
-  m.impl("repeat_kv", &flash_epilogue::repeat_kv);
-  m.impl("repeat_kv_backward", &flash_epilogue::repeat_kv_backward);
-}
-TORCH_LIBRARY_IMPL(flash_epilogue, Autograd, m) {
-  m.impl("repeat_kv", &flash_epilogue::repeat_kv_autograd);
-  m.impl("repeat_kv_backward", &flash_epilogue::repeat_kv_backward_autograd);
-}
-
 namespace {
 
 namespace py = pybind11;
@@ -65,9 +38,8 @@ using namespace pybind11::literals;
 using flash_epilogue::compiled_archs;
 using flash_epilogue::compiled_tile_configs;
 
-// Every (op, dtype, head dim, path) this build has a kernel for. "path" is the code path (sm90: TMA
-// collectives; sm80: the Ampere collectives, compiled for every arch of the build), "archs" the GPU
-// code the build holds.
+// Every (op, dtype, head dim, path) with a kernel. path: sm90 (TMA collectives) or sm80 (the Ampere collectives,
+// compiled for every arch of the build); archs: the GPU code the build holds.
 std::vector<py::dict> compiled_configs() {
   std::vector<py::dict> configs;
   for (char const* op : {"store", "store_zero", "gqa_accumulate", "gqa_postprocess", "gqa_reduce"}) {
@@ -122,13 +94,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("compiled_archs", &compiled_archs, "GPU architectures this build has kernels for");
   m.def("compiled_configs", &compiled_configs, "every (op, dtype, head dim, arch) this build has a kernel for");
   m.def("tile_configs", &tile_configs, "the tile table: every compiled (head dim, arch path) and its tile");
-  m.def("gqa_accum_layout", &accum_layout, py::arg("num_heads_kv"), py::arg("head_dim"), py::arg("head_dim_v"),
-        py::arg("batch"), py::arg("rows"), py::arg("varlen"), py::arg("arch"), py::arg("device"),
-        "the GQA accumulators' shape, semaphore count, code path (arch 0: the device's), tile rows and floats per "
-        "tile for a problem; raises ValueError (op gqa_accumulator) for bad arguments");
+  m.def("gqa_accum_layout", &accum_layout, "num_heads_kv"_a, "head_dim"_a, "head_dim_v"_a, "batch"_a, "rows"_a,
+        "varlen"_a, "arch"_a, "device"_a, "a problem's GQA accumulators: shape, semaphores, path, block_n, tile_elems");
   m.def("build_info", &build_info, "the versions and archs this build was made with");
-  m.def("_set_debug_sync", &flash_epilogue::set_debug_sync,
-        "FLASH_EPILOGUE_DEBUG for the C++ paths (repeat_kv's backward): synchronize after the launch");
-  m.def("_debug_sync", &flash_epilogue::debug_sync_enabled,
-        "whether the C++ paths synchronize after their launches (FLASH_EPILOGUE_DEBUG)");
+  m.def("_set_debug_sync", &flash_epilogue::set_debug_sync, "FLASH_EPILOGUE_DEBUG: the C++ paths synchronize");
+  m.def("_debug_sync", &flash_epilogue::debug_sync_enabled, "whether the C++ paths synchronize (FLASH_EPILOGUE_DEBUG)");
 }
