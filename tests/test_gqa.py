@@ -43,7 +43,7 @@ def problem(layout, n):
         return {"batch": b, "seqlen": s}, {}, {"seqused": used}, (b, s)
     lens = [n + 1, 0, 37, 1, 2 * n - 1]
     cu = cu_seqlens(lens)
-    used = int32(max(0, x - 3 * (i % 2)) for i, x in enumerate(lens))
+    used = int32(*(max(0, x - 3 * (i % 2)) for i, x in enumerate(lens)))
     total = sum(lens) + 5
     return ({"cu_seqlens": cu, "total_tokens": total}, {"cu_seqlens": cu}, {"cu_seqlens": cu, "seqused": used},
             (total,))

@@ -42,8 +42,7 @@ struct Problem {  // what an op launches for once its arguments passed
   int arch = 90;  // the code path: 90 (sm_90, TMA) or 80 (sm_80 collectives)
 };
 
-// check_<op> takes the op's arguments and requires:
-// store: 16-bit dk/dv (dv with its own head dim) from fp32 accumulators of their shapes.
+// check_<op>(the op's arguments); store: 16-bit dk/dv (dv: its own head dim) from fp32 accumulators of their shapes.
 Problem check_store(TensorArg dk_accum, TensorArg dv_accum, TensorArg dk, TensorArg dv, OptArg cu_seqlens,
                     OptArg seqused, int64_t arch);
 // store_zero: dk/dv as for store; int32 selections; a row window [row_start, row_end) within int32.

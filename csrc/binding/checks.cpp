@@ -58,7 +58,7 @@ std::string dtype_name(ScalarType t) { return "torch." + std::string(c10::getDty
 std::string rank_got(TensorArg t) { return num(t.dim()) + " dims, shape " + num(t.sizes()); }
 int64_t address(TensorArg t) { return static_cast<int64_t>(reinterpret_cast<uintptr_t>(t.const_data_ptr())); }
 
-bool compiled_for(char const* arch) { return std::ranges::count(compiled_archs(), arch) > 0; }
+bool compiled_for(char const* arch) { return std::count(compiled_archs().begin(), compiled_archs().end(), arch) > 0; }
 bool has_kernels(int major, int minor) {  // an sm_90 GPU with sm_90a code, an sm_8x GPU with sm_80 code
   return (major == 9 && minor == 0 && compiled_for("sm_90a")) || (major == 8 && compiled_for("sm_80"));
 }
@@ -119,14 +119,13 @@ bool elements_coincide(TensorArg t, TensorArg other, int64_t delta_bytes) {
   }
   // from the smallest stride: (stride, lo, hi, least and most offset of it and the smaller ones); first a zero sentinel
   std::vector<std::array<int64_t, 5>> items(1);
-  for (auto const& [s, r] : terms) {
-    items.push_back({s, r[0], r[1], items.back()[3] + r[0] * s, items.back()[4] + r[1] * s});
-  }
+  int64_t least = 0, most = 0;
+  for (auto const& [s, r] : terms) { items.push_back({s, r[0], r[1], least += r[0] * s, most += r[1] * s}); }
   int64_t budget = 100000;
   auto reachable = [&](auto&& self, size_t k, int64_t rem) -> bool {  // largest stride first
     if (k == 0) { return rem == 0; }
     if (--budget < 0) { return true; }  // too many candidates to rule out: assume they coincide
-    auto const [s, lo, hi, least, most] = items[k];
+    int64_t const s = items[k][0], lo = items[k][1], hi = items[k][2];
     int64_t const first = std::max(lo, -floor_div(items[k - 1][4] - rem, s));
     int64_t const last = std::min(hi, floor_div(rem - items[k - 1][3], s));
     for (int64_t x = first; x <= last; ++x) {
@@ -468,9 +467,7 @@ Problem check_store_zero(TensorArg dk, TensorArg dv, OptArg cu_seqlens, OptArg s
   for (auto const& n : sel) { c.index_tensor(n); }
   c.disjoint({k, v}, {c.cu, c.used, sel[0], sel[1]});
   for (auto const& n : sel) {  // the kernel reads the selections with 16-bit grid dims
-    if (n.t && n.t->numel() >= 65536) {
-      c.fail(std::string(n.name) + ": numel", "fewer than 65536 entries", num(n.t->numel()));
-    }
+    if (n.t && n->numel() >= 65536) { c.fail(n, "numel", "fewer than 65536 entries", num(n->numel())); }
   }
   int64_t constexpr int_max = std::numeric_limits<int>::max();  // the kernel's row window is int
   if (row_start < 0 || row_start > int_max) { c.fail("row_start", "an int in [0, 2147483647]", num(row_start)); }

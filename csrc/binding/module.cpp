@@ -95,8 +95,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("compiled_configs", &compiled_configs, "every (op, dtype, head dim, arch) this build has a kernel for");
   m.def("tile_configs", &tile_configs, "the tile table: every compiled (head dim, arch path) and its tile");
   m.def("gqa_accum_layout", &accum_layout, "num_heads_kv"_a, "head_dim"_a, "head_dim_v"_a, "batch"_a, "rows"_a,
-        "varlen"_a, "arch"_a, "device"_a, "a problem's GQA accumulators: shape, semaphores, path, block_n, tile_elems");
+        "varlen"_a, "arch"_a, "device"_a,
+        "the GQA accumulators' shape, semaphore count, code path (arch 0: the device's), tile rows and floats per "
+        "tile for a problem; raises ValueError (op gqa_accumulator) for bad arguments");
   m.def("build_info", &build_info, "the versions and archs this build was made with");
-  m.def("_set_debug_sync", &flash_epilogue::set_debug_sync, "FLASH_EPILOGUE_DEBUG: the C++ paths synchronize");
-  m.def("_debug_sync", &flash_epilogue::debug_sync_enabled, "whether the C++ paths synchronize (FLASH_EPILOGUE_DEBUG)");
+  m.def("_set_debug_sync", &flash_epilogue::set_debug_sync,
+        "FLASH_EPILOGUE_DEBUG for the C++ paths (repeat_kv's backward): synchronize after the launch");
+  m.def("_debug_sync", &flash_epilogue::debug_sync_enabled,
+        "whether the C++ paths synchronize after their launches (FLASH_EPILOGUE_DEBUG)");
 }

@@ -44,10 +44,13 @@ Args args_for(Problem const& p, OptArg cu_seqlens, OptArg seqused, at::Tensor co
   args.batch = p.batch;
   args.cu_seqlens = p.varlen ? cu_seqlens->const_data_ptr<int>() : nullptr;
   args.seqused = seqused.has_value() ? seqused->const_data_ptr<int>() : nullptr;
-  if constexpr (requires { args.num_heads; }) { args.num_heads = p.heads; }
-  if constexpr (requires { args.num_heads_kv; }) { args.num_heads_kv = p.heads; }
-  if constexpr (requires { args.num_heads_q; }) { args.num_heads_q = p.heads_q; }
-  if constexpr (requires { args.dk; }) {
+  auto const has_heads = [](auto& a) -> decltype((void)a.num_heads) {};  // C++17 member tests; else num_heads_kv
+  auto const has_heads_q = [](auto& a) -> decltype((void)a.num_heads_q) {};
+  auto const has_dk = [](auto& a) -> decltype((void)a.dk) {};
+  if constexpr (std::is_invocable_v<decltype(has_heads), Args&>) { args.num_heads = p.heads; }
+  if constexpr (!std::is_invocable_v<decltype(has_heads), Args&>) { args.num_heads_kv = p.heads; }
+  if constexpr (std::is_invocable_v<decltype(has_heads_q), Args&>) { args.num_heads_q = p.heads_q; }
+  if constexpr (std::is_invocable_v<decltype(has_dk), Args&>) {
     args.dk = describe(*dk, p.varlen);
     if (dv != nullptr) { args.dv = describe(*dv, p.varlen); }
   }
@@ -144,7 +147,7 @@ void gqa_accum_to_dense(TensorArg accum, TensorArg out, int64_t head_dim, OptArg
   args.accum = accum_desc(accum, p.accum);
   args.out = describe(out, p.varlen);
   launch("gqa_accum_to_dense", p, at::kFloat, args,
-         [](auto, auto d, auto a) { return &launch_gqa_accum_to_dense<d, a>; });
+         [](auto, auto d, auto a) { return launch_gqa_accum_to_dense<d, a>; });
 }
 
 // CPU tensors get every metadata check, then the device check's message (the CPU tests run the checks).
