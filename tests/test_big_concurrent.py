@@ -10,7 +10,8 @@ memory about 50 GB (a test skips when less is free); about 10-20 s on an H200.
 Concurrent: two streams each running deterministic gqa_accumulate into their own accumulators
 (reading the same partials), interleaved launch by launch, repeatedly: bitwise equal to the
 sequential reference every time; store/store_zero on one stream against gqa_reduce and
-non-deterministic accumulate + postprocess on another; four host threads with a stream each.
+non-deterministic accumulate + postprocess on another; the persistent store beside gqa_reduce or
+another store, 300 rounds; four host threads with a stream each.
 Fresh threads: every op from host threads that never made a CUDA call (in a child process).
 """
 from __future__ import annotations
@@ -307,6 +308,28 @@ def test_two_streams_mixed_ops():
         summed = gqa_reduce_sequential_fp32(parts[i], h)
         assert torch.equal(bits(outs_post[i][0]), bits(summed.to(torch.bfloat16))), f"postprocess dk round {i}"
         assert torch.equal(bits(outs_post[i][1]), bits((summed * 2.0).to(torch.bfloat16))), f"postprocess dv round {i}"
+
+
+def test_persistent_store_beside_another_kernel():
+    # The persistent store's TMA hand-off once shared a named barrier id with the tile's first barrier
+    # (two thread counts on one id): beside another kernel the issuing warp lagged, the other warps
+    # reached the next tile's barrier first, and this loop faulted ("illegal instruction") one run in two.
+    gen = torch.Generator(device=DEV).manual_seed(2)
+    b, s, h, d = 2, 4096, 8, 128
+    acc_k, acc_v, part = rand((b, s, h, d), gen), rand((b, s, h, d), gen), rand((b, s, 2 * h, d), gen)
+    outs = [canary((b, s, h, d)) for _ in range(5)]
+    streams = torch.cuda.Stream(), torch.cuda.Stream()
+    for st in streams:
+        st.wait_stream(torch.cuda.current_stream())
+    for i in range(300):
+        with torch.cuda.stream(streams[0]):
+            fe.store(acc_k, acc_v, outs[0], outs[1])
+        with torch.cuda.stream(streams[1]):  # gqa_reduce and a second store, in turn
+            fe.gqa_reduce(part, num_heads_kv=h, out=outs[2]) if i % 2 else fe.store(acc_v, acc_k, outs[3], outs[4])
+    torch.cuda.synchronize()
+    reduced = gqa_reduce_reference(part, h, out_dtype=torch.bfloat16, sequential=True)
+    for out, want in zip(outs, (acc_k, acc_v, reduced, acc_v, acc_k)):
+        assert torch.equal(bits(out), bits(want.to(torch.bfloat16)))
 
 
 def test_host_threads_with_own_streams():

@@ -199,14 +199,8 @@ def _zero_expected(dk, bounds, varlen, batches, heads, r0, r1):
 
 
 @pytest.mark.parametrize("batch_idx,head_idx,r0,r1", [
-    (None, None, 0, None),
-    ([1], None, 0, None),
-    ([0, 2], [1], 0, None),
-    (None, [0, 2], 2, 5),
-    (2, 1, 3, None),
-    (None, None, 4, 100),
-    (None, None, 5, 3),
-    (None, None, -2, 1),
+    (None, None, 0, None), ([1], None, 0, None), ([0, 2], [1], 0, None), (None, [0, 2], 2, 5), (2, 1, 3, None),
+    (None, None, 4, 100), (None, None, 5, 3), (None, None, -2, 1),
 ])
 def test_store_zero_batched(batch_idx, head_idx, r0, r1):
     torch.manual_seed(6)

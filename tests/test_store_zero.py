@@ -159,18 +159,9 @@ def test_store_zero_empty_selections(dtype, arch):
     shape = (b, s, h, d)
     empty = int32()
     zeros = torch.zeros(b, dtype=torch.int32, device="cuda")
-    cases = [
-        {"batch_idx": []},
-        {"batch_idx": empty},
-        {"head_idx": []},
-        {"head_idx": empty, "batch_idx": [0, 1]},
-        {"row_start": 7, "row_end": 7},
-        {"row_start": s},
-        {"row_start": INT32_MAX},
-        {"row_start": s + 1, "row_end": INT32_MAX},
-        {"seqused": zeros},
-        {"seqused": int32(3, 5), "row_start": 5},
-    ]
+    cases = [{"batch_idx": []}, {"batch_idx": empty}, {"head_idx": []}, {"head_idx": empty, "batch_idx": [0, 1]},
+             {"row_start": 7, "row_end": 7}, {"row_start": s}, {"row_start": INT32_MAX},
+             {"row_start": s + 1, "row_end": INT32_MAX}, {"seqused": zeros}, {"seqused": int32(3, 5), "row_start": 5}]
     for kw in cases:
         (dk_buf, dk), (dv_buf, dv) = carve(shape, dtype, "padded"), carve(shape, dtype, "padded")
         assert check_zero(dk_buf, dv_buf, dk, dv, arch, **kw) == 0, kw

@@ -25,8 +25,8 @@ using Config = fe::BwdTileConfig<kHeadDim, cutlass::arch::Sm90>;  // FA3's hdim-
 using TiledMma = typename fe::BwdTiledMmaSm90<Config, Element>::TiledMma;
 using TileShape = Shape<_64, Int<Config::kBlockN>, Int<kHeadDim>>;
 // Varlen = true: the launch may pass cu_seqlens / seqused (here it passes neither). Tiles inside
-// their sequence go out by TMA, the rest through predicated stores. Barrier id 9 stays clear of
-// the ids this kernel's own code might use.
+// their sequence go out by TMA, the rest through predicated stores. Barrier ids 9 and 10 stay clear
+// of the ids this kernel's own code might use.
 using Epilogue = fe::CollectiveEpilogueBwd<TileShape, Element, cutlass::arch::Sm90, Config::kNumThreads,
                                            /*Varlen=*/true, Config::kSwapAB, Config::kAtomLayoutKdKV, /*BarrierId=*/9>;
 

@@ -22,10 +22,15 @@
 //   * NumEpilogueThreads threads (whole warps, thread_idx in [0, NumEpilogueThreads)) call
 //     `store` / `store_zero` together, with the fragments of `tiled_mma`'s thread slice.
 //   * Shared memory: one TensorStorage, passed in. `store` first syncs named barrier BarrierId
-//     over NumEpilogueThreads threads (so all warps are done with whatever aliased that memory),
-//     and the TMA path then uses the same id with NumEpilogueThreads + 32 threads. Calling
-//     `store` again (persistent kernels) is safe: the thread that issued the TMA store waits for
-//     its read of shared memory before it reaches the next call's first barrier.
+//     over NumEpilogueThreads threads (so all warps are done with whatever aliased that memory);
+//     the TMA path then hands the tile to its issuing warp through barrier BarrierId + 1 over
+//     NumEpilogueThreads + 32 threads. Two ids, because a named barrier must never be used with
+//     two thread counts at once: the warps that only arrive at the hand-off can reach the next
+//     `store`'s first barrier while the issuing warp has not yet synced the hand-off, and one id
+//     for both then faults ("an illegal instruction was encountered"; FA3's epilogue shares one
+//     id and is safe only because a mainloop separates its calls). Calling `store` again
+//     (persistent kernels) is safe: the thread that issued the TMA store waits for its read of
+//     shared memory before it reaches the next call's first barrier.
 //   * dK and dV may have different head dims (d, dv <= kHeadDim): each has its own shape,
 //     stride and TMA descriptor; the tile is sized for kHeadDim = max(d, dv).
 //   * dV is optional: with ptr_dV == nullptr only dK is written (tdVrdV is ignored), e.g. for a
@@ -81,8 +86,9 @@ constexpr auto smem_layout_atom_k_major() {
 //                       sequence metadata (sm_90: TMA stores only).
 //   dKV_swapAB          the MMA computed dK^T/dV^T: fragments cover (BLK_D, BLK_N).
 //   AtomLayoutKdKV      warpgroups along the head dim (shapes the TMA path's smem atom).
-//   BarrierId           the named barrier the collective uses, 1..15 (default 8: above the ids
-//                       CUTLASS reserves, 1..7; a kernel already using 8 passes another).
+//   BarrierId           the first of the two named barriers the collective uses, BarrierId and
+//                       BarrierId + 1, in 1..15 (default 8, 9: above the ids CUTLASS reserves,
+//                       1..7; a kernel already using them passes another).
 template <class TileShape_MNK_, class Element_, class ArchTag_, int NumEpilogueThreads_, bool Varlen_,
           bool dKV_swapAB_, int AtomLayoutKdKV_ = 1, int BarrierId_ = kDefaultEpilogueBarrierId>
 struct CollectiveEpilogueBwd {
@@ -93,7 +99,8 @@ struct CollectiveEpilogueBwd {
   static constexpr bool Varlen = Varlen_;
   static constexpr bool dKV_swapAB = dKV_swapAB_;
   static constexpr int AtomLayoutKdKV = AtomLayoutKdKV_;
-  static constexpr int BarrierId = BarrierId_;
+  static constexpr int BarrierId = BarrierId_;          // NumEpilogueThreads threads
+  static constexpr int StoreBarrierId = BarrierId_ + 1;  // the TMA store's hand-off, NumEpilogueThreads + 32
   static constexpr bool Use_TMA = ArchTag::kMinComputeCapability >= 90;  // for every tile unless Varlen
   static constexpr bool Use_Predicated = Varlen || !Use_TMA;              // compiled in; per tile when Varlen
   static constexpr int kBlockN = cute::get<1>(TileShape_MNK{});
@@ -102,7 +109,8 @@ struct CollectiveEpilogueBwd {
   static_assert(ArchTag::kMinComputeCapability >= 80, "CollectiveEpilogueBwd needs sm_80 or newer");
   static_assert(sizeof(Element) == 2, "dK/dV outputs are 16-bit (bf16 or fp16)");
   static_assert(NumEpilogueThreads % cutlass::NumThreadsPerWarp == 0, "NumEpilogueThreads must be whole warps");
-  static_assert(BarrierId > 0 && BarrierId <= kMaxNamedBarrierId, "BarrierId must be in [1, 15] (0 is __syncthreads)");
+  static_assert(BarrierId > 0 && StoreBarrierId <= kMaxNamedBarrierId,
+                "BarrierId and BarrierId + 1 must be in [1, 15] (0 is __syncthreads)");
 
   // ---- predicated global stores: 16-byte vectors, consecutive threads along a row
   static constexpr int kGmemElemsPerStore = sizeof(cute::uint128_t) / sizeof(Element);
@@ -357,7 +365,7 @@ struct CollectiveEpilogueBwd {
     using namespace cute;
     cutlass::arch::fence_view_async_shared();  // generic-proxy smem writes -> visible to TMA
     // Everyone arrives; only the last warp waits, so the others move on at once.
-    named_barrier_arrive(NumEpilogueThreads + cutlass::NumThreadsPerWarp, BarrierId);
+    named_barrier_arrive(NumEpilogueThreads + cutlass::NumThreadsPerWarp, StoreBarrierId);
     auto tile = [&](auto const& tma, auto const& shape) {
       Tensor m = domain_offset(make_coord(row_offset, _0{}), tma.get_tma_tensor(shape)(_, _, head, batch));  // (rows, d)
       return local_tile(m, select<1, 2>(TileShape_MNK{}), make_coord(n_block, _0{}));  // (BLK_N, BLK_D)
@@ -372,7 +380,7 @@ struct CollectiveEpilogueBwd {
     Tensor tdVsdV = block_tma_dV.partition_S(sdV);  // (TMA, TMA_N, TMA_D)
     int const warp_idx = __shfl_sync(0xffffffff, thread_idx / cutlass::NumThreadsPerWarp, 0);
     if (warp_idx == NumEpilogueThreads / cutlass::NumThreadsPerWarp - 1) {
-      named_barrier_sync(NumEpilogueThreads + cutlass::NumThreadsPerWarp, BarrierId);
+      named_barrier_sync(NumEpilogueThreads + cutlass::NumThreadsPerWarp, StoreBarrierId);
       if (cute::elect_one_sync()) {
         if (params.ptr_dV != nullptr) { cute::copy(params.tma_store_dV, tdVsdV, tdVgdV); }
         cute::copy(params.tma_store_dK, tdKsdK, tdKgdK);

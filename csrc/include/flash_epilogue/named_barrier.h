@@ -11,7 +11,8 @@
 
 namespace flash_epilogue {
 
-// Default barrier id of the dK/dV epilogues. A kernel that already uses this id passes another.
+// Default barrier id of the dK/dV epilogues (CollectiveEpilogueBwd also takes the next one). A kernel
+// that already uses these ids passes another.
 inline constexpr int kDefaultEpilogueBarrierId = 8;
 inline constexpr int kMaxNamedBarrierId = 15;  // hardware has 16 (0..15)
 
