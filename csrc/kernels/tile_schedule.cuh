@@ -20,9 +20,9 @@ template <int kBlockN>
 CUTLASS_DEVICE cute::tuple<int, int> tile_to_block_and_batch(int tile, int batch_z, int batch,
                                                              int const* cu_seqlens) {
   if (cu_seqlens == nullptr) { return {tile, batch_z}; }
-  // first_padded_tile is formed in 64-bit (cu_seqlens[b] + b * kBlockN passes 2^31 near the int32
-  // limit, for valid inputs too) and is an int; so is tile - first_tile for a tile of the grid
-  // (tile < 2^31 / kBlockN + batch). Bad contents make n_block negative or past the sequence:
+  // first_padded_tile never forms cu_seqlens[b] + b * kBlockN (which passes 2^31 near the int32
+  // limit, for valid inputs too); it and tile - first_tile for a tile of the grid (tile < 2^31 /
+  // kBlockN + batch) are ints in range. Bad contents make n_block negative or past the sequence:
   // SeqlenInfo::valid_rows gives such tiles no rows.
   auto first_tile = [&](int b) { return SeqlenInfo<kBlockN>::first_padded_tile(b, cu_seqlens); };
   int lo = 0, hi = batch - 1;  // the last b with first_tile(b) <= tile
@@ -33,10 +33,10 @@ CUTLASS_DEVICE cute::tuple<int, int> tile_to_block_and_batch(int tile, int batch
   return {tile - first_tile(lo), lo};
 }
 
-// Row tiles per head (host: grid sizes; device: the split of gridDim.x, see locate_output_tile):
-// batched, of `rows`; varlen, of the padded tile space. Below 2^31 / 64 + 65536 for rows < 2^31.
+// Row tiles per head (host: grid sizes; locate_output_tile recomputes it in 32-bit): batched, of
+// `rows`; varlen, of the padded tile space. Below 2^31 / 64 + 65536 for rows < 2^31.
 template <int kBlockN>
-CUTLASS_HOST_DEVICE int64_t row_tiles(int64_t rows, int batch, bool varlen) {
+int64_t row_tiles(int64_t rows, int batch, bool varlen) {
   return varlen ? rows / kBlockN + batch : (rows + kBlockN - 1) / kBlockN;
 }
 
@@ -107,8 +107,8 @@ CUTLASS_DEVICE TensorAndTile split_tensor_and_tile(int grid_x, int tiles_per_ten
 template <int kBlockN, class Epilogue, class Params>
 CUTLASS_DEVICE OutputTile<kBlockN> locate_output_tile(Params const& params) {
   auto const& ep = params.tensors[0].epilogue;
-  int const tiles =
-      static_cast<int>(row_tiles<kBlockN>(cute::get<0>(ep.shape_dK), params.batch, ep.cu_seqlens != nullptr));
+  int const rows = cute::get<0>(ep.shape_dK);  // row_tiles in 32-bit: rows < 2^31, so no sum here wraps
+  int const tiles = rows / kBlockN + (ep.cu_seqlens != nullptr ? params.batch : (rows % kBlockN != 0));
   auto const [tensor, tile] = split_tensor_and_tile(blockIdx.x, tiles);
   TensorAndHead const out{tensor, static_cast<int>(blockIdx.y)};
   if (threadIdx.x == 0) { Epilogue::prefetch_tma_descriptors(params.tensors[out.tensor].epilogue); }

@@ -13,10 +13,11 @@
 // caller that skips the content checks must not be able to write outside the tensor); batch_idx
 // in [0, 65535]; the row extent (seqlen, or total tokens) in [0, 2^31). Sums of these can pass
 // 2^31 (cu_seqlens[b] + b * kBlockN for valid inputs once the token count is within batch * kBlockN
-// of 2^31; differences of arbitrary entries), so they are formed and clamped in 64-bit:
-// offset_padded is 64-bit (it may exceed 2^31 - 1), seqlen is the length clamped to [0, 2^31 - 1]
-// (a negative length and a length past the row extent write the same rows as the clamped one),
-// and valid_rows returns a count in [0, kBlockN]. A tile index n_block may be any int.
+// of 2^31; differences of arbitrary entries), so none is formed where it can wrap: offset_padded
+// is 64-bit (it may exceed 2^31 - 1; first_padded_tile is its tile, an int), seqlen is the length
+// formed in 64-bit and clamped to [0, 2^31 - 1] (a negative length and a length past the row extent
+// write the same rows as the clamped one), and valid_rows returns a count in [0, kBlockN] without
+// forming offset + n_block * kBlockN past the row extent. A tile index n_block may be any int.
 
 #include <cstdint>
 
@@ -33,33 +34,37 @@ struct SeqlenInfo {
   CUTLASS_HOST_DEVICE
   SeqlenInfo(int batch_idx, int static_seqlen, int const* cu_seqlens, int const* seqused) {
     offset = cu_seqlens ? cu_seqlens[batch_idx] : 0;
-    offset_padded = cu_seqlens ? first_padded_tile(batch_idx, cu_seqlens) * kBlockN : 0;
+    offset_padded = cu_seqlens ? int64_t(first_padded_tile(batch_idx, cu_seqlens)) * kBlockN : 0;
     int64_t const length = seqused ? seqused[batch_idx]
                            : cu_seqlens ? int64_t(cu_seqlens[batch_idx + 1]) - cu_seqlens[batch_idx]
                                         : static_seqlen;
     seqlen = static_cast<int>(length < 0 ? 0 : (length > INT32_MAX ? INT32_MAX : length));
   }
 
-  // offset_padded / kBlockN: the first tile of batch b in the padded tile space. Always an int:
-  // |cu_seqlens[b]| / kBlockN + b < 2^31. Truncates toward zero for negative (bad) entries, as the
-  // 32-bit form did; valid_rows makes any tile of such a batch harmless.
+  // offset_padded / kBlockN, the first tile of batch b in the padded tile space: cu_seqlens[b] /
+  // kBlockN + b, which equals (cu_seqlens[b] + b * kBlockN) / kBlockN for cu_seqlens[b] >= 0 and,
+  // unlike that sum, never wraps (|cu_seqlens[b]| / kBlockN + b < 2^31). For negative (bad) entries
+  // it is some int: valid_rows gives every tile of such a batch no rows.
   CUTLASS_HOST_DEVICE static int first_padded_tile(int b, int const* cu_seqlens) {
-    return static_cast<int>((int64_t(cu_seqlens[b]) + int64_t(b) * kBlockN) / kBlockN);
+    return cu_seqlens[b] / kBlockN + b;
   }
 
   // Rows of tile `n_block` that may be written, clamped to [0, kBlockN] and to the tensor's row
   // extent, so inconsistent metadata (offsets past the end, negative lengths or tiles) writes
-  // nothing outside the tensor instead of corrupting memory. 64-bit: offset + n_block * kBlockN
-  // can pass 2^31. A tile with a nonzero result starts inside [0, row_extent), so its first row
-  // offset + n_block * kBlockN and every row it writes are < 2^31 (int again).
+  // nothing outside the tensor instead of corrupting memory. offset + n_block * kBlockN can pass
+  // 2^31, so it is formed only once the tile is known to start inside [0, row_extent) (n_block <=
+  // (row_extent - 1 - offset) / kBlockN): every value below is then an int in range (32-bit, once
+  // per tile), and every row the tile writes is < 2^31.
   CUTLASS_HOST_DEVICE
   int valid_rows(int n_block, int row_extent) const {
-    int64_t const tile_start = int64_t(n_block) * kBlockN;
-    int64_t const start = offset + tile_start;
-    if (offset < 0 || n_block < 0 || start >= row_extent) { return 0; }
-    int64_t rows = seqlen - tile_start;
+    if (offset < 0 || n_block < 0 || offset >= row_extent || n_block > (row_extent - 1 - offset) / kBlockN) {
+      return 0;
+    }
+    int const tile_start = n_block * kBlockN;  // <= row_extent - 1 - offset
+    int const start = offset + tile_start;     // < row_extent
+    int rows = seqlen - tile_start;            // seqlen in [0, 2^31 - 1], tile_start in [0, 2^31)
     rows = rows < row_extent - start ? rows : row_extent - start;
-    return static_cast<int>(rows < 0 ? 0 : (rows < kBlockN ? rows : kBlockN));
+    return rows < 0 ? 0 : (rows < kBlockN ? rows : kBlockN);
   }
 };
 
