@@ -5,13 +5,14 @@
 //   offset        = cu_seqlens[b]                       (0 without cu_seqlens)
 //   offset_padded = round_down(cu_seqlens[b] + b * kBlockN, kBlockN)
 //                   (the start of batch b in a kBlockN-aligned workspace; batch b's tiles never
-//                    reach batch b+1's because each batch adds one tile of slack)
+//                    reach batch b+1's because each batch adds one tile of slack), formed as
+//                   (cu_seqlens[b] / kBlockN + b) * kBlockN (the same for cu_seqlens[b] >= 0)
 //   seqlen        = seqused[b] if given, else cu_seqlens[b+1] - cu_seqlens[b], else the static
 //                   length. The start always comes from cu_seqlens, the length from seqused.
 //
 // Ranges (the contract): cu_seqlens and seqused entries may be any int32, consistent or not (a
 // caller that skips the content checks must not be able to write outside the tensor); batch_idx
-// in [0, 65535]; the row extent (seqlen, or total tokens) in [0, 2^31). Sums of these can pass
+// in [0, batch), batch < 65536; the row extent (seqlen, or total tokens) in [0, 2^31). Sums can pass
 // 2^31 (cu_seqlens[b] + b * kBlockN for valid inputs once the token count is within batch * kBlockN
 // of 2^31; differences of arbitrary entries), so none is formed where it can wrap: offset_padded
 // is 64-bit (it may exceed 2^31 - 1; first_padded_tile is its tile, an int), seqlen is the length
