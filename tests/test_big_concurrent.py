@@ -7,6 +7,9 @@ accumulators of more than 2^31 floats, both modes, + gqa_postprocess). Canary ou
 of rows: valid rows bitwise against the reference of that chunk, all others still the canary. Peak GPU
 memory about 50 GB (a test skips when less is free); about 10-20 s on an H200.
 
+Limits: cu_seqlens near INT32_MAX, unchecked (child process: canaries intact, process healthy) and checked
+(a clear error); valid varlen offsets past 2^31 - batch * kBlockN (about 70 GB); 65535 heads on every op.
+
 Concurrent: two streams each running deterministic gqa_accumulate into their own accumulators
 (reading the same partials), interleaved launch by launch, repeatedly: bitwise equal to the
 sequential reference every time; store/store_zero on one stream against gqa_reduce and
@@ -16,6 +19,7 @@ Fresh threads: every op from host threads that never made a CUDA call (in a chil
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import pytest
@@ -214,6 +218,199 @@ def test_gqa_accumulate_beyond_int32(deterministic):
 
     check_rows("dk", dk, expected(pk), mask, 1, row_elems=h_k * g * d)
     check_rows("dv", dv, expected(pv), mask, 1, row_elems=h_k * g * dv_dim)
+
+
+# ---------------------------------------------------------------------------------------------
+# sequence metadata near the int32 limit: sums such as cu_seqlens[b] + b * kBlockN pass 2^31
+
+BAD_CU = ([0, 100, 200, 2**31 - 11, 2**31 - 1], [2**31 - 1] * 3)  # on 300 tokens: past the end, and wrapping
+BAD_OPS = ("store", "store_d64", "gqa_reduce", "gqa_accumulate", "gqa_postprocess", "to_dense")
+
+
+def bad_metadata_call(op, cu, arch, check_inputs):
+    """One op on 300 tokens with cu_seqlens `cu` (unchecked contents unless check_inputs); returns
+    [(buffer, view, want)]: canary buffers that must be unchanged outside `view`, and inside it on the
+    rows of the sequences that lie in the tensor (want: their expected bits, None for no such rows)."""
+    total, h_k, g = 300, 2, 2
+    d = 64 if op == "store_d64" else 128
+    cu_t = torch.tensor(cu, dtype=I32, device=DEV)
+    gen = torch.Generator(device=DEV).manual_seed(3)
+    valid = 200 if cu[0] == 0 else 0  # rows of the sequences inside the tensor: [0, 100), [100, 200)
+    kw = {"cu_seqlens": cu_t, "check_inputs": check_inputs}
+
+    def out_view(heads, dtype=torch.bfloat16):
+        buf = canary((total + 8, heads + 2, d + 8), dtype)
+        return buf, buf[4 : total + 4, 1 : heads + 1, 8:]
+
+    if op in ("store", "store_d64"):
+        a = rand((total, h_k, d), gen)
+        (bk, k), (bv, v) = out_view(h_k), out_view(h_k)
+        fe.store(a, a, k, v, _arch=arch, **kw)
+        return [(bk, k, a[:valid].to(torch.bfloat16)), (bv, v, a[:valid].to(torch.bfloat16))]
+    p = rand((total, h_k * g, d), gen)
+    want = gqa_reduce_sequential_fp32(p[:valid], h_k)
+    if op == "gqa_reduce":
+        bk, k = out_view(h_k)
+        fe.gqa_reduce(p, num_heads_kv=h_k, out=k, _arch=arch, **kw)
+        return [(bk, k, want.to(torch.bfloat16))]
+    # accumulators carved out of NaN buffers (contiguous views) so that writes past them show
+    acc = fe.gqa_accumulator(h_k, d, cu_seqlens=cu_t, total_tokens=total, deterministic=True, device=DEV, arch=arch)
+    pads = []
+    for name in ("dk_accum", "dv_accum"):
+        t = getattr(acc, name)
+        buf = canary((t.numel() + 2048,), torch.float32)
+        view = buf[1024 : 1024 + t.numel()].view(t.shape).zero_()
+        pads.append((buf, view.view(-1), None))
+        acc = dataclasses.replace(acc, **{name: view})
+    if op == "gqa_accumulate":
+        fe.gqa_accumulate(p, p, acc, deterministic=True, **kw)
+        return pads
+    if not check_inputs:  # the metadata under test fills the accumulator too
+        fe.gqa_accumulate(p, p, acc, deterministic=True, cu_seqlens=cu_t, check_inputs=False)
+    if op == "gqa_postprocess":
+        (bk, k), (bv, v) = out_view(h_k), out_view(h_k)
+        fe.gqa_postprocess(acc, k, v, **kw)
+        return pads + [(bk, k, want.to(torch.bfloat16)), (bv, v, want.to(torch.bfloat16))]
+    dk_dense, _ = acc.to_dense(**kw)
+    torch.cuda.synchronize()
+    assert torch.equal(bits(dk_dense[:valid]), bits(want))
+    return pads
+
+
+def bad_metadata_workload():
+    """Every op of BAD_OPS with each of BAD_CU, content checks off, on both paths: canaries intact, the
+    rows of the sequences inside the tensor right, and the process healthy after (a later op works).
+    Run in a child process by test_unchecked_metadata_near_int32_limit (a fault would end this one)."""
+    for cu in BAD_CU:
+        for op in BAD_OPS:
+            for arch in (0, 80):
+                checks = bad_metadata_call(op, cu, arch, check_inputs=False)
+                torch.cuda.synchronize()
+                for buf, view, want in checks:
+                    got = buf.clone()
+                    rows = 0 if want is None else want.shape[0]
+                    if rows:
+                        assert torch.equal(bits(view[:rows]), bits(want)), (op, cu, arch)
+                    got.as_strided(view.shape, view.stride(), view.storage_offset()).copy_(view.new_zeros(()))
+                    fresh = canary(buf.shape, buf.dtype)
+                    fresh.as_strided(view.shape, view.stride(), view.storage_offset()).copy_(view.new_zeros(()))
+                    assert torch.equal(bits(got), bits(fresh)), f"{op} {cu} arch {arch}: written outside the tensor"
+    a = torch.ones(2, 64, 2, 128, device=DEV)
+    dk = canary(a.shape)
+    fe.store(a, a, dk, canary(a.shape))
+    torch.cuda.synchronize()
+    assert bool((dk == 1).all())
+    print("OK")
+
+
+def test_unchecked_metadata_near_int32_limit():
+    # cu_seqlens entries near INT32_MAX once wrapped 32-bit sums before the clamp: an illegal address
+    # (sticky: every later CUDA call failed). In a child process, so that a fault fails this test only.
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+            "import test_big_concurrent; test_big_concurrent.bad_metadata_workload()")
+    result = subprocess.run([sys.executable, "-X", "faulthandler", "-c", code], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0 and result.stdout.strip().endswith("OK"), (
+        f"exit {result.returncode}\nstdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-3000:]}")
+
+
+@pytest.mark.parametrize("cu", BAD_CU, ids=("past-the-end", "all-int32-max"))
+@pytest.mark.parametrize("op", BAD_OPS)
+def test_checked_metadata_near_int32_limit(op, cu):
+    # with the content checks on, the same calls raise before any launch
+    last = len(cu) - 1
+    with pytest.raises(fe.FlashEpilogueInputError, match=rf"cu_seqlens\[{last}\]: expected <= 300 \(the tensors' "
+                                                        rf"token count\), got 2147483647"):
+        bad_metadata_call(op, cu, 0, check_inputs=True)
+
+
+def near_limit_cu(total, batch=24):
+    """cu_seqlens over `total` tokens: two long sequences, then batch - 2 short ones in the last 2300 rows, where
+    cu_seqlens[b] + b * kBlockN passes 2^31 (valid contents; every offset is < 2^31)."""
+    tail = [total - 2300 + 100 * k for k in range(batch - 2)]
+    return torch.tensor([0, 1000] + tail + [total], dtype=I32, device=DEV)
+
+
+@pytest.mark.parametrize("arch", (0, 80), ids=("native", "sm80"))
+@pytest.mark.parametrize("op", ("store_zero", "gqa_reduce"))
+def test_varlen_offsets_near_int32_limit(op, arch):
+    # total tokens 2^31 - 100 at d = 8: offsets past 2^31 - batch * kBlockN, valid metadata. Two
+    # 16-bit tensors of these rows, 32 GiB each, are the least any op needs (an fp32 input alone
+    # takes 64 GiB): store_zero's dk and dv, gqa_reduce's bf16 partials and output (64 GiB, and
+    # the row mask and a chunk's reference)
+    need_gib(72)
+    total, d = 2**31 - 100, 8
+    cu = near_limit_cu(total)
+    batch = cu.numel() - 1
+    assert cu[-2].item() + (batch - 1) * 128 >= 2**31
+    used = torch.tensor([1000, 2**20] + [100 - 7 * (b % 3) for b in range(batch - 3)] + [2300 - 100 * (batch - 3)],
+                        dtype=I32, device=DEV)
+    outs = [canary((total, 1, d))]
+    if op == "store_zero":
+        outs.append(canary((total, 1, d)))
+        fe.store_zero(*outs, cu_seqlens=cu, seqused=used, row_start=3, check_inputs=True, _arch=arch)
+        bounds = [(s + 3, n - 3) for s, n in sequence_bounds(batch, total, cu, used)]
+        expected = lambda a, b: torch.zeros((b - a, 1, d), dtype=torch.bfloat16, device=DEV)  # noqa: E731
+    else:
+        p = torch.randn((total, 1, d), dtype=torch.bfloat16, device=DEV)
+        fe.gqa_reduce(p, num_heads_kv=1, out=outs[0], cu_seqlens=cu, seqused=used, scale_dk=0.5, check_inputs=True,
+                      _arch=arch)
+        bounds = sequence_bounds(batch, total, cu, used)
+        expected = lambda a, b: gqa_reduce_sequential_fp32(p[a:b], 1, 0.5).to(torch.bfloat16)  # noqa: E731
+    torch.cuda.synchronize()
+    mask = row_mask(total, bounds)
+    last = cu[-2].item()
+    assert mask[last + 3 : last + 6].all()  # rows of the last sequence, past the 32-bit wrap, are written
+    for name, out in zip(("dk", "dv"), outs):
+        check_rows(name, out, expected, mask, 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# 65535 heads: the one-CTA-per-tile grids hold them (the output tensor in gridDim.x, not in y)
+
+H_MAX = 65535
+
+
+@pytest.mark.parametrize("arch", (0, 80), ids=("native", "sm80"))
+@pytest.mark.parametrize("d", (64, 128))
+def test_store_and_store_zero_65535_heads(d, arch):
+    gen = torch.Generator(device=DEV).manual_seed(4)
+    a_k, a_v = rand((1, 2, H_MAX, d), gen), rand((1, 2, H_MAX, d), gen)
+    dk, dv = canary(a_k.shape), canary(a_v.shape)
+    fe.store(a_k, a_v, dk, dv, _arch=arch)
+    torch.cuda.synchronize()
+    assert torch.equal(bits(dk), bits(a_k.to(torch.bfloat16))) and torch.equal(bits(dv), bits(a_v.to(torch.bfloat16)))
+    fe.store_zero(dk, dv, row_start=1, _arch=arch)
+    torch.cuda.synchronize()
+    assert bool((dk[:, 1] == 0).all()) and torch.equal(bits(dk[:, 0]), bits(a_k[:, 0].to(torch.bfloat16)))
+    assert bool((dv[:, 1] == 0).all()) and torch.equal(bits(dv[:, 0]), bits(a_v[:, 0].to(torch.bfloat16)))
+
+
+@pytest.mark.parametrize("arch", (0, 80), ids=("native", "sm80"))
+@pytest.mark.parametrize("deterministic", (True, False), ids=("deterministic", "atomic"))
+def test_gqa_ops_65535_heads(deterministic, arch):
+    # 65535 query heads into 65535 KV heads (accumulate, to_dense, postprocess), and gqa_reduce of them
+    need_gib(8)
+    gen = torch.Generator(device=DEV).manual_seed(5)
+    s, d = 2, 64
+    pk, pv = rand((1, s, H_MAX, d), gen), rand((1, s, H_MAX, d), gen)
+    acc = fe.gqa_accumulator(H_MAX, d, batch=1, seqlen=s, deterministic=deterministic, device=DEV, arch=arch)
+    fe.gqa_accumulate(pk, pv, acc, deterministic=deterministic)
+    dk, dv = canary(pk.shape), canary(pv.shape)
+    fe.gqa_postprocess(acc, dk, dv, scale_dv=0.5)
+    dense_k, dense_v = acc.to_dense()
+    red_k, red_v = canary(pk.shape), canary(pv.shape)
+    fe.gqa_reduce(pk, pv, num_heads_kv=H_MAX, out=(red_k, red_v), scale_dv=0.5, _arch=arch)
+    torch.cuda.synchronize()
+    assert torch.equal(bits(dense_k), bits(pk)) and torch.equal(bits(dense_v), bits(pv))  # g = 1: 0 + p exactly
+    for got in (dk, red_k):
+        assert torch.equal(bits(got), bits(pk.to(torch.bfloat16)))
+    for got in (dv, red_v):
+        assert torch.equal(bits(got), bits((pv * 0.5).to(torch.bfloat16)))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -6,10 +6,12 @@ multiple of 8 up to 256; dv != d), batch (0 too), sequence lengths at the tile e
 deterministic on/off, several accumulate calls, the sm_80 path (`_arch=80`). Outputs are views into
 canary buffers compared whole, bit for bit, with the reference applied to a clone; inputs are views
 into NaN buffers. Exact oracles but for the non-deterministic accumulate (the bound of test_gqa.py).
+test_fuzz_unchecked_metadata draws inconsistent cu_seqlens / seqused, near the int32 limits too, with
+the content checks off: every buffer around the written tensors (accumulators included) is intact.
 
 Reproducible: derandomized (the same cases every run) unless FLASH_EPILOGUE_FUZZ_SEED=<int> picks
-another seed; FLASH_EPILOGUE_FUZZ_SCALE=<float> scales the number of cases (default 1: 520 GPU
-cases over the four ops, ~20-40 s on an H200). A failing case is shrunk and printed with a replay
+another seed; FLASH_EPILOGUE_FUZZ_SCALE=<float> scales the number of cases (default 1: 620 GPU
+cases over the five checks, ~20-40 s on an H200). A failing case is shrunk and printed with a replay
 line, a python command that reruns exactly that case, e.g.
 
     python -c "import sys; sys.path[:0] = ['.', 'tests']; import test_fuzz as t; t.check_store(**{...})"
@@ -19,6 +21,7 @@ passes every check of the op up to the last one, the device check, and the refer
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -29,8 +32,8 @@ from hypothesis import HealthCheck, given, note, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import flash_epilogue as fe  # noqa: E402
-from conftest import (LAYOUTS, assert_bits, block_n, carve, cu_seqlens, input_view, int32, rand,  # noqa: E402
-                      same_view)
+from conftest import (LAYOUTS, assert_bits, block_n, canary, carve, cu_seqlens, input_view, int32,  # noqa: E402
+                      rand, same_view)
 from flash_epilogue.reference import (  # noqa: E402
     gqa_accumulate_reference,
     gqa_reduce_reference,
@@ -229,6 +232,25 @@ def reduce_cases(draw):
     return p
 
 
+@st.composite
+def unchecked_metadata_cases(draw):
+    """Inconsistent cu_seqlens / seqused near the int32 limits (and small ones), content checks off."""
+    arch, d, dv = paths_and_dims(draw)
+    n = block_n(d, dv, arch)
+    total = draw(st.integers(0, 3 * n))
+    near = (2**31 - 1, 2**31 - 2, 2**31 - n, 2**31 - n - 1, 2**31 - 5 * n - 3, -1, -n, -(2**31), -(2**31) + 1)
+    entry = st.one_of(st.integers(0, total + 2), st.sampled_from(near))
+    batch = draw(st.integers(1, 4))
+    p = {"op": draw(st.sampled_from(("store", "store_zero", "gqa_accumulate", "gqa_postprocess", "gqa_reduce"))),
+         "d": d, "dv": dv, "arch": arch, "total": total, "cu": draw(st.lists(entry, min_size=batch + 1,
+                                                                            max_size=batch + 1))}
+    p["cu"][0] = draw(st.sampled_from((0, 0, p["cu"][0])))
+    p["used"] = draw(st.one_of(st.none(), st.lists(entry, min_size=batch, max_size=batch)))
+    p["deterministic"] = draw(st.booleans())
+    p["seed"] = draw(st.integers(0, 2**31 - 1))
+    return p
+
+
 # ---------------------------------------------------------------------------------------------
 # checks: one case each; module-level so that a replay line can call them
 
@@ -358,6 +380,55 @@ def check_reduce(d, dv, with_dv, arch, h_k, g, partial_dtype, out_dtype, batch, 
         assert_bits(got, want, name)
 
 
+def check_unchecked_metadata(op, d, dv, arch, total, cu, used, deterministic, seed, dev="cuda"):
+    """One op with cu_seqlens / seqused as drawn and the content checks off: whatever it writes inside its
+    tensors, every canary buffer around them (outputs, accumulators) is unchanged outside the view."""
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    h_k, g = 2, 2
+    seq = {"cu_seqlens": int32(*cu, device=dev), "check_inputs": False}
+    if used is not None:
+        seq["seqused"] = int32(*used, device=dev)
+    written = []
+
+    def out(w, heads=h_k):
+        buf, view = carve((total, heads, w), torch.bfloat16, "padded", dev)
+        written.append((buf, view))
+        return view
+
+    if op in ("store", "store_zero"):
+        dk, dv_out = out(d), out(dv)
+        if op == "store":
+            ak, av = input_view((total, h_k, d), "padded", gen), input_view((total, h_k, dv), "padded", gen)
+            call(dev, fe.store, ak, av, dk, dv_out, _arch=arch, **seq)
+        else:
+            call(dev, fe.store_zero, dk, dv_out, row_start=1, _arch=arch, **seq)
+    elif op == "gqa_reduce":
+        pk = input_view((total, h_k * g, d), "padded", gen)
+        call(dev, fe.gqa_reduce, pk, num_heads_kv=h_k, out=out(d), _arch=arch, **seq)
+    else:
+        acc = fe.gqa_accumulator(h_k, d, dv, cu_seqlens=seq["cu_seqlens"], total_tokens=total,
+                                 deterministic=deterministic, device=dev, arch=arch)
+        for name in ("dk_accum", "dv_accum"):  # contiguous views into NaN buffers
+            t = getattr(acc, name)
+            buf = canary((t.numel() + 64,), torch.float32, dev)
+            view = buf[32 : 32 + t.numel()].view(t.shape).zero_()
+            written.append((buf, view))
+            acc = dataclasses.replace(acc, **{name: view})
+        pk = input_view((total, h_k * g, d), "padded", gen)
+        pv = input_view((total, h_k * g, dv), "padded", gen)
+        call(dev, fe.gqa_accumulate, pk, pv, acc, deterministic=deterministic, **seq)
+        if op == "gqa_postprocess":
+            call(dev, fe.gqa_postprocess, acc, out(d), out(dv), **seq)
+    if not executed(dev):
+        return
+    sync(dev)
+    for i, (buf, view) in enumerate(written):
+        got, want = buf.clone(), canary(buf.shape, buf.dtype, dev)
+        for t in (got, want):
+            same_view(t, view).zero_()
+        assert_bits(got, want, f"buffer {i} outside its tensor")
+
+
 # ---------------------------------------------------------------------------------------------
 # the tests
 
@@ -406,9 +477,18 @@ def test_fuzz_gqa_reduce(p):
     run_case(check_reduce, p)
 
 
+@pytest.mark.gpu
+@seeded
+@fuzz_settings(100)
+@given(p=unchecked_metadata_cases())
+def test_fuzz_unchecked_metadata(p):
+    run_case(check_unchecked_metadata, p)
+
+
 @pytest.mark.parametrize("check,cases", [(check_store, store_cases), (check_store_zero, store_zero_cases),
-                                         (check_accumulate, accumulate_cases), (check_reduce, reduce_cases)],
-                         ids=("store", "store_zero", "gqa_accumulate", "gqa_reduce"))
+                                         (check_accumulate, accumulate_cases), (check_reduce, reduce_cases),
+                                         (check_unchecked_metadata, unchecked_metadata_cases)],
+                         ids=("store", "store_zero", "gqa_accumulate", "gqa_reduce", "unchecked_metadata"))
 def test_fuzz_cases_validate_on_cpu(check, cases):
     # no GPU: the drawn arguments are valid inputs (they get through every check but the device
     # one) and the references accept them; a few cases each, for CI

@@ -10,7 +10,8 @@ Oracles (flash_epilogue/reference.py):
   carved out of canary-filled buffers and each WHOLE buffer is compared bitwise.
 
 Every case runs on both code paths (`arch` 90 and 80). Test data spans several binades but stays
-far from fp32 subnormals (the GPU's reduce-add and atomics flush them; the reference would not).
+far from fp32 subnormals (the non-deterministic sm_80 path's atomics flush them; the reference would
+not), but for test_gqa_subnormals_kept (the deterministic modes and gqa_reduce keep them).
 """
 from types import SimpleNamespace
 
@@ -348,6 +349,36 @@ def test_gqa_reduce_equals_accumulate_then_postprocess(d, arch):
     torch.cuda.synchronize()
     for a, b in zip(one, two):
         assert_bits(a, b)
+
+
+@arch_param
+@pytest.mark.parametrize("layout", ("batched", "varlen"))
+def test_gqa_subnormals_kept(layout, arch):
+    # partials of magnitude ~1e-40 (fp32 subnormals; bf16 has the same exponent range): deterministic
+    # accumulate + postprocess equals gqa_reduce bitwise, the sums kept (the sm_80 path's fp32
+    # atomics flushed them to zero, so it adds under its semaphore with plain loads and stores)
+    h_k, g, d = 2, 4, 64
+    n = block_n(d, d, arch)
+    alloc, seq, _, lead = problem(layout, n)
+    gen = generator(11)
+    pk, pv = (rand(lead + (h_k * g, d), gen, binades=3) * 1e-40 for _ in range(2))
+    assert (pk.abs() < torch.finfo(torch.float32).tiny).all() and (pk != 0).float().mean() > 0.9
+    acc = fe.gqa_accumulator(h_k, d, deterministic=True, device=DEV, arch=arch, **alloc)
+    fe.gqa_accumulate(pk, pv, acc, deterministic=True, **seq)
+    two = [canary(lead + (h_k, d), torch.bfloat16) for _ in range(2)]
+    one = [canary(lead + (h_k, d), torch.bfloat16) for _ in range(2)]
+    fe.gqa_postprocess(acc, *two, **seq)
+    fe.gqa_reduce(pk, pv, num_heads_kv=h_k, out=tuple(one), _arch=arch, **seq)
+    dense = acc.to_dense(**seq)
+    torch.cuda.synchronize()
+    for got, p in zip(dense, (pk, pv)):
+        want = torch.zeros_like(got)
+        gqa_accumulate_reference(p, None, want, None, num_heads_kv=h_k, **seq)
+        assert_bits(got, want, "accumulator")
+        assert (got != 0).float().mean() > 0.5
+    for a, b in zip(one, two):
+        assert_bits(a, b)
+        assert (b.float() != 0).float().mean() > 0.5
 
 
 # ---------------------------------------------------------------------------------------------

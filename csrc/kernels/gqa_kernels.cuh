@@ -56,7 +56,7 @@ struct GqaAccumulateKernel {
   };
 
   struct Params {
-    TensorParams tensors[2];  // dK, dV (split over CTAs: see split_tensor_and_head)
+    TensorParams tensors[2];  // dK, dV (split over CTAs: see TensorAndTile, or the ticket)
     int batch;
     int num_heads_q;
     int num_heads_kv;
@@ -100,10 +100,12 @@ struct GqaAccumulateKernel {
       tile_x = tile_linear % params.tiles_x;
       batch_z = tile_linear / params.tiles_x;
     } else {
-      tile_x = blockIdx.x;
-      auto const [t, h] = split_tensor_and_head(blockIdx.y, params.num_heads_q);
+      // Grid (2 * tiles_x, h_q, tiles_z): the tensor in x, as in every one-CTA-per-tile grid (see
+      // TensorAndTile).
+      auto const [t, x] = split_tensor_and_tile(blockIdx.x, params.tiles_x);
       tensor = t;
-      q_head = h;
+      tile_x = x;
+      q_head = blockIdx.y;
       batch_z = blockIdx.z;
     }
     TensorParams const& work = params.tensors[tensor];
@@ -134,10 +136,10 @@ struct AccumReader {
   template <class Fragment, class SeqInfo>
   CUTLASS_DEVICE bool read(Fragment& frag, SeqInfo const& info, bool varlen, int n_block, int kv_head, int bidb,
                            int thread_idx) const {
-    int const tile = (varlen ? info.offset_padded / Traits::Collective::kBlockN : 0) + n_block;
+    // 64-bit, as the collective's locate: bad metadata puts the sum past 2^31.
+    int64_t const tile = (varlen ? info.offset_padded / Traits::Collective::kBlockN : 0) + n_block;
     if (tile < 0 || tile >= num_tiles) { return false; }
-    int64_t const offset = (varlen ? 0 : bidb) * batch_stride + kv_head * head_stride +
-                           static_cast<int64_t>(tile) * Traits::kAccumTileElems;
+    int64_t const offset = (varlen ? 0 : bidb) * batch_stride + kv_head * head_stride + tile * Traits::kAccumTileElems;
     Traits::Collective::load_fragment(frag, ptr + offset, thread_idx);
     return true;
   }
@@ -162,7 +164,7 @@ struct GqaPostprocessKernel {
   };
 
   struct Params {
-    TensorParams tensors[2];  // dK, dV (split over CTAs: see split_tensor_and_head)
+    TensorParams tensors[2];  // dK, dV (split over CTAs: see TensorAndTile)
     int num_heads_kv;
     int batch;
   };
@@ -179,7 +181,7 @@ struct GqaPostprocessKernel {
       for (int i = 0; i < cute::size(frag); ++i) { frag(i) *= work.scale; }
       return true;
     };
-    Store::store_output_tile(params, params.num_heads_kv, smem, fill);
+    Store::store_output_tile(params, smem, fill);
   }
 };
 
@@ -255,7 +257,7 @@ struct GqaReduceKernel {
   };
 
   struct Params {
-    TensorParams tensors[2];  // dK, dV (split over CTAs: see split_tensor_and_head); dV unused without dv_partial
+    TensorParams tensors[2];  // dK, dV (split over CTAs: see TensorAndTile); dV unused without dv_partial
     int group;
     int num_heads_kv;
     int batch;
@@ -292,7 +294,7 @@ struct GqaReduceKernel {
       }
       return true;
     };
-    Store::store_output_tile(params, params.num_heads_kv, smem, fill);
+    Store::store_output_tile(params, smem, fill);
   }
 };
 

@@ -3,6 +3,7 @@
 // Host side of the GQA ops: argument structs -> collective arguments -> checked launches.
 
 #include <algorithm>
+#include <climits>
 
 #include <cute/tensor.hpp>
 
@@ -83,8 +84,11 @@ char const* launch_gqa_accumulate(GqaAccumulateLaunchArgs const& args, cudaStrea
   auto const dv_args = coll_args(args.dv_accum, args.semaphores ? args.semaphores + counters : nullptr);
   if (char const* why = Collective::can_implement(dk_args)) { return why; }
   if (char const* why = Collective::can_implement(dv_args)) { return why; }
-  dim3 tiles = row_tile_grid<Config::kBlockN>(args.rows, args.num_heads_q, args.batch, varlen);
-  tiles.y *= 2;  // heads of dK, then heads of dV
+  dim3 const tiles = row_tile_grid<Config::kBlockN>(args.rows, args.num_heads_q, args.batch, varlen);
+  // Deterministic: one CTA per (tile, tensor, q_head) in a 1-D grid (x holds 2^31 - 1; the ticket
+  // and the decode are int).
+  int64_t const work_items = int64_t(tiles.x) * 2 * tiles.y * tiles.z;
+  if (args.semaphores && work_items > INT_MAX) { return "more than 2^31 - 1 tiles x heads x 2 (deterministic mode)"; }
   int* const ticket = args.semaphores ? args.semaphores + 2 * counters : nullptr;
   auto partial = [&](TensorDesc const& t) {
     return typename Kernel::TensorParams{{}, static_cast<float const*>(t.ptr),
@@ -109,10 +113,9 @@ char const* launch_gqa_accumulate(GqaAccumulateLaunchArgs const& args, cudaStrea
     params.num_units = static_cast<int>(units);
     int64_t const chunk_units = std::min<int64_t>(units, (int64_t(12) << 20) / tile_bytes);
     params.chunk_units = static_cast<int>(std::max<int64_t>(1, chunk_units));
-    dim3 const grid(tiles.x * tiles.y * tiles.z, 1, 1);
-    return launch_kernel<Kernel>(grid, params, stream);
+    return launch_kernel<Kernel>(dim3(static_cast<unsigned>(work_items), 1, 1), params, stream);
   }
-  return launch_kernel<Kernel>(tiles, params, stream);
+  return launch_kernel<Kernel>(dim3(2 * tiles.x, tiles.y, tiles.z), params, stream);  // see TensorAndTile
 }
 
 template <int kHeadDim, int kArch>

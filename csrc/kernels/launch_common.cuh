@@ -138,8 +138,8 @@ dim3 row_tile_grid(int rows, int heads, int batch, bool varlen) {
 
 // Launch a one-CTA-per-output-tile driver (StoreKernel, GqaPostprocessKernel, GqaReduceKernel) of
 // outputs args.dk and, with count 2, args.dv, each with `heads` heads: their collective Params
-// (every output checked first) into params.tensors[i].epilogue, over grid (row tiles, count *
-// heads, batch).
+// (every output checked first) into params.tensors[i].epilogue, over grid (count * row tiles,
+// heads, batch) (see TensorAndTile in tile_schedule.cuh).
 template <class Kernel, class LaunchArgs>
 char const* launch_output_tiles(LaunchArgs const& args, int count, int heads, typename Kernel::Params& params,
                                 cudaStream_t stream) {
@@ -153,7 +153,7 @@ char const* launch_output_tiles(LaunchArgs const& args, int count, int heads, ty
   }
   for (int i = 0; i < count; ++i) { params.tensors[i].epilogue = epilogue[i]; }
   dim3 grid = row_tile_grid<Kernel::kBlockN>(args.rows, heads, args.batch, varlen);
-  grid.y *= count;  // heads of dK, then heads of dV
+  grid.x *= count;  // tiles of dK, then tiles of dV
   return launch_kernel<Kernel>(grid, params, stream);
 }
 
@@ -185,7 +185,28 @@ char const* launch_tile_stream(StreamedTensor const* tensors, int num_tensors, i
     }
   }
   if (num_tiles == 0) { return nullptr; }
-  if (num_tiles > INT_MAX) { return "more than 2^31 - 1 tiles"; }
+  if (num_tiles > INT_MAX) {
+    // The kernel's tile index is an int (its per-tile decode stays 32-bit). More tiles (up to
+    // 65535 heads of 65535 short sequences) run as several launches over ranges of heads, each
+    // output and input offset to its first head: the same tiles, the same bits.
+    int64_t const per_head = n_tiles * num_tensors * batch_extent;
+    if (per_head > INT_MAX) { return "more than 2^31 - 1 tiles per head"; }
+    int const chunk = static_cast<int>(INT_MAX / per_head);
+    for (int h0 = 0; h0 < num_heads; h0 += chunk) {
+      StreamedTensor part[2];
+      for (int i = 0; i < num_tensors; ++i) {
+        part[i] = tensors[i];
+        part[i].out.ptr = static_cast<typename Kernel::Element*>(tensors[i].out.ptr) + h0 * tensors[i].out.head_stride;
+        part[i].in.ptr = static_cast<ElementIn*>(tensors[i].in.ptr) + int64_t(h0) * group * tensors[i].in.head_stride;
+      }
+      int const heads = std::min(chunk, num_heads - h0);
+      if (char const* why = launch_tile_stream<Kernel>(part, num_tensors, rows, heads, group, batch, cu_seqlens,
+                                                       seqused, stream)) {
+        return why;
+      }
+    }
+    return nullptr;
+  }
   TensorDesc const outputs[2] = {tensors[0].out, num_tensors > 1 ? tensors[1].out : TensorDesc{}};
   typename Epilogue::Params epilogue[2];
   if (char const* why = output_epilogue_params<Epilogue, typename Kernel::Element>(

@@ -54,10 +54,10 @@ struct StoreKernel {
   // tile (locate_output_tile), its C fragment filled by fill(frag, thr_mma, work, tile) (false:
   // nothing to store), then stored by the collective. DriverParams: tensors[2] with .epilogue, batch.
   template <class DriverParams, class Fill>
-  CUTLASS_DEVICE static void store_output_tile(DriverParams const& params, int num_heads, char* smem, Fill&& fill) {
+  CUTLASS_DEVICE static void store_output_tile(DriverParams const& params, char* smem, Fill&& fill) {
     using namespace cute;
     int const thread_idx = threadIdx.x;
-    auto const tile = locate_output_tile<kBlockN, Epilogue>(params, num_heads);
+    auto const tile = locate_output_tile<kBlockN, Epilogue>(params);
     if (tile.valid_rows <= 0) { return; }  // whole CTA: padded varlen tile or empty sequence
     auto const& work = params.tensors[tile.tensor];
 
@@ -79,7 +79,7 @@ struct StoreKernel {
       load_accum_tile<kSwapAB, kBlockN, kHeadDim>(frag, thr_mma, gtile, tile.valid_rows, cute::get<1>(ep.shape_dK));
       return true;
     };
-    store_output_tile(params, params.num_heads, smem, fill);
+    store_output_tile(params, smem, fill);
   }
 };
 

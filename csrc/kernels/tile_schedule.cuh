@@ -20,7 +20,11 @@ template <int kBlockN>
 CUTLASS_DEVICE cute::tuple<int, int> tile_to_block_and_batch(int tile, int batch_z, int batch,
                                                              int const* cu_seqlens) {
   if (cu_seqlens == nullptr) { return {tile, batch_z}; }
-  auto first_tile = [&](int b) { return (cu_seqlens[b] + b * kBlockN) / kBlockN; };
+  // first_padded_tile never forms cu_seqlens[b] + b * kBlockN (which passes 2^31 near the int32
+  // limit, for valid inputs too); it and tile - first_tile for a tile of the grid (tile < 2^31 /
+  // kBlockN + batch) are ints in range. Bad contents make n_block negative or past the sequence:
+  // SeqlenInfo::valid_rows gives such tiles no rows.
+  auto first_tile = [&](int b) { return SeqlenInfo<kBlockN>::first_padded_tile(b, cu_seqlens); };
   int lo = 0, hi = batch - 1;  // the last b with first_tile(b) <= tile
   while (lo < hi) {
     int const mid = (lo + hi + 1) / 2;
@@ -29,7 +33,8 @@ CUTLASS_DEVICE cute::tuple<int, int> tile_to_block_and_batch(int tile, int batch
   return {tile - first_tile(lo), lo};
 }
 
-// Row tiles per head (host: grid sizes): batched, of `rows`; varlen, of the padded tile space.
+// Row tiles per head (host: grid sizes; locate_output_tile recomputes it in 32-bit): batched, of
+// `rows`; varlen, of the padded tile space. Below 2^31 / 64 + 65536 for rows < 2^31.
 template <int kBlockN>
 int64_t row_tiles(int64_t rows, int batch, bool varlen) {
   return varlen ? rows / kBlockN + batch : (rows + kBlockN - 1) / kBlockN;
@@ -57,7 +62,7 @@ CUTLASS_DEVICE RowTile<kBlockN> locate_row_tile(int tile, int batch_z, int batch
 }
 
 // Drivers split the work by output tensor: a CTA handles dK *or* dV of one (n_block, head, batch)
-// tile, grid.y running over heads of dK, then heads of dV. Holding one fp32 fragment instead of two
+// tile (one-CTA-per-tile grids: see locate_output_tile). Holding one fp32 fragment instead of two
 // halves the registers, so two CTAs fit on an SM and one streams its loads while the other stores
 // (with both fragments a CTA needs ~150 registers at hdim 128: one CTA per SM, loads and stores
 // never overlap). The collective is called with its optional dV left null.
@@ -81,13 +86,33 @@ CUTLASS_DEVICE OutputTile<kBlockN> output_tile(Params const& params, TensorAndHe
   return {out, locate_row_tile<kBlockN>(tile, batch_z, params.batch, ep.shape_dK, ep)};
 }
 
-// This CTA's tile in a one-CTA-per-tile driver: grid (row tiles, heads of dK then of dV, batch).
-// Thread 0 also prefetches that output's TMA descriptor.
+// The grid of a one-CTA-per-tile driver over `count` outputs (dK, dV) of `heads` heads:
+// (count * row tiles, heads, batch extent), blockIdx.x = tensor * row tiles + tile. The output
+// tensor goes into x, not y: gridDim.y and z hold at most 65535, and heads up to 65535 must launch
+// (2 * heads in y did not); x holds 2^31 - 1, far above 2 * row_tiles. Tiles stay fastest, heads and
+// batch keep their dims (a tensor's tiles of one head still run together); only dK's and dV's tiles
+// of a head are now neighbours (before: every head of dK, then every head of dV). No order between
+// the outputs is relied on: each CTA reads and writes its own tile.
+struct TensorAndTile {
+  int tensor;  // 0: dK, 1: dV
+  int tile;
+};
+CUTLASS_DEVICE TensorAndTile split_tensor_and_tile(int grid_x, int tiles_per_tensor) {
+  int const tensor = grid_x >= tiles_per_tensor ? 1 : 0;
+  return {tensor, grid_x - tensor * tiles_per_tensor};
+}
+
+// This CTA's tile in a one-CTA-per-tile driver (grid: see TensorAndTile). Thread 0 also prefetches
+// that output's TMA descriptor. Params: tensors[2].epilogue (tensors[0] always set), batch.
 template <int kBlockN, class Epilogue, class Params>
-CUTLASS_DEVICE OutputTile<kBlockN> locate_output_tile(Params const& params, int num_heads) {
-  TensorAndHead const out = split_tensor_and_head(blockIdx.y, num_heads);
+CUTLASS_DEVICE OutputTile<kBlockN> locate_output_tile(Params const& params) {
+  auto const& ep = params.tensors[0].epilogue;
+  int const rows = cute::get<0>(ep.shape_dK);  // row_tiles in 32-bit: rows < 2^31, so no sum here wraps
+  int const tiles = rows / kBlockN + (ep.cu_seqlens != nullptr ? params.batch : (rows % kBlockN != 0));
+  auto const [tensor, tile] = split_tensor_and_tile(blockIdx.x, tiles);
+  TensorAndHead const out{tensor, static_cast<int>(blockIdx.y)};
   if (threadIdx.x == 0) { Epilogue::prefetch_tma_descriptors(params.tensors[out.tensor].epilogue); }
-  return output_tile<kBlockN>(params, out, blockIdx.x, blockIdx.z);
+  return output_tile<kBlockN>(params, out, tile, blockIdx.z);
 }
 
 }  // namespace flash_epilogue

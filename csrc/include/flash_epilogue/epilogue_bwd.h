@@ -35,6 +35,13 @@
 //     stride and TMA descriptor; the tile is sized for kHeadDim = max(d, dv).
 //   * dV is optional: with ptr_dV == nullptr only dK is written (tdVrdV is ignored), e.g. for a
 //     single-tensor group reduce.
+//   * Ranges: the row extent (seqlen, or total tokens in varlen) in [0, 2^31), heads and the batch
+//     extent ints >= 0; block_coord's batch in [0, batch) and n_block any int (a tile with no valid
+//     rows writes nothing); cu_seqlens / seqused entries any int32, consistent or not (SeqlenInfo
+//     forms its sums in 64-bit and clamps them: nothing outside the tensor is written). A stored
+//     tile starts at a row offset + n_block * kBlockN in [0, 2^31) (the TMA path's int32
+//     coordinate); global addresses are 64-bit (64-bit strides). store_zero's row window is any
+//     [row_begin, row_end) of ints.
 
 #include <climits>
 
@@ -332,9 +339,12 @@ struct CollectiveEpilogueBwd {
     using namespace cute;
     auto [n_block, bidh, bidb] = block_coord;
     SeqlenInfo<kBlockN> const seqlen_info{bidb, get<0>(params.shape_dK), params.cu_seqlens, params.seqused};
-    int const tile_start = n_block * kBlockN;
-    int const first_row = row_begin - tile_start;  // tile-relative window
-    int const end_row = row_end - tile_start;
+    // The tile-relative window in 64-bit (n_block * kBlockN may pass 2^31), clamped to [0, kBlockN]
+    // before it goes back to int: rows outside it are never written anyway.
+    auto clamp_rows = [](int64_t r) { return static_cast<int>(r < 0 ? 0 : (r > kBlockN ? kBlockN : r)); };
+    int64_t const tile_start = int64_t(n_block) * kBlockN;
+    int const first_row = clamp_rows(row_begin - tile_start);
+    int const end_row = clamp_rows(row_end - tile_start);
     int const valid_rows = cute::min(seqlen_info.valid_rows(n_block, get<0>(params.shape_dK)), end_row);
     if (valid_rows <= 0 || first_row >= valid_rows) { return; }
     Tensor gdK = tile_of(params.ptr_dK, params.shape_dK, params.stride_dK, params, seqlen_info, block_coord);  // (BLK_N, BLK_D)

@@ -7,7 +7,13 @@
 //
 // Accumulator layout: one contiguous tile of kAccumTileElems floats per (tile, kv_head, batch),
 //   tile start = batch * stride_batch + kv_head * stride_head + tile * kAccumTileElems,
-//   tile = n_block (batched) or offset_padded / kBlockN + n_block (varlen, batch extent 1).
+//   tile = n_block (batched) or offset_padded / kBlockN + n_block (varlen, batch extent 1),
+// formed in 64-bit; a tile outside [0, num_tiles) is skipped (see locate).
+//
+// Ranges (the contract): block_coord's n_block any int, q_head in [0, num_heads_q), batch in
+// [0, batch); cu_seqlens / seqused entries any int32 (see seqlen_info.h: bad contents add nothing
+// outside the accumulators); num_tiles, num_heads_q, num_heads_kv, static_seqlen ints >= 0 (heads
+// >= 1); the accumulators' offsets and counter indices are 64-bit.
 // Inside a tile the floats are in register-fragment order, not row-major (accum_offset):
 //   sm_90: one slab per warpgroup; thread t's 16-byte chunk j at j * 512 + 4 * (t % 128) of its
 //          slab (a conflict-free float4 store to shared memory, then one bulk copy).
@@ -16,8 +22,9 @@
 // the TiledMma's tile does not divide the block (its padding elements are zeros).
 //
 // Adding: sm_90 copies the fragment to shared memory and one thread issues a bulk reduce-add
-// (cp.reduce.async.bulk .add.f32; no TMA descriptor, so varlen works); sm_80 uses fp32 atomics.
-// dV first, then dK, reusing the one shared buffer.
+// (cp.reduce.async.bulk .add.f32; no TMA descriptor, so varlen works); sm_80 uses fp32 atomics,
+// except in deterministic mode, where each member in turn loads, adds and stores its tile (plain
+// fp32 adds keep subnormals; atomics flush them). dV first, then dK, reusing the one shared buffer.
 //
 // Deterministic mode (semaphores != nullptr): one int32 counter per (tile, kv_head) for dV and
 // one for dK, index (batch * num_tiles + tile) * h_k + kv_head (collision-free in varlen too,
@@ -167,10 +174,10 @@ struct CollectiveEpilogueBwdGQA {
   };
   CUTLASS_DEVICE static TileLocation locate(Params const& params, int n_block, int kv_head, int bidb) {
     SeqlenInfo<kBlockN> const info{bidb, params.static_seqlen, params.cu_seqlens, params.seqused};
-    int const tile = (params.cu_seqlens ? info.offset_padded / kBlockN : 0) + n_block;
+    // 64-bit: offset_padded / kBlockN + n_block passes 2^31 for bad n_block or cu_seqlens.
+    int64_t const tile = (params.cu_seqlens ? info.offset_padded / kBlockN : 0) + n_block;
     int const batch_coord = params.cu_seqlens ? 0 : bidb;
-    int64_t const offset = batch_coord * params.stride_batch + kv_head * params.stride_head +
-                           static_cast<int64_t>(tile) * kAccumTileElems;
+    int64_t const offset = batch_coord * params.stride_batch + kv_head * params.stride_head + tile * kAccumTileElems;
     int64_t const semaphore = (static_cast<int64_t>(batch_coord) * params.num_tiles + tile) * params.num_heads_kv + kv_head;
     return {offset, semaphore, tile >= 0 && tile < params.num_tiles};
   }
@@ -223,19 +230,52 @@ struct CollectiveEpilogueBwdGQA {
           bulk_wait_read();
         }
       }
-    } else {
-      if (semaphore) {
-        if (thread_idx == 0) { semaphore_wait_eq(semaphore, group_idx); }
-        named_barrier_sync(NumEpilogueThreads, BarrierId);
+    } else if (semaphore) {
+      // Deterministic: the members take turns, so a plain load-add-store has no race. Not atomics:
+      // global fp32 atomics (RED.F32.FTZ) flush subnormals to zero, and the sum would no longer be
+      // bitwise that of gqa_reduce (0 + p_0 + p_1 + ... in IEEE fp32, subnormals kept; nvcc's
+      // default -ftz=false). The loads and stores are ld/st.relaxed.gpu: never served from a
+      // stale L1 line, and, being asm volatile with a memory clobber, not moved across the wait,
+      // the barriers or the fence. A chunk's loads are all issued before its first store, so they
+      // overlap; chunks of 16 keep the extra registers few (the fragment is live beside them).
+      if (thread_idx == 0) { semaphore_wait_eq(semaphore, group_idx); }
+      named_barrier_sync(NumEpilogueThreads, BarrierId);  // the previous member's adds are visible (acquire + barrier)
+      constexpr int kChunk = kFragElems < 16 ? kFragElems : 16;
+#pragma unroll
+      for (int i0 = 0; i0 < kFragElems; i0 += kChunk) {
+        float sum[kChunk];
+#pragma unroll
+        for (int i = 0; i < kChunk; ++i) {
+          if (i0 + i < kFragElems) { sum[i] = load_relaxed_gpu(gmem_tile + accum_offset(thread_idx, i0 + i)); }
+        }
+#pragma unroll
+        for (int i = 0; i < kChunk; ++i) {
+          if (i0 + i < kFragElems) {
+            store_relaxed_gpu(gmem_tile + accum_offset(thread_idx, i0 + i), sum[i] + frag(i0 + i));
+          }
+        }
       }
+      __threadfence();
+      named_barrier_sync(NumEpilogueThreads, BarrierId);  // every thread's stores are performed
+      if (thread_idx == 0) { semaphore_release_inc(semaphore); }
+    } else {
+      // Unordered: fp32 atomics (these flush subnormal sums to zero: RED.F32.FTZ).
 #pragma unroll
       for (int i = 0; i < kFragElems; ++i) { atomicAdd(gmem_tile + accum_offset(thread_idx, i), frag(i)); }
-      if (semaphore) {
-        __threadfence();
-        named_barrier_sync(NumEpilogueThreads, BarrierId);  // every thread's atomics are performed
-        if (thread_idx == 0) { semaphore_release_inc(semaphore); }
-      }
     }
+  }
+
+  CUTLASS_DEVICE static float load_relaxed_gpu(float const* ptr) {
+    float value = 0.f;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+    asm volatile("ld.relaxed.gpu.global.f32 %0, [%1];" : "=f"(value) : "l"(ptr) : "memory");
+#endif
+    return value;
+  }
+  CUTLASS_DEVICE static void store_relaxed_gpu(float* ptr, float value) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+    asm volatile("st.relaxed.gpu.global.f32 [%0], %1;" : : "l"(ptr), "f"(value) : "memory");
+#endif
   }
 };
 
