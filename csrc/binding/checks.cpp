@@ -499,6 +499,11 @@ Problem check_gqa_accumulate(TensorArg dk_partial, TensorArg dv_partial, TensorA
                "flash_epilogue.gqa_accumulator(..., deterministic=True))",
            "None");
   }
+  // Deterministic mode's 1-D grid and int tickets: one work item per (row tile, batch, tensor, query head).
+  if (deterministic && (counters - 1) / h_k * h_q > std::numeric_limits<int32_t>::max()) {
+    c.fail("dk_partial: shape", "at most 2^31 - 1 (row tiles x batch x 2 x h_q) work items in deterministic mode",
+           num((counters - 1) / h_k * h_q));
+  }
   c.index_tensor(sem);
   if (sem.t && sem.t->numel() < counters) {
     c.fail("semaphores: numel",

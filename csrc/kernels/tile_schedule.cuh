@@ -33,10 +33,10 @@ CUTLASS_DEVICE cute::tuple<int, int> tile_to_block_and_batch(int tile, int batch
   return {tile - first_tile(lo), lo};
 }
 
-// Row tiles per head (host: grid sizes; locate_output_tile recomputes it in 32-bit): batched, of
-// `rows`; varlen, of the padded tile space. Below 2^31 / 64 + 65536 for rows < 2^31.
+// Row tiles per head (grid sizes; locate_output_tile splits its grid by it): batched, of `rows`;
+// varlen, of the padded tile space. Below 2^31 / 64 + 65536 for rows < 2^31.
 template <int kBlockN>
-int64_t row_tiles(int64_t rows, int batch, bool varlen) {
+CUTLASS_HOST_DEVICE int64_t row_tiles(int64_t rows, int batch, bool varlen) {
   return varlen ? rows / kBlockN + batch : (rows + kBlockN - 1) / kBlockN;
 }
 
@@ -107,8 +107,8 @@ CUTLASS_DEVICE TensorAndTile split_tensor_and_tile(int grid_x, int tiles_per_ten
 template <int kBlockN, class Epilogue, class Params>
 CUTLASS_DEVICE OutputTile<kBlockN> locate_output_tile(Params const& params) {
   auto const& ep = params.tensors[0].epilogue;
-  int const rows = cute::get<0>(ep.shape_dK);  // row_tiles in 32-bit: rows < 2^31, so no sum here wraps
-  int const tiles = rows / kBlockN + (ep.cu_seqlens != nullptr ? params.batch : (rows % kBlockN != 0));
+  bool const varlen = ep.cu_seqlens != nullptr;
+  int const tiles = static_cast<int>(row_tiles<kBlockN>(cute::get<0>(ep.shape_dK), params.batch, varlen));
   auto const [tensor, tile] = split_tensor_and_tile(blockIdx.x, tiles);
   TensorAndHead const out{tensor, static_cast<int>(blockIdx.y)};
   if (threadIdx.x == 0) { Epilogue::prefetch_tma_descriptors(params.tensors[out.tensor].epilogue); }
