@@ -27,6 +27,7 @@
 #include <array>
 #include <cstdint>
 #include <optional>
+#include <vector>
 
 #include "binding.h"
 
@@ -63,9 +64,19 @@ template <class Spec, class... Args>
 struct InplaceKernels<Spec, void(Args...)> {
   static bool writes(int i) { return (Spec::written >> i & 1u) != 0; }
 
-  static c10::TypedOperatorHandle<void(Args...)> const& op() {  // looked up once
-    static auto const handle =
-        c10::Dispatcher::singleton().findSchemaOrThrow(Spec::schema, "").template typed<void(Args...)>();
+  // Looked up once, and checked against the schema: the spec's names and Tensor(x!) positions are module.cpp's.
+  static c10::TypedOperatorHandle<void(Args...)> const& op() {
+    static auto const handle = [] {
+      c10::OperatorHandle const h = c10::Dispatcher::singleton().findSchemaOrThrow(Spec::schema, "");
+      std::vector<c10::Argument> const& schema_args = h.schema().arguments();
+      TORCH_INTERNAL_ASSERT(schema_args.size() == Spec::args.size(), Spec::schema, ": the spec's argument count");
+      for (size_t i = 0; i < schema_args.size(); ++i) {
+        bool const written = schema_args[i].alias_info() != nullptr && schema_args[i].alias_info()->isWrite();
+        TORCH_INTERNAL_ASSERT(schema_args[i].name() == Spec::args[i] && written == writes(static_cast<int>(i)),
+                              Spec::schema, ": the spec disagrees with the schema at argument ", i);
+      }
+      return h.template typed<void(Args...)>();
+    }();
     return handle;
   }
 
