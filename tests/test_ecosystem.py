@@ -10,11 +10,15 @@ torch.export and CUDA graphs.
 * export: a module calling store/store_zero (the wrappers, non-strict; the ops, strict).
 * CUDA graphs: every op captured once (the accumulator reset, deterministic accumulate, varlen metadata
   read on the device), replayed on new contents of the static inputs, metadata included.
+* autograd: every mutating op bumps the version of each tensor it writes (once, as copy_) and no other, so
+  backward through an overwritten saved tensor raises; torch's errors for a leaf requiring grad and an inference
+  tensor outside InferenceMode; an argument requiring grad (or a forward-mode tangent) raises naming it.
 
 The compile and export tests also run on the CPU (no GPU needed): CPU kernels written with
 flash_epilogue.reference stand in for the CUDA ones (the accumulator in a row-major stand-in layout),
-so what is checked there is that the Python API traces, not the kernels' values. The CUDA-graph test's step and
-references run eagerly on the CPU the same way (a check of the test itself).
+so what is checked there is that the Python API traces, not the kernels' values (for autograd: that the C++
+ADInplaceOrView/Autograd kernels above them bump and check; the errors they raise need no kernel at all). The
+CUDA-graph test's step and references run eagerly on the CPU the same way (a check of the test itself).
 """
 
 import pytest
@@ -458,3 +462,160 @@ def test_cuda_graph_every_op(request, device):
         dense_want = [torch.zeros_like(r) for r in ref]
         store_reference(ref[0], ref[1], dense_want[0], dense_want[1], seqused=t["used"])
         assert same(dense[0], dense_want[0]) and same(dense[1], dense_want[1]), trial
+
+
+# ---------------------------------------------------------------------------------------------
+# autograd: the in-place ops as torch's own (csrc/binding/autograd.cpp; torch's in-place ops the reference)
+
+
+def op_calls(t):
+    """{case: (call(t), {key of t it writes: argument}, {key of its other float tensor arguments: argument})}: every
+    mutating op (t: make_problem's tensors and the accumulator's as acck/accv/sem)."""
+    acc = {"acck": "dk_accum", "accv": "dv_accum"}
+    return {
+        "store": (lambda t: OPS.store(t["ak"], t["av"], t["dk"], t["dv"], seqused=t["used"]),
+                  {"dk": "dk", "dv": "dv"}, {"ak": "dk_accum", "av": "dv_accum"}),
+        "store_zero": (lambda t: OPS.store_zero(t["vdk"], t["vdv"], cu_seqlens=t["cu"], seqused=t["vused"]),
+                       {"vdk": "dk", "vdv": "dv"}, {}),
+        "gqa_accumulate": (lambda t: OPS.gqa_accumulate(t["pk"], t["pv"], t["acck"], t["accv"], t["sem"],
+                                                        deterministic=True),
+                           {**acc, "sem": "semaphores"}, {"pk": "dk_partial", "pv": "dv_partial"}),
+        "gqa_accumulate-nondet": (lambda t: OPS.gqa_accumulate(t["pk"], t["pv"], t["acck"], t["accv"], None),
+                                  acc, {"pk": "dk_partial", "pv": "dv_partial"}),
+        "gqa_postprocess": (lambda t: OPS.gqa_postprocess(t["acck"], t["accv"], t["ok"], t["ov"], scale_dk=0.125),
+                            {"ok": "dk", "ov": "dv"}, acc),
+        "gqa_accum_to_dense": (lambda t: OPS.gqa_accum_to_dense(t["acck"], t["dense"], head_dim=128),
+                               {"dense": "out"}, {"acck": "accum"}),
+        "gqa_reduce": (lambda t: OPS.gqa_reduce(t["rpk"], t["rpv"], t["rk"], t["rv"], cu_seqlens=t["cu"],
+                                                seqused=t["vused"]),
+                       {"rk": "dk", "rv": "dv"}, {"rpk": "dk_partial", "rpv": "dv_partial"}),
+        "gqa_reduce-dk": (lambda t: OPS.gqa_reduce(t["rpk"], None, t["rk"], None, cu_seqlens=t["cu"]), {"rk": "dk"},
+                          {"rpk": "dk_partial"}),
+    }
+
+
+def autograd_problem(device):
+    t, acc, _ = make_problem(device)
+    t.update(acck=acc.dk_accum, accv=acc.dv_accum, sem=acc.semaphores)
+    return t
+
+
+CASES = list(op_calls(None))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_inplace_ops_bump_the_written_versions(request, device):
+    # like torch's copy_ (one bump of the written tensor): each written tensor +1, every other one unchanged
+    device_setup(request, device)
+    t = autograd_problem(device)
+    ref = torch.zeros(3)
+    ref.copy_(torch.ones(3))
+    assert ref._version == 1
+    for case, (call, written, _) in op_calls(t).items():
+        before = {k: v._version for k, v in t.items()}
+        call(t)
+        bumps = {k: v._version - before[k] for k, v in t.items() if v._version != before[k]}
+        assert bumps == dict.fromkeys(written, 1), case
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("how", ["torch", "fe"])
+def test_overwritten_saved_tensor_raises_in_backward(request, device, how):
+    # y = x * w saves w; exp saves its output (overwritten under no_grad: it requires grad): backward raises, as
+    # after torch's own in-place ops (on the CPU the stand-ins' torch writes would bump as well: the GPU run checks)
+    device_setup(request, device)
+    t = autograd_problem(device)
+    x = torch.randn(t["dk"].shape, device=device).to(BF16).requires_grad_()
+    w = t["dk"]
+    y = (x * w).float().sum()
+    e = torch.randn(t["dk"].shape, device=device).to(BF16).requires_grad_().exp()
+    z = e.float().sum()
+    if how == "torch":
+        w.copy_(torch.ones_like(w))
+        with torch.no_grad():
+            e.zero_()
+    else:
+        OPS.store(t["ak"], t["av"], w, t["dv"])
+        with torch.no_grad():
+            OPS.store_zero(e, t["dv"])
+    for out in (y, z):
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            out.backward()
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_inplace_into_a_leaf_requiring_grad_raises(case):
+    # torch's messages (its check_inplace), before the argument checks; with grad mode off the call goes on to the
+    # kernel (the CPU registration: its device check)
+    t = autograd_problem("cpu")
+    call, written, _ = op_calls(t)[case]
+    for k in (k for k in written if t[k].is_floating_point()):
+        for view, what in ((False, "a leaf Variable"), (True, "a view of a leaf Variable")):
+            leaf = t[k].clone().requires_grad_()
+            want = what + " that requires grad is being used in an in-place operation."
+            with pytest.raises(RuntimeError, match=want):
+                (leaf[:] if view else leaf).copy_(t[k])  # torch's own
+            u = {**t, k: leaf[:] if view else leaf}
+            with pytest.raises(RuntimeError, match=want):
+                call(u)
+            with torch.no_grad(), pytest.raises(ValueError, match="expected a CUDA tensor"):
+                call(u)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_inplace_into_an_inference_tensor(request, device):
+    # outside InferenceMode: torch's own error, before the kernel writes (CPU tensors reach it, no stand-ins
+    # needed); inside it the op runs
+    t = autograd_problem(device)
+    for case, (call, written, _) in op_calls(t).items():
+        for k in written:
+            with torch.inference_mode():
+                u = {**t, k: t[k].clone()}
+            want = u[k].clone()
+            for f in (lambda: call(u), lambda: u[k].add_(0)):  # the op, torch's own
+                with pytest.raises(RuntimeError, match="Inplace update to inference tensor outside InferenceMode"):
+                    f()
+            assert same(u[k], want), (case, k)
+    device_setup(request, device)
+    with torch.inference_mode():
+        t = autograd_problem(device)
+        dk = t["dk"].clone()
+        OPS.store(t["ak"], t["av"], dk, t["dv"], seqused=t["used"])
+        store_reference(t["ak"], t["av"], t["dk"], t["dv"], seqused=t["used"])
+        assert dk.is_inference() and same(dk, t["dk"])
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_arguments_requiring_grad_raise(case):
+    # no derivative: a tensor argument requiring grad (grad mode on) or carrying a forward-mode tangent raises,
+    # naming the op and the argument; gqa_reduce's partials point to repeat_kv, whose backward it is
+    t = autograd_problem("cpu")
+    call, written, read = op_calls(t)[case]
+    op = case.split("-")[0]
+    for k, arg in [*read.items(), *((k, a) for k, a in written.items() if t[k].is_floating_point())]:
+        u = {**t, k: t[k].clone().requires_grad_() * 1}  # not a leaf: past torch's leaf check
+        with pytest.raises(RuntimeError, match=rf"^flash_epilogue\.{op}: {arg}: requires grad, but {op} has no "
+                           "derivative") as e:
+            call(u)
+        if op == "gqa_reduce" and k in read:
+            assert "backward of repeat_kv" in str(e.value) and "flash_epilogue.repeat_kv" in str(e.value)
+        with torch.no_grad(), pytest.raises(ValueError, match="expected a CUDA tensor"):
+            call(u)  # past the autograd kernel
+        with torch.autograd.forward_ad.dual_level():
+            u[k] = torch.autograd.forward_ad.make_dual(t[k], torch.zeros_like(t[k]))
+            with torch.no_grad(), pytest.raises(RuntimeError, match=rf"{op}: {arg}: has a forward-mode tangent"):
+                call(u)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gqa_reduce_of_partials_requiring_grad(request, device):
+    # the wrapper raises the op's error (it used to return a result with requires_grad=False); under no_grad it
+    # reduces; fe.repeat_kv is the differentiable path
+    device_setup(request, device)
+    p = torch.randn(2, 64, 6, 64, device=device).requires_grad_()
+    with pytest.raises(RuntimeError, match="gqa_reduce: dk_partial: requires grad.*flash_epilogue.repeat_kv"):
+        fe.gqa_reduce(p, num_heads_kv=2)
+    with torch.no_grad():
+        got = fe.gqa_reduce(p, num_heads_kv=2)
+    assert not got.requires_grad and same(got, gqa_reduce_reference(p.detach(), 2, out=torch.empty_like(got),
+                                                                    sequential=True))
