@@ -24,9 +24,9 @@
 #include <torch/csrc/autograd/VariableTypeUtils.h>
 #include <torch/library.h>
 
-#include <array>
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "binding.h"
@@ -55,30 +55,34 @@ bool has_tangent(TensorArg t) {  // a forward-mode AD dual tensor (only a tensor
   return t.unsafeGetTensorImpl()->autograd_meta() != nullptr && t._fw_grad(/*level=*/0).defined();
 }
 
-// Spec: the op's name, its argument names (schema order), `written` (bit i: argument i is a Tensor(x!)) and
-// `backward_of_repeat_kv` (bit i: argument i is a gradient whose derivative repeat_kv owns: gqa_reduce's partials).
+// Spec: the op (its schema's name), its C++ signature, and `backward_of_repeat_kv` (bit i: argument i is a gradient
+// whose derivative repeat_kv owns: gqa_reduce's partials). Argument names and Tensor(x!) positions come from the
+// registered schema (module.cpp), read once.
 template <class Spec, class Sig>
 struct InplaceKernels;
 
 template <class Spec, class... Args>
 struct InplaceKernels<Spec, void(Args...)> {
-  static bool writes(int i) { return (Spec::written >> i & 1u) != 0; }
-
-  // Looked up once, and checked against the schema: the spec's names and Tensor(x!) positions are module.cpp's.
-  static c10::TypedOperatorHandle<void(Args...)> const& op() {
-    static auto const handle = [] {
+  struct Op {
+    c10::TypedOperatorHandle<void(Args...)> handle;
+    std::vector<std::string> names;
+    uint32_t written = 0;  // bit i: argument i is a Tensor(x!)
+  };
+  static Op const& op() {
+    static Op const o = [] {
       c10::OperatorHandle const h = c10::Dispatcher::singleton().findSchemaOrThrow(Spec::schema, "");
-      std::vector<c10::Argument> const& schema_args = h.schema().arguments();
-      TORCH_INTERNAL_ASSERT(schema_args.size() == Spec::args.size(), Spec::schema, ": the spec's argument count");
-      for (size_t i = 0; i < schema_args.size(); ++i) {
-        bool const written = schema_args[i].alias_info() != nullptr && schema_args[i].alias_info()->isWrite();
-        TORCH_INTERNAL_ASSERT(schema_args[i].name() == Spec::args[i] && written == writes(static_cast<int>(i)),
-                              Spec::schema, ": the spec disagrees with the schema at argument ", i);
+      Op r{h.template typed<void(Args...)>(), {}, 0};
+      std::vector<c10::Argument> const& args = h.schema().arguments();
+      for (size_t i = 0; i < args.size(); ++i) {
+        r.names.push_back(args[i].name());
+        if (args[i].alias_info() != nullptr && args[i].alias_info()->isWrite()) { r.written |= 1u << i; }
       }
-      return h.template typed<void(Args...)>();
+      return r;
     }();
-    return handle;
+    return o;
   }
+  static bool writes(int i) { return (op().written >> i & 1u) != 0; }
+  static char const* name() { return Spec::schema + sizeof("flash_epilogue::") - 1; }  // the op's own name
 
   static void inplace_or_view(c10::DispatchKeySet ks, Args... args) {
     if (!c10::InferenceMode::is_enabled()) {
@@ -88,7 +92,7 @@ struct InplaceKernels<Spec, void(Args...)> {
     }
     {
       at::AutoDispatchBelowADInplaceOrView guard;
-      op().redispatch(ks & c10::after_ADInplaceOrView_keyset, args...);
+      op().handle.redispatch(ks & c10::after_ADInplaceOrView_keyset, args...);
     }
     for_each_tensor([](int i, TensorArg t) {
       if (writes(i)) { torch::autograd::increment_version(t); }
@@ -106,70 +110,52 @@ struct InplaceKernels<Spec, void(Args...)> {
       bool const requires_grad = grad_mode && t.requires_grad();
       if (!requires_grad && !has_tangent(t)) { return; }
       char const* const what = requires_grad ? "requires grad" : "has a forward-mode tangent";
-      TORCH_CHECK((Spec::backward_of_repeat_kv >> i & 1u) == 0, "flash_epilogue.", Spec::name, ": ", Spec::args[i],
-                  ": ", what, ", but ", Spec::name,
+      std::string const& arg = op().names[i];
+      TORCH_CHECK((Spec::backward_of_repeat_kv >> i & 1u) == 0, "flash_epilogue.", name(), ": ", arg, ": ", what,
+                  ", but ", name(),
                   " has no derivative: it is itself the backward of repeat_kv "
                   "(the group sum of the expanded heads' gradient). To differentiate through a KV-head expand use "
                   "flash_epilogue.repeat_kv, whose backward runs this reduce (double backward included); else call "
                   "it under torch.no_grad() or on detached partials");
-      TORCH_CHECK(false, "flash_epilogue.", Spec::name, ": ", Spec::args[i], ": ", what, ", but ", Spec::name,
+      TORCH_CHECK(false, "flash_epilogue.", name(), ": ", arg, ": ", what, ", but ", name(),
                   " has no derivative (a step of an attention backward): call it with grad mode off (inside a "
                   "backward without create_graph, or under torch.no_grad()) or on detached tensors");
     }, args...);
     at::AutoDispatchBelowAutograd guard;
-    op().redispatch(ks & c10::after_autograd_keyset, args...);
+    op().handle.redispatch(ks & c10::after_autograd_keyset, args...);
   }
 };
 
-// The specs, from module.cpp's schemas (argument order, Tensor(x!) positions) and the kernels' C++ signatures.
+// The specs: the kernels' C++ signatures (ops.cpp), checked against the schemas when the handles are typed.
 using OptInt = std::optional<int64_t>;
-
 struct Store {
   static constexpr char const* schema = "flash_epilogue::store";
-  static constexpr char const* name = "store";
-  static constexpr std::array<char const*, 7> args = {"dk_accum",   "dv_accum", "dk",   "dv",
-                                                      "cu_seqlens", "seqused",  "_arch"};
-  static constexpr uint32_t written = 0b1100, backward_of_repeat_kv = 0;
+  static constexpr uint32_t backward_of_repeat_kv = 0;
   using Sig = void(TensorArg, TensorArg, TensorArg, TensorArg, OptArg, OptArg, int64_t);
 };
 struct StoreZero {
   static constexpr char const* schema = "flash_epilogue::store_zero";
-  static constexpr char const* name = "store_zero";
-  static constexpr std::array<char const*, 9> args = {"dk",       "dv",        "cu_seqlens", "seqused", "batch_idx",
-                                                      "head_idx", "row_start", "row_end",    "_arch"};
-  static constexpr uint32_t written = 0b11, backward_of_repeat_kv = 0;
+  static constexpr uint32_t backward_of_repeat_kv = 0;
   using Sig = void(TensorArg, TensorArg, OptArg, OptArg, OptArg, OptArg, int64_t, OptInt, int64_t);
 };
 struct GqaAccumulate {
   static constexpr char const* schema = "flash_epilogue::gqa_accumulate";
-  static constexpr char const* name = "gqa_accumulate";
-  static constexpr std::array<char const*, 9> args = {"dk_partial", "dv_partial",    "dk_accum",
-                                                      "dv_accum",   "semaphores",    "cu_seqlens",
-                                                      "seqused",    "deterministic", "_arch"};
-  static constexpr uint32_t written = 0b11100, backward_of_repeat_kv = 0;
+  static constexpr uint32_t backward_of_repeat_kv = 0;
   using Sig = void(TensorArg, TensorArg, TensorArg, TensorArg, OptArg, OptArg, OptArg, bool, int64_t);
 };
 struct GqaPostprocess {
   static constexpr char const* schema = "flash_epilogue::gqa_postprocess";
-  static constexpr char const* name = "gqa_postprocess";
-  static constexpr std::array<char const*, 9> args = {"dk_accum", "dv_accum",   "dk",      "dv",   "scale_dk",
-                                                      "scale_dv", "cu_seqlens", "seqused", "_arch"};
-  static constexpr uint32_t written = 0b1100, backward_of_repeat_kv = 0;
+  static constexpr uint32_t backward_of_repeat_kv = 0;
   using Sig = void(TensorArg, TensorArg, TensorArg, TensorArg, double, double, OptArg, OptArg, int64_t);
 };
 struct GqaAccumToDense {
   static constexpr char const* schema = "flash_epilogue::gqa_accum_to_dense";
-  static constexpr char const* name = "gqa_accum_to_dense";
-  static constexpr std::array<char const*, 6> args = {"accum", "out", "head_dim", "cu_seqlens", "seqused", "_arch"};
-  static constexpr uint32_t written = 0b10, backward_of_repeat_kv = 0;
+  static constexpr uint32_t backward_of_repeat_kv = 0;
   using Sig = void(TensorArg, TensorArg, int64_t, OptArg, OptArg, int64_t);
 };
 struct GqaReduce {
   static constexpr char const* schema = "flash_epilogue::gqa_reduce";
-  static constexpr char const* name = "gqa_reduce";
-  static constexpr std::array<char const*, 9> args = {"dk_partial", "dv_partial", "dk",       "dv",   "cu_seqlens",
-                                                      "seqused",    "scale_dk",   "scale_dv", "_arch"};
-  static constexpr uint32_t written = 0b1100, backward_of_repeat_kv = 0b11;
+  static constexpr uint32_t backward_of_repeat_kv = 0b11;  // dk_partial, dv_partial
   using Sig = void(TensorArg, OptArg, TensorArg, OptArg, OptArg, OptArg, double, double, int64_t);
 };
 
@@ -178,11 +164,11 @@ using KernelsOf = InplaceKernels<Spec, typename Spec::Sig>;
 
 template <class... Specs>
 void register_inplace_or_view(torch::Library& m) {
-  (m.impl(Specs::name, TORCH_FN(KernelsOf<Specs>::inplace_or_view)), ...);
+  (m.impl(KernelsOf<Specs>::name(), TORCH_FN(KernelsOf<Specs>::inplace_or_view)), ...);
 }
 template <class... Specs>
 void register_autograd(torch::Library& m) {
-  (m.impl(Specs::name, TORCH_FN(KernelsOf<Specs>::autograd)), ...);
+  (m.impl(KernelsOf<Specs>::name(), TORCH_FN(KernelsOf<Specs>::autograd)), ...);
 }
 
 TORCH_LIBRARY_IMPL(flash_epilogue, ADInplaceOrView, m) {
