@@ -9,7 +9,8 @@ flash_epilogue.reference.
 
 --tool picks the configuration set: memcheck and synccheck run the full set (every head dim
 64/80/96/128/160/192/256 for store batched and varlen+seqused, store_zero, deterministic and
-atomic gqa_accumulate + postprocess + to_dense, gqa_reduce, the `_arch=80` path); racecheck and
+atomic gqa_accumulate + postprocess + to_dense, gqa_reduce, the `_arch=80` path, unchecked cu_seqlens
+near the int32 limit); racecheck and
 initcheck are much slower per kernel, so they run a reduced set that still covers each op, both
 code paths, the swapAB configs (192, 256), varlen+seqused and deterministic mode.
 
@@ -256,6 +257,25 @@ def run_gqa_reduce(d, dv=None, layout="batched", seqused=False, partial="fp32", 
         expect_equal("dv", out[1], gqa_reduce_reference(pv, h_k, out_dtype=DT[dtype], scale=1.0, sequential=True))
 
 
+def run_bad_metadata(d, arch=0, seed=0):
+    """Unchecked cu_seqlens near the int32 limit (their sums pass 2^31) through every op that reads them: the
+    tools see whether anything outside the tensors is read or written; what lands inside is unspecified."""
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    for cu in ([0, 100, 200, 2**31 - 11, 2**31 - 1], [2**31 - 1] * 3):
+        seq = {"cu_seqlens": torch.tensor(cu, dtype=torch.int32, device=DEV)}
+        acc_k, acc_v = input_view((300, 2, d), gen), input_view((300, 2, d), gen, padded=False)
+        (_, dk), (_, dv) = output_view((300, 2, d), torch.bfloat16), output_view((300, 2, d), torch.bfloat16, True)
+        call(fe.store, acc_k, acc_v, dk, dv, _arch=arch, **seq)
+        pk, pv = input_view((300, 8, d), gen), input_view((300, 8, d), gen, padded=False)
+        call(fe.gqa_reduce, pk, pv, num_heads_kv=2, out=(dk, dv), _arch=arch, **seq)
+        acc = fe.gqa_accumulator(2, d, deterministic=True, device=DEV, arch=arch, total_tokens=300, **seq)
+        call(fe.gqa_accumulate, pk, pv, acc, deterministic=True, **seq)
+        call(fe.gqa_postprocess, acc, dk, dv, **seq)
+        if executed():
+            acc.to_dense(**seq)
+            torch.cuda.synchronize()
+
+
 # ---------------------------------------------------------------------------------------------
 # the configuration sets
 
@@ -295,6 +315,7 @@ def full_set():
         ("gqa_accumulate", run_gqa_accumulate, {"d": 128, "layout": "varlen", "seqused": True, "arch": 80}),
         ("gqa_accumulate", run_gqa_accumulate, {"d": 256, "arch": 80, "g": 6, "h_k": 1}),
     ]
+    cfgs += [("bad_metadata", run_bad_metadata, {"d": d, "arch": arch}) for d in (64, 128) for arch in (0, 80)]
     return cfgs
 
 
@@ -313,11 +334,12 @@ def reduced_set():
         ("gqa_accumulate", run_gqa_accumulate, {"d": 128, "layout": "varlen", "seqused": True}),
         ("gqa_accumulate", run_gqa_accumulate, {"d": 256, "g": 2}),
         ("gqa_accumulate", run_gqa_accumulate, {"d": 128, "layout": "varlen", "seqused": True, "arch": 80}),
+        ("bad_metadata", run_bad_metadata, {"d": 128}),
     ]
 
 
 SETS = {"memcheck": full_set, "synccheck": full_set, "racecheck": reduced_set, "initcheck": reduced_set}
-GROUPS = {"all": None, "store": ("store", "store_zero"), "gqa": ("gqa_accumulate", "gqa_reduce")}
+GROUPS = {"all": None, "store": ("store", "store_zero", "bad_metadata"), "gqa": ("gqa_accumulate", "gqa_reduce")}
 
 
 def describe(op, kw):
