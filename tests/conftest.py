@@ -4,6 +4,10 @@ Canary buffers: 16-bit ones hold CANARY_BITS, a NaN payload no conversion produc
 did not write keeps these bits); fp32 ones NaN (a read outside a view poisons the result). Outputs are views
 carved out of such buffers and the WHOLE buffer is compared bitwise with the reference applied to a clone.
 """
+import os
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -27,6 +31,12 @@ def _sm90_kernels() -> tuple[bool, str]:
 
 
 HAVE_SM90, WHY_NOT = _sm90_kernels()
+
+
+def nvcc() -> str | None:
+    """The nvcc that compiles the header-library tests (PATH, else CUDA_HOME's), or None."""
+    cuda_home = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda"))
+    return shutil.which("nvcc") or (str(cuda_home / "bin/nvcc") if (cuda_home / "bin/nvcc").exists() else None)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,7 +1,5 @@
 """examples/custom_kernel: a user's own extension that includes the collective. CI compiles it
 (CPU); on an sm_90 GPU it is built with torch's JIT loader and must give `.to(bf16)` bitwise."""
-import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -10,14 +8,10 @@ import pytest
 import torch
 
 import flash_epilogue
+from conftest import nvcc
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "custom_kernel"
-
-
-def _nvcc():
-    cuda_home = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda"))
-    return shutil.which("nvcc") or (str(cuda_home / "bin/nvcc") if (cuda_home / "bin/nvcc").exists() else None)
 
 
 def _runs_on_gpu() -> bool:
@@ -26,7 +20,7 @@ def _runs_on_gpu() -> bool:
     return HAVE_SM90
 
 
-@pytest.mark.skipif(_nvcc() is None, reason="no nvcc")
+@pytest.mark.skipif(nvcc() is None, reason="no nvcc")
 @pytest.mark.skipif(_runs_on_gpu(), reason="test_example_runs builds and runs it here")
 def test_example_compiles(tmp_path):
     # both sources at once, as the JIT loader's ninja does: the kernel with nvcc and no torch
@@ -41,12 +35,12 @@ def test_example_compiles(tmp_path):
     finally:
         sys.path.pop(0)
     assert set(build.SOURCES) == {"epilogue_example.cu", "example_binding.cpp"}
-    kernel = [_nvcc(), *build.NVCC_FLAGS, "-c", str(EXAMPLE / "epilogue_example.cu"), "-o", str(tmp_path / "kernel.o"),
+    kernel = [nvcc(), *build.NVCC_FLAGS, "-c", str(EXAMPLE / "epilogue_example.cu"), "-o", str(tmp_path / "kernel.o"),
               *[f"-I{d}" for d in flash_epilogue.get_include()]]
     includes = [*include_paths(), sysconfig.get_paths()["include"]]
     # nvcc as the host compiler's driver: it adds CUDA's own include directory (cuda_runtime.h),
     # wherever CUDA_HOME points or not
-    binding = [_nvcc(), "-x", "c++", "-std=c++20", "-DTORCH_EXTENSION_NAME=example", "-DTORCH_API_INCLUDE_EXTENSION_H",
+    binding = [nvcc(), "-x", "c++", "-std=c++20", "-DTORCH_EXTENSION_NAME=example", "-DTORCH_API_INCLUDE_EXTENSION_H",
                "-c", str(EXAMPLE / "example_binding.cpp"), "-o", str(tmp_path / "binding.o"),
                *[f"-I{d}" for d in includes]]
     running = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

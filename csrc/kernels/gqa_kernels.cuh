@@ -121,7 +121,7 @@ struct GqaAccumulateKernel {
                                                     coll.cu_seqlens ? 0 : bidb, seqlen_info.offset, n_block);
     load_accum_tile<Config::kSwapAB, kBlockN, kHeadDim>(frag, thr_mma, gtile, valid_rows, get<1>(work.shape));
     auto& storage = *reinterpret_cast<typename Collective::TensorStorage*>(smem);
-    Collective{}.store(coll, frag, frag, storage, thread_idx, make_tuple(n_block, q_head, bidb));
+    Collective{}.store(coll, frag, frag, storage, tiled_mma, thread_idx, make_tuple(n_block, q_head, bidb));
   }
 };
 

@@ -73,15 +73,17 @@ char const* launch_gqa_accumulate(GqaAccumulateLaunchArgs const& args, cudaStrea
   using Collective = typename Kernel::Collective;
   bool const varlen = args.cu_seqlens != nullptr;
   int const batch_extent = varlen ? 1 : args.batch;
-  int64_t const counters = static_cast<int64_t>(batch_extent) * args.dk_accum.num_tiles * args.num_heads_kv;
-  // One collective per accumulator (the driver splits dK and dV over CTAs); dV's counters follow dK's.
-  auto coll_args = [&](AccumDesc const& accum, int* semaphores) {
-    return typename Collective::Arguments{accum.ptr, nullptr, accum.head_stride, accum.batch_stride, accum.num_tiles,
-                                          batch_extent, args.num_heads_q, args.num_heads_kv, args.rows, semaphores,
-                                          args.cu_seqlens, args.seqused};
+  // One collective per accumulator (the driver splits dK and dV over CTAs); dV's counters follow dK's, then the
+  // ticket (the buffer: 2 * counters + 1 ints, as the binding's AccumLayout::semaphore_numel sizes it).
+  auto coll_args = [&](AccumDesc const& accum, int* semaphores, int64_t num_semaphores) {
+    return typename Collective::Arguments{accum.ptr,       nullptr,        accum.head_stride, accum.batch_stride,
+                                          accum.num_tiles, batch_extent,   args.num_heads_q,  args.num_heads_kv,
+                                          args.rows,       semaphores,     args.cu_seqlens,   args.seqused,
+                                          num_semaphores};
   };
-  auto const dk_args = coll_args(args.dk_accum, args.semaphores);
-  auto const dv_args = coll_args(args.dv_accum, args.semaphores ? args.semaphores + counters : nullptr);
+  int64_t const counters = Collective::semaphore_count(coll_args(args.dk_accum, nullptr, 0));
+  auto const dk_args = coll_args(args.dk_accum, args.semaphores, counters);
+  auto const dv_args = coll_args(args.dv_accum, args.semaphores ? args.semaphores + counters : nullptr, counters);
   if (char const* why = Collective::can_implement(dk_args)) { return why; }
   if (char const* why = Collective::can_implement(dv_args)) { return why; }
   dim3 const tiles = row_tile_grid<Config::kBlockN>(args.rows, args.num_heads_q, args.batch, varlen);

@@ -159,7 +159,10 @@ struct CollectiveEpilogueBwd {
       ArchTag::kMinComputeCapability >= 90 ? cutlass::detail::alignment_for_swizzle(SmemLayoutdKV{}) : 128;
   static_assert(SmemAlignmentdKV >= 128, "shared-memory tiles need at least 128-byte alignment");
 
-  struct TensorStorage : cute::aligned_struct<SmemAlignmentdKV> {
+  // No empty base (cute::aligned_struct): kernels put this in a union inside a SharedStorage that itself derives
+  // from an aligned_struct, and two empty bases of one type may not share an address, so the compiler would move
+  // the union by its alignment (1 KB more shared memory). The members carry the alignment.
+  struct TensorStorage {
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutdKV>, SmemAlignmentdKV> smem_dk;
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutdKV>, SmemAlignmentdKV> smem_dv;
   };

@@ -36,8 +36,10 @@
 // (e.g. an atomic ticket in (tile, kv_head, g) order, as csrc/kernels does), never rely on the
 // hardware scheduling lower block indices first.
 //
-// Contract: NumEpilogueThreads threads call `store` together; named barrier BarrierId over them;
-// TensorStorage (sm_90: kAccumTileElems floats) passed in.
+// Contract: NumEpilogueThreads threads call `store` (or `store_zero`) together; named barrier BarrierId over them;
+// TensorStorage (sm_90: kAccumTileElems floats) passed in. The members match CollectiveEpilogueBwd's (Element,
+// Varlen, TensorStorage, Arguments, Params, can_implement, to_underlying_arguments, prefetch_tma_descriptors,
+// store, store_tail, store_zero), so a kernel can switch between the two with std::conditional_t.
 
 #include <cute/tensor.hpp>
 #include <cutlass/arch/arch.h>
@@ -62,8 +64,10 @@ template <class TileShape_MNK_, class ArchTag_, int NumEpilogueThreads_, int kAc
           int BarrierId_ = kDefaultEpilogueBarrierId>
 struct CollectiveEpilogueBwdGQA {
   using TileShape_MNK = TileShape_MNK_;
+  using Element = float;  // what it writes: the fp32 accumulators
   using ArchTag = ArchTag_;
   static constexpr int NumEpilogueThreads = NumEpilogueThreads_;
+  static constexpr bool Varlen = true;  // cu_seqlens / seqused honoured when given (run time; no TMA descriptor)
   static constexpr int kAccumTileElems = kAccumTileElems_;
   static constexpr int BarrierId = BarrierId_;
   static constexpr int kBlockN = cute::get<1>(TileShape_MNK{});
@@ -81,7 +85,9 @@ struct CollectiveEpilogueBwdGQA {
   static constexpr int kNumWarpGroups = Use_BulkReduce ? NumEpilogueThreads / cutlass::NumThreadsPerWarpGroup : 1;
   static constexpr int kSlabElems = kAccumTileElems / kNumWarpGroups;
 
-  struct TensorStorageBulk : cute::aligned_struct<128> {
+  // No empty base: see CollectiveEpilogueBwd::TensorStorage (an aligned_struct<128> base here grew a kernel's
+  // SharedStorage, itself an aligned_struct<128>, by 1 KB).
+  struct TensorStorageBulk {
     cute::array_aligned<float, kAccumTileElems, 128> smem_dkv;
   };
   struct TensorStorageAtomic {};
@@ -97,10 +103,19 @@ struct CollectiveEpilogueBwdGQA {
     int num_heads_q;
     int num_heads_kv;
     int static_seqlen;     // batched layout's seqlen (SeqlenInfo); the token count in varlen
-    int* semaphores = nullptr;  // deterministic: 2 * batch_extent * num_tiles * h_k zeroed counters
+    int* semaphores = nullptr;  // deterministic: semaphore_count(*this) zeroed counters
     int const* cu_seqlens = nullptr;
     int const* seqused = nullptr;
+    int64_t num_semaphores = 0;  // the counters `semaphores` holds (can_implement refuses fewer than needed)
   };
+
+  // Counters deterministic mode needs: one per (tile, kv_head, batch extent) of dK, and as many for dV when it is
+  // given (dV's follow dK's). At most 2 * batch_extent * num_tiles * num_heads_kv (indices are 64-bit); varlen:
+  // num_tiles = the padded tile space, total_tokens / kBlockN + batch.
+  static int64_t semaphore_count(Arguments const& args) {
+    return (args.ptr_dVaccum != nullptr ? 2 : 1) * static_cast<int64_t>(args.batch_extent) * args.num_tiles *
+           args.num_heads_kv;
+  }
 
   struct Params {
     float* ptr_dKaccum;
@@ -125,6 +140,9 @@ struct CollectiveEpilogueBwdGQA {
       return "accumulators must be 16-byte aligned";
     }
     if (args.stride_head % 4 || args.stride_batch % 4) { return "accumulator strides must be multiples of 16 bytes"; }
+    if (args.semaphores != nullptr && args.num_semaphores < semaphore_count(args)) {
+      return "the semaphore buffer holds fewer counters than semaphore_count(args)";
+    }
     return nullptr;
   }
 
@@ -182,11 +200,16 @@ struct CollectiveEpilogueBwdGQA {
     return {offset, semaphore, tile >= 0 && tile < params.num_tiles};
   }
 
+  // No TMA descriptor to prefetch: kept so that one kernel can call either collective.
+  CUTLASS_DEVICE static void prefetch_tma_descriptors(Params const&) {}
+
   // block_coord = (n_block, q_head, batch). Adds dV then dK of this tile into the accumulators; with
   // ptr_dVaccum null only dK (tdVrdV ignored), e.g. for a driver that gives dK and dV their own CTAs.
-  template <class FrgTensor>
+  // tiled_mma is not used (the fragment order is accum_offset's); the argument makes the call that of
+  // CollectiveEpilogueBwd::store.
+  template <class FrgTensor, class TiledMma>
   CUTLASS_DEVICE void store(Params const& params, FrgTensor const& tdKrdK, FrgTensor const& tdVrdV,
-                            TensorStorage& storage, int thread_idx,
+                            TensorStorage& storage, TiledMma const& /*tiled_mma*/, int thread_idx,
                             cute::tuple<int32_t, int32_t, int32_t> const& block_coord) const {
     static_assert(decltype(cute::size(tdKrdK))::value == kFragElems, "fragment of another TiledMma or thread count");
     auto [n_block, q_head, bidb] = block_coord;
@@ -198,6 +221,29 @@ struct CollectiveEpilogueBwdGQA {
     int* const sem_dv = params.semaphores ? params.semaphores + params.num_semaphores_per_tensor + loc.semaphore : nullptr;
     if (params.ptr_dVaccum) { add_tile(tdVrdV, params.ptr_dVaccum + loc.offset, sem_dv, group_idx, storage, thread_idx); }
     add_tile(tdKrdK, params.ptr_dKaccum + loc.offset, sem_dk, group_idx, storage, thread_idx);
+  }
+
+  // Nothing is left in flight after `store` returns.
+  CUTLASS_DEVICE void store_tail() const {}
+
+  // A member with nothing to add to tile block_coord (e.g. no query rows reach it): the accumulators are
+  // left as they are (adding zeros changes nothing); in deterministic mode it still takes its turn, so
+  // members after it in the group do not wait for it forever.
+  CUTLASS_DEVICE void store_zero(Params const& params, int thread_idx,
+                                 cute::tuple<int32_t, int32_t, int32_t> const& block_coord) const {
+    if (params.semaphores == nullptr) { return; }
+    auto [n_block, q_head, bidb] = block_coord;
+    int group_idx;
+    int const kv_head = params.qhead_per_khead_divmod.divmod(group_idx, q_head);
+    TileLocation const loc = locate(params, n_block, kv_head, bidb);
+    if (!loc.valid || thread_idx != 0) { return; }
+    int* const sem_dk = params.semaphores + loc.semaphore;
+    auto take_turn = [group_idx](int* semaphore) {
+      semaphore_wait_eq(semaphore, group_idx);
+      semaphore_release_inc(semaphore);
+    };
+    if (params.ptr_dVaccum) { take_turn(sem_dk + params.num_semaphores_per_tensor); }  // in store's order: dV, dK
+    take_turn(sem_dk);
   }
 
  private:
