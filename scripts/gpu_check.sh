@@ -12,6 +12,9 @@
 #   bench_host  benchmarks/bench_host.py: the wrappers' host time against torch.ops -> host_time.json
 #   bench_ops   benchmarks/bench_ops.py: every op against its baselines and the copy roofline
 #               -> h200.json/csv/png (BENCH_TIMEOUT_S; BENCH_OPS_ARGS, e.g. --quick); give it a call of its own
+#   fa3         scripts/fa3_check.py: FlashAttention-3 built as is and with the compat header, compared and
+#               timed -> fa3_check.json (FA3_DIR, default .fa3: FA3's hopper/ sources, carried; FA3_CHECK_ARGS;
+#               the builds are kept in FA3_WORK, default /tmp/fa3_check, for a later call on a warm machine)
 # GPU_CHECK_DEADLINE_S: the seconds the whole script may take; test, bench_ops and sanitize shrink to
 # fit, and test / bench_ops are skipped (and say so) when they cannot.
 # Needs the nvidia-cutlass wheel in .whl/ (carried: the device machine has no registry):
@@ -106,6 +109,12 @@ elif has bench_ops; then
   # shellcheck disable=SC2086 (BENCH_OPS_ARGS is a list of options)
   timeout -s INT -k 30 "${BENCH_TIMEOUT_S}" python3 benchmarks/bench_ops.py --out "$OUT" --commit "$COMMIT" \
     ${BENCH_OPS_ARGS:-} 2>&1 | tee "$OUT/bench_ops.log" || status=1
+fi
+if has fa3; then
+  # shellcheck disable=SC2086 (FA3_CHECK_ARGS is a list of options)
+  python3 scripts/fa3_check.py --fa3 "${FA3_DIR:-.fa3}" --work "${FA3_WORK:-/tmp/fa3_check}" \
+    --out "$OUT/fa3_check.json" --jobs "${MAX_JOBS:-16}" ${FA3_CHECK_ARGS:-} 2>&1 | tee "$OUT/fa3_check.log" || status=1
+  (cd "${FA3_WORK:-/tmp/fa3_check}" && tail -c 20000 compat.build.log > "$OUT/fa3_compat_build.log" 2>/dev/null; true)
 fi
 # The device tool returns at most 8 files: bundle the logs.
 (cd "$OUT" && files=$(ls *.log junit.xml 2>/dev/null; true) && [ -n "$files" ] && tar czf logs.tgz $files \

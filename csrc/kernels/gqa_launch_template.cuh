@@ -76,10 +76,14 @@ char const* launch_gqa_accumulate(GqaAccumulateLaunchArgs const& args, cudaStrea
   // One collective per accumulator (the driver splits dK and dV over CTAs); dV's counters follow dK's, then the
   // ticket (the buffer: 2 * counters + 1 ints, as the binding's AccumLayout::semaphore_numel sizes it).
   auto coll_args = [&](AccumDesc const& accum, int* semaphores, int64_t num_semaphores) {
-    return typename Collective::Arguments{accum.ptr,       nullptr,        accum.head_stride, accum.batch_stride,
-                                          accum.num_tiles, batch_extent,   args.num_heads_q,  args.num_heads_kv,
-                                          args.rows,       semaphores,     args.cu_seqlens,   args.seqused,
-                                          num_semaphores};
+    typename Collective::Arguments a{accum.ptr,       nullptr,      accum.head_stride, accum.batch_stride,
+                                     accum.num_tiles, batch_extent, args.num_heads_q,  args.num_heads_kv,
+                                     args.rows};
+    a.dk_semaphores = semaphores;  // this accumulator is the collective's dK
+    a.cu_seqlens = args.cu_seqlens;
+    a.seqused = args.seqused;
+    a.num_semaphores = num_semaphores;
+    return a;
   };
   int64_t const counters = Collective::semaphore_count(coll_args(args.dk_accum, nullptr, 0));
   auto const dk_args = coll_args(args.dk_accum, args.semaphores, counters);

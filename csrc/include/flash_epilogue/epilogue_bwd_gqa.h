@@ -26,15 +26,21 @@
 // except in deterministic mode, where each member in turn loads, adds and stores its tile (plain
 // fp32 adds keep subnormals; atomics flush them). dV first, then dK, reusing the one shared buffer.
 //
-// Deterministic mode (semaphores != nullptr): one int32 counter per (tile, kv_head) for dV and
-// one for dK, index (batch * num_tiles + tile) * h_k + kv_head (collision-free in varlen too,
-// and sized from shapes alone). The CTA of group member g waits until the counter equals g, adds,
-// waits until its add is *complete* in global memory, then increments: the adds land in head
-// order 0..g-1, so results are bitwise reproducible. Counters must be zero before the launch.
-// The waits cannot deadlock only if member g-1 of a tile is guaranteed to run while member g
-// waits: the caller must hand out work so that member g of a tile is started after member g-1
-// (e.g. an atomic ticket in (tile, kv_head, g) order, as csrc/kernels does), never rely on the
-// hardware scheduling lower block indices first.
+// Deterministic mode (dk_semaphores != nullptr): one int32 counter per (tile, kv_head) for each accumulator,
+// in a buffer of its own (dk_semaphores, dv_semaphores), in one of two orders (CounterOrder):
+//   kPaddedTile    (batch * num_tiles + tile) * h_k + kv_head, tile as in the accumulator (the padded
+//                  tile space in varlen, batch 0): collision-free, sized from the shapes alone
+//                  (batch_extent * num_tiles * h_k). The default; csrc/kernels uses it.
+//   kSequenceBlock (n_block * num_batch + batch) * h_k + kv_head, n_block counted from the sequence's
+//                  start: FlashAttention-3's order, which fits the ceil(max_seqlen_k / kBlockN) * batch * h_k
+//                  counters its host allocates (n_block < ceil(seqlen_b / kBlockN) for consistent metadata;
+//                  the collective itself bounds n_block by num_tiles).
+// The CTA of group member g waits until the counter equals g, adds, waits until its add is *complete* in
+// global memory, then increments: the adds land in head order 0..g-1, so results are bitwise reproducible.
+// Counters must be zero before the launch. The waits cannot deadlock only if member g-1 of a tile is
+// guaranteed to run while member g waits: the caller must hand out work so that member g of a tile is
+// started after member g-1 (e.g. an atomic ticket in (tile, kv_head, g) order, as csrc/kernels does), never
+// rely on the hardware scheduling lower block indices first.
 //
 // Contract: NumEpilogueThreads threads call `store` (or `store_zero`) together; named barrier BarrierId over them;
 // TensorStorage (sm_90: kAccumTileElems floats) passed in. The members match CollectiveEpilogueBwd's (Element,
@@ -52,6 +58,9 @@
 #include "flash_epilogue/seqlen_info.h"
 
 namespace flash_epilogue {
+
+// The order of deterministic mode's counters (see the layout comment above).
+enum class CounterOrder { kPaddedTile, kSequenceBlock };
 
 // Template parameters:
 //   TileShape_MNK       (BLK_M, BLK_N, BLK_D) of the mainloop (BLK_M unused).
@@ -103,18 +112,21 @@ struct CollectiveEpilogueBwdGQA {
     int num_heads_q;
     int num_heads_kv;
     int static_seqlen;     // batched layout's seqlen (SeqlenInfo); the token count in varlen
-    int* semaphores = nullptr;  // deterministic: semaphore_count(*this) zeroed counters
+    int* dk_semaphores = nullptr;  // deterministic: semaphore_count(*this) zeroed counters for dKaccum
+    int* dv_semaphores = nullptr;  // and as many for dVaccum (needed when ptr_dVaccum is given)
     int const* cu_seqlens = nullptr;
     int const* seqused = nullptr;
-    int64_t num_semaphores = 0;  // the counters `semaphores` holds (can_implement refuses fewer than needed)
+    int64_t num_semaphores = 0;  // the counters each buffer holds (can_implement refuses fewer than needed)
+    CounterOrder counter_order = CounterOrder::kPaddedTile;
+    int num_batch = 1;  // the batch size (kSequenceBlock only; in varlen batch_extent is 1)
   };
 
-  // Counters deterministic mode needs: one per (tile, kv_head, batch extent) of dK, and as many for dV when it is
-  // given (dV's follow dK's). At most 2 * batch_extent * num_tiles * num_heads_kv (indices are 64-bit); varlen:
-  // num_tiles = the padded tile space, total_tokens / kBlockN + batch.
+  // Counters deterministic mode needs per accumulator: one per (tile, kv_head) of each batch the order
+  // tells apart (kPaddedTile: batch_extent * num_tiles * h_k, in varlen the padded tile space, total_tokens /
+  // kBlockN + batch tiles; kSequenceBlock: num_batch * num_tiles * h_k). Indices are 64-bit.
   static int64_t semaphore_count(Arguments const& args) {
-    return (args.ptr_dVaccum != nullptr ? 2 : 1) * static_cast<int64_t>(args.batch_extent) * args.num_tiles *
-           args.num_heads_kv;
+    int const batches = args.counter_order == CounterOrder::kPaddedTile ? args.batch_extent : args.num_batch;
+    return static_cast<int64_t>(batches) * args.num_tiles * args.num_heads_kv;
   }
 
   struct Params {
@@ -125,11 +137,13 @@ struct CollectiveEpilogueBwdGQA {
     int num_tiles;
     int num_heads_kv;
     int static_seqlen;
-    int64_t num_semaphores_per_tensor;
     cutlass::FastDivmod qhead_per_khead_divmod;
-    int* semaphores;
+    int* dk_semaphores;
+    int* dv_semaphores;
     int const* cu_seqlens;
     int const* seqused;
+    CounterOrder counter_order;
+    int num_batch;
   };
 
   static char const* can_implement(Arguments const& args) {
@@ -140,17 +154,28 @@ struct CollectiveEpilogueBwdGQA {
       return "accumulators must be 16-byte aligned";
     }
     if (args.stride_head % 4 || args.stride_batch % 4) { return "accumulator strides must be multiples of 16 bytes"; }
-    if (args.semaphores != nullptr && args.num_semaphores < semaphore_count(args)) {
-      return "the semaphore buffer holds fewer counters than semaphore_count(args)";
+    if (args.dk_semaphores != nullptr) {
+      if (args.ptr_dVaccum != nullptr && args.dv_semaphores == nullptr) {
+        return "deterministic mode with ptr_dVaccum needs dv_semaphores";
+      }
+      if (args.counter_order == CounterOrder::kSequenceBlock && args.num_batch <= 0) {
+        return "the kSequenceBlock counter order needs num_batch >= 1";
+      }
+      if (args.num_semaphores < semaphore_count(args)) {
+        return "a semaphore buffer holds fewer counters than semaphore_count(args)";
+      }
     }
     return nullptr;
   }
 
   static Params to_underlying_arguments(Arguments const& args) {
-    int64_t const counters = static_cast<int64_t>(args.batch_extent) * args.num_tiles * args.num_heads_kv;
-    return {args.ptr_dKaccum, args.ptr_dVaccum, args.stride_head, args.stride_batch, args.num_tiles,
-            args.num_heads_kv, args.static_seqlen, counters, cutlass::FastDivmod(args.num_heads_q / args.num_heads_kv),
-            args.semaphores, args.cu_seqlens, args.seqused};
+    return {args.ptr_dKaccum,   args.ptr_dVaccum,
+            args.stride_head,   args.stride_batch,
+            args.num_tiles,     args.num_heads_kv,
+            args.static_seqlen, cutlass::FastDivmod(args.num_heads_q / args.num_heads_kv),
+            args.dk_semaphores, args.dk_semaphores ? args.dv_semaphores : nullptr,
+            args.cu_seqlens,    args.seqused,
+            args.counter_order, args.num_batch};
   }
 
   // Where fragment element i of thread t lives in its accumulator tile.
@@ -196,8 +221,12 @@ struct CollectiveEpilogueBwdGQA {
     int64_t const tile = (params.cu_seqlens ? info.offset_padded / kBlockN : 0) + n_block;
     int const batch_coord = params.cu_seqlens ? 0 : bidb;
     int64_t const offset = batch_coord * params.stride_batch + kv_head * params.stride_head + tile * kAccumTileElems;
-    int64_t const semaphore = (static_cast<int64_t>(batch_coord) * params.num_tiles + tile) * params.num_heads_kv + kv_head;
-    return {offset, semaphore, tile >= 0 && tile < params.num_tiles};
+    bool const padded_order = params.counter_order == CounterOrder::kPaddedTile;
+    int64_t const semaphore = padded_order
+        ? (static_cast<int64_t>(batch_coord) * params.num_tiles + tile) * params.num_heads_kv + kv_head
+        : (static_cast<int64_t>(n_block) * params.num_batch + bidb) * params.num_heads_kv + kv_head;
+    bool const counter_in_range = padded_order || (n_block >= 0 && n_block < params.num_tiles);
+    return {offset, semaphore, tile >= 0 && tile < params.num_tiles && counter_in_range};
   }
 
   // No TMA descriptor to prefetch: kept so that one kernel can call either collective.
@@ -217,8 +246,8 @@ struct CollectiveEpilogueBwdGQA {
     int const kv_head = params.qhead_per_khead_divmod.divmod(group_idx, q_head);
     TileLocation const loc = locate(params, n_block, kv_head, bidb);
     if (!loc.valid) { return; }  // whole CTA
-    int* const sem_dk = params.semaphores ? params.semaphores + loc.semaphore : nullptr;
-    int* const sem_dv = params.semaphores ? params.semaphores + params.num_semaphores_per_tensor + loc.semaphore : nullptr;
+    int* const sem_dk = params.dk_semaphores ? params.dk_semaphores + loc.semaphore : nullptr;
+    int* const sem_dv = params.dv_semaphores ? params.dv_semaphores + loc.semaphore : nullptr;
     if (params.ptr_dVaccum) { add_tile(tdVrdV, params.ptr_dVaccum + loc.offset, sem_dv, group_idx, storage, thread_idx); }
     add_tile(tdKrdK, params.ptr_dKaccum + loc.offset, sem_dk, group_idx, storage, thread_idx);
   }
@@ -231,19 +260,18 @@ struct CollectiveEpilogueBwdGQA {
   // members after it in the group do not wait for it forever.
   CUTLASS_DEVICE void store_zero(Params const& params, int thread_idx,
                                  cute::tuple<int32_t, int32_t, int32_t> const& block_coord) const {
-    if (params.semaphores == nullptr) { return; }
+    if (params.dk_semaphores == nullptr) { return; }
     auto [n_block, q_head, bidb] = block_coord;
     int group_idx;
     int const kv_head = params.qhead_per_khead_divmod.divmod(group_idx, q_head);
     TileLocation const loc = locate(params, n_block, kv_head, bidb);
     if (!loc.valid || thread_idx != 0) { return; }
-    int* const sem_dk = params.semaphores + loc.semaphore;
     auto take_turn = [group_idx](int* semaphore) {
       semaphore_wait_eq(semaphore, group_idx);
       semaphore_release_inc(semaphore);
     };
-    if (params.ptr_dVaccum) { take_turn(sem_dk + params.num_semaphores_per_tensor); }  // in store's order: dV, dK
-    take_turn(sem_dk);
+    if (params.ptr_dVaccum) { take_turn(params.dv_semaphores + loc.semaphore); }  // in store's order: dV, dK
+    take_turn(params.dk_semaphores + loc.semaphore);
   }
 
  private:

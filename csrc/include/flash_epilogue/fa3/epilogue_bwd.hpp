@@ -1,0 +1,196 @@
+#pragma once
+
+// FlashAttention-3's backward epilogue interface over flash_epilogue's collectives: a drop-in for FA3's
+// hopper/epilogue_bwd.hpp. It declares flash::CollectiveEpilogueBwd and flash::CollectiveEpilogueBwdGQA with
+// FA3's template parameters, Arguments fields in FA3's order, and FA3's store(params, dK, dV, SharedStorage&,
+// tiled_mma, thread_idx, block_coord), and implements them with flash_epilogue::CollectiveEpilogueBwd and
+// flash_epilogue::CollectiveEpilogueBwdGQA. Copy this file over hopper/epilogue_bwd.hpp and put flash_epilogue's
+// headers on the include path (e.g. copy csrc/include/flash_epilogue to hopper/flash_epilogue): FA3's mainloop,
+// scheduler, launch code, postprocess and host allocations stay as they are. scripts/fa3_check.py builds FA3
+// both ways and compares the backward's outputs and times.
+//
+// Where the result differs from FA3's own epilogue:
+//   * Deterministic GQA: a group member lets the next one add only once its bulk reduce-add has completed in
+//     global memory (FA3's waits only until the bulk copy has read shared memory, so the next member's add may
+//     overtake it). store_zero takes its turn in the order, so a member with nothing to add never stalls the
+//     ones after it. The counters are in FA3's order (CounterOrder::kSequenceBlock) and stay inside the
+//     ceil(max_seqlen_k / kBlockN) * batch * h_k per tensor that FA3's host allocates.
+//   * MHA: the store's start and its TMA hand-off use two named barriers (ids 1 and 2; FA3 syncs id 1 at two
+//     thread counts). FA3's backward uses hardware barrier ids 1 (its epilogue), 4-5 (the tile scheduler) and
+//     9-15 (the mainloop), so 1 and 2 are free once this file replaces its epilogue.
+//   * Varlen MHA on sm_90: a tile whose rows all lie in its sequence is stored by TMA; the rest by predicated
+//     stores (FA3: every varlen tile by predicated stores). Same bits.
+//   * Host: to_underlying_arguments checks the arguments (can_implement) and throws std::invalid_argument with
+//     the reason for ones the collectives cannot run (FA3's extension reports it as a Python RuntimeError).
+//   * cu_seqlens / seqused are ignored when Varlen is false, as in FA3.
+
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+
+#include <cute/tensor.hpp>
+
+#include "flash_epilogue/epilogue_bwd.h"
+#include "flash_epilogue/epilogue_bwd_gqa.h"
+
+namespace flash {
+
+namespace fa3_compat {
+
+// Named barrier ids inside FA3's backward (see above).
+inline constexpr int kMhaBarrierId = 1;  // and kMhaBarrierId + 1 for the TMA hand-off
+inline constexpr int kGqaBarrierId = 1;
+
+inline void require(char const* why, char const* collective) {
+  if (why != nullptr) { throw std::invalid_argument(std::string("flash_epilogue ") + collective + ": " + why); }
+}
+
+}  // namespace fa3_compat
+
+// dK/dV of MHA: fp32 fragments -> Element (bf16/fp16) tiles in global memory.
+template <class TileShape_MNK_, class Element_, class ArchTag_, int NumEpilogueThreads_, bool Varlen_, bool dKV_swapAB_,
+          int AtomLayoutKdKV = 1>
+struct CollectiveEpilogueBwd
+    : flash_epilogue::CollectiveEpilogueBwd<TileShape_MNK_, Element_, ArchTag_, NumEpilogueThreads_, Varlen_,
+                                            dKV_swapAB_, AtomLayoutKdKV, fa3_compat::kMhaBarrierId> {
+  using Base = flash_epilogue::CollectiveEpilogueBwd<TileShape_MNK_, Element_, ArchTag_, NumEpilogueThreads_, Varlen_,
+                                                     dKV_swapAB_, AtomLayoutKdKV, fa3_compat::kMhaBarrierId>;
+  using typename Base::Element;
+  using typename Base::Params;
+  using typename Base::ShapedKV;   // (seqlen_k or total_k, d, head, batch)
+  using typename Base::StridedKV;  // (row, _1, head, batch)
+
+  // FA3's fields, in its order. num_batch, num_heads_q and the semaphores are GQA's; unused here.
+  struct Arguments {
+    Element* ptr_dK;
+    ShapedKV shape_dK;
+    StridedKV stride_dK;
+    Element* ptr_dV;
+    ShapedKV shape_dV;
+    StridedKV stride_dV;
+    int num_batch;
+    int num_heads_q;
+    int* dk_semaphore;
+    int* dv_semaphore;
+    int const* cu_seqlens;
+    int const* seqused;
+  };
+
+  static typename Base::Arguments collective_arguments(Arguments const& args) {
+    return {args.ptr_dK,     args.shape_dK, args.stride_dK, args.ptr_dV, args.shape_dV, args.stride_dV,
+            Varlen_ ? args.cu_seqlens : nullptr, Varlen_ ? args.seqused : nullptr};
+  }
+
+  static char const* can_implement(Arguments const& args) { return Base::can_implement(collective_arguments(args)); }
+
+  static Params to_underlying_arguments(Arguments const& args) {
+    typename Base::Arguments const base_args = collective_arguments(args);
+    fa3_compat::require(Base::can_implement(base_args), "CollectiveEpilogueBwd");
+    return Base::to_underlying_arguments(base_args);
+  }
+
+  // FA3's kernels pass their whole SharedStorage; the epilogue's part is tensors.epilogue.
+  template <class SharedStorage, class FrgTensor, class TiledMma>
+  CUTLASS_DEVICE void store(Params const& params, FrgTensor const& tdKrdK, FrgTensor const& tdVrdV,
+                            SharedStorage& shared_storage, TiledMma const& tiled_mma, int thread_idx,
+                            cute::tuple<int32_t, int32_t, int32_t> const& block_coord) const {
+    Base::store(params, tdKrdK, tdVrdV, shared_storage.tensors.epilogue, tiled_mma, thread_idx, block_coord);
+  }
+};
+
+// dK/dV of GQA: each query head's fp32 fragments added into its KV head's fp32 accumulators, which FA3's
+// postprocess turns into dK/dV. FA3's accumulator layout: (seqlen_k_rounded * d_rounded, h_k, batch) floats
+// with strides (1, head, batch), one kBlockN * kHeadDim tile after another, in the fragment order FA3's
+// postprocess reads (flash_epilogue's sm_90 slabs and sm_80 interleave are that order).
+template <class TileShape_MNK_, class ElementAccum, class ArchTag_, int NumEpilogueThreads_, bool Varlen_,
+          bool Deterministic_>
+struct CollectiveEpilogueBwdGQA
+    : flash_epilogue::CollectiveEpilogueBwdGQA<
+          TileShape_MNK_, ArchTag_, NumEpilogueThreads_,
+          cute::get<1>(TileShape_MNK_{}) * cute::get<2>(TileShape_MNK_{}), fa3_compat::kGqaBarrierId> {
+  using Base = flash_epilogue::CollectiveEpilogueBwdGQA<TileShape_MNK_, ArchTag_, NumEpilogueThreads_,
+                                                        cute::get<1>(TileShape_MNK_{}) * cute::get<2>(TileShape_MNK_{}),
+                                                        fa3_compat::kGqaBarrierId>;
+  static_assert(std::is_same_v<ElementAccum, float>, "the GQA accumulators are fp32");
+  using typename Base::Params;
+  using Element = ElementAccum;
+  static constexpr bool Varlen = Varlen_;
+  static constexpr bool Deterministic = Deterministic_;
+
+  using ShapedKV = cute::Shape<int32_t, int32_t, int32_t>;     // (seqlen_k_rounded * d_rounded, head_k, batch)
+  using StridedKV = cute::Stride<cute::_1, int64_t, int64_t>;  // batch stride 0 in varlen
+
+  struct Arguments {
+    ElementAccum* ptr_dKaccum;
+    ShapedKV shape_dKaccum;
+    StridedKV stride_dKaccum;
+    ElementAccum* ptr_dVaccum;
+    ShapedKV shape_dVaccum;
+    StridedKV stride_dVaccum;
+    int num_batch;
+    int num_heads_q;
+    int* dk_semaphore;  // Deterministic: FA3's zeroed (ceil(max_seqlen_k / kBlockN), batch, h_k) int32 counters
+    int* dv_semaphore;
+    int const* cu_seqlens;
+    int const* seqused;
+  };
+
+  static constexpr int kTileElems = Base::kAccumTileElems;  // kBlockN * kHeadDim: FA3's tile
+
+  static typename Base::Arguments collective_arguments(Arguments const& args) {
+    typename Base::Arguments a{};
+    a.ptr_dKaccum = args.ptr_dKaccum;
+    a.ptr_dVaccum = args.ptr_dVaccum;
+    a.stride_head = cute::get<1>(args.stride_dKaccum);
+    a.stride_batch = cute::get<2>(args.stride_dKaccum);
+    a.num_tiles = cute::get<0>(args.shape_dKaccum) / kTileElems;
+    a.batch_extent = cute::get<2>(args.shape_dKaccum);
+    a.num_heads_q = args.num_heads_q;
+    a.num_heads_kv = cute::get<1>(args.shape_dKaccum);
+    a.static_seqlen = a.num_tiles * Base::kBlockN;
+    a.cu_seqlens = Varlen_ ? args.cu_seqlens : nullptr;
+    a.seqused = Varlen_ ? args.seqused : nullptr;
+    if constexpr (Deterministic_) {
+      a.dk_semaphores = args.dk_semaphore;
+      a.dv_semaphores = args.dv_semaphore;
+      a.counter_order = flash_epilogue::CounterOrder::kSequenceBlock;
+      a.num_batch = args.num_batch;
+      // FA3 allocates the counters without passing their size: every index a call with consistent
+      // metadata forms is inside them (see epilogue_bwd_gqa.h, kSequenceBlock).
+      a.num_semaphores = Base::semaphore_count(a);
+    }
+    return a;
+  }
+
+  static char const* can_implement(Arguments const& args) {
+    if (cute::get<0>(args.shape_dKaccum) % kTileElems != 0) {
+      return "accumulator length must be whole kBlockN x kHeadDim tiles (seqlen_k_rounded * d_rounded)";
+    }
+    bool const same_layout = cute::get<0>(args.shape_dVaccum) == cute::get<0>(args.shape_dKaccum) &&
+                             cute::get<1>(args.shape_dVaccum) == cute::get<1>(args.shape_dKaccum) &&
+                             cute::get<2>(args.shape_dVaccum) == cute::get<2>(args.shape_dKaccum) &&
+                             cute::get<1>(args.stride_dVaccum) == cute::get<1>(args.stride_dKaccum) &&
+                             cute::get<2>(args.stride_dVaccum) == cute::get<2>(args.stride_dKaccum);
+    if (args.ptr_dVaccum != nullptr && !same_layout) {
+      return "dVaccum must have dKaccum's shape and strides (FA3 rounds d and dv to one head dim)";
+    }
+    if (Deterministic_ && (args.dk_semaphore == nullptr || (args.ptr_dVaccum != nullptr && args.dv_semaphore == nullptr))) {
+      return "Deterministic needs dk_semaphore and dv_semaphore";
+    }
+    return Base::can_implement(collective_arguments(args));
+  }
+
+  static Params to_underlying_arguments(Arguments const& args) {
+    fa3_compat::require(can_implement(args), "CollectiveEpilogueBwdGQA");
+    return Base::to_underlying_arguments(collective_arguments(args));
+  }
+
+  template <class SharedStorage, class FrgTensor, class TiledMma>
+  CUTLASS_DEVICE void store(Params const& params, FrgTensor const& tdKrdK, FrgTensor const& tdVrdV,
+                            SharedStorage& shared_storage, TiledMma const& tiled_mma, int thread_idx,
+                            cute::tuple<int32_t, int32_t, int32_t> const& block_coord) const {
+    Base::store(params, tdKrdK, tdVrdV, shared_storage.tensors.epilogue, tiled_mma, thread_idx, block_coord);
+  }
+};
+
+}  // namespace flash
