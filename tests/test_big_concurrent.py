@@ -49,6 +49,21 @@ def need_gib(gib: float):
         pytest.skip(f"needs {gib:.0f} GiB of free GPU memory, {free / 2**30:.0f} GiB free")
 
 
+def run_in_child(workload):
+    """Run `workload` (a function of this module that prints OK at its end) in a fresh Python process,
+    so that a fault (a sticky CUDA error, a crash) fails only the calling test."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+            f"import test_big_concurrent; test_big_concurrent.{workload.__name__}()")
+    result = subprocess.run([sys.executable, "-X", "faulthandler", "-c", code], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0 and result.stdout.strip().endswith("OK"), (
+        f"exit {result.returncode}\nstdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-3000:]}")
+
+
 @pytest.fixture(autouse=True)
 def _release_memory():
     yield
@@ -306,16 +321,7 @@ def bad_metadata_workload():
 def test_unchecked_metadata_near_int32_limit():
     # cu_seqlens entries near INT32_MAX once wrapped 32-bit sums before the clamp: an illegal address
     # (sticky: every later CUDA call failed). In a child process, so that a fault fails this test only.
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
-            "import test_big_concurrent; test_big_concurrent.bad_metadata_workload()")
-    result = subprocess.run([sys.executable, "-X", "faulthandler", "-c", code], capture_output=True, text=True,
-                            timeout=300)
-    assert result.returncode == 0 and result.stdout.strip().endswith("OK"), (
-        f"exit {result.returncode}\nstdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-3000:]}")
+    run_in_child(bad_metadata_workload)
 
 
 @pytest.mark.parametrize("cu", BAD_CU, ids=("past-the-end", "all-int32-max"))
@@ -633,13 +639,4 @@ def test_every_op_from_a_fresh_thread():
     # A host thread without a current CUDA context (c10's device guard does not bind one when the
     # index already matches) made the TMA descriptor encode fail and the process crash (H200,
     # 2fc97fc): every op runs from such threads in a child process, so a crash fails this test only.
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
-            "import test_big_concurrent; test_big_concurrent.fresh_thread_workload()")
-    result = subprocess.run([sys.executable, "-X", "faulthandler", "-c", code], capture_output=True, text=True,
-                            timeout=300)
-    assert result.returncode == 0 and result.stdout.strip().endswith("OK"), (
-        f"exit {result.returncode}\nstdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-3000:]}")
+    run_in_child(fresh_thread_workload)

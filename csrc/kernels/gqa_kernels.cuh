@@ -56,7 +56,7 @@ struct GqaAccumulateKernel {
   };
 
   struct Params {
-    TensorParams tensors[2];  // dK, dV (split over CTAs: see TensorAndTile, or the ticket)
+    TensorParams tensors[2];  // dK, dV (split over CTAs: see the decode below, or the ticket)
     int batch;
     int num_heads_q;
     int num_heads_kv;
@@ -100,12 +100,19 @@ struct GqaAccumulateKernel {
       tile_x = tile_linear % params.tiles_x;
       batch_z = tile_linear / params.tiles_x;
     } else {
-      // Grid (2 * tiles_x, h_q, tiles_z): the tensor in x, as in every one-CTA-per-tile grid (see
-      // TensorAndTile).
-      auto const [t, x] = split_tensor_and_tile(blockIdx.x, params.tiles_x);
-      tensor = t;
-      tile_x = x;
-      q_head = blockIdx.y;
+      // Grid (2 * tiles_x, h_q, tiles_z), shaped like every one-CTA-per-tile grid (see
+      // locate_output_tile) but run in the order (tensor, q_head, tile): (x, y) is read as the
+      // linear index y * gridDim.x + x of that order. Every head of dK, then every head of dV, so a
+      // group's members add to an accumulator tile one tensor's sweep apart: with dK's and dV's tiles
+      // of a head side by side, the accumulator tiles between two members' adds were twice as many,
+      // more than L2 holds in varlen (measured: benchmarks/NOTES.md, D33). 64-bit: 2 * tiles_x * h_q
+      // may pass 2^31.
+      int64_t const linear = int64_t(blockIdx.y) * gridDim.x + blockIdx.x;
+      int64_t const per_tensor = int64_t(params.tiles_x) * params.num_heads_q;
+      tensor = linear >= per_tensor ? 1 : 0;
+      int64_t const rest = linear - tensor * per_tensor;
+      q_head = static_cast<int>(rest / params.tiles_x);
+      tile_x = static_cast<int>(rest - int64_t(q_head) * params.tiles_x);
       batch_z = blockIdx.z;
     }
     TensorParams const& work = params.tensors[tensor];
@@ -164,7 +171,7 @@ struct GqaPostprocessKernel {
   };
 
   struct Params {
-    TensorParams tensors[2];  // dK, dV (split over CTAs: see TensorAndTile)
+    TensorParams tensors[2];  // dK, dV (split over CTAs: see locate_output_tile)
     int num_heads_kv;
     int batch;
   };
@@ -257,7 +264,7 @@ struct GqaReduceKernel {
   };
 
   struct Params {
-    TensorParams tensors[2];  // dK, dV (split over CTAs: see TensorAndTile); dV unused without dv_partial
+    TensorParams tensors[2];  // dK, dV (split over CTAs: see locate_output_tile); dV unused without dv_partial
     int group;
     int num_heads_kv;
     int batch;

@@ -121,7 +121,7 @@ char const* launch_gqa_accumulate(GqaAccumulateLaunchArgs const& args, cudaStrea
     params.chunk_units = static_cast<int>(std::max<int64_t>(1, chunk_units));
     return launch_kernel<Kernel>(dim3(static_cast<unsigned>(work_items), 1, 1), params, stream);
   }
-  return launch_kernel<Kernel>(dim3(2 * tiles.x, tiles.y, tiles.z), params, stream);  // see TensorAndTile
+  return launch_kernel<Kernel>(dim3(2 * tiles.x, tiles.y, tiles.z), params, stream);  // see the kernel's decode
 }
 
 template <int kHeadDim, int kArch>

@@ -139,7 +139,7 @@ dim3 row_tile_grid(int rows, int heads, int batch, bool varlen) {
 // Launch a one-CTA-per-output-tile driver (StoreKernel, GqaPostprocessKernel, GqaReduceKernel) of
 // outputs args.dk and, with count 2, args.dv, each with `heads` heads: their collective Params
 // (every output checked first) into params.tensors[i].epilogue, over grid (count * row tiles,
-// heads, batch) (see TensorAndTile in tile_schedule.cuh).
+// heads, batch) (see locate_output_tile in tile_schedule.cuh).
 template <class Kernel, class LaunchArgs>
 char const* launch_output_tiles(LaunchArgs const& args, int count, int heads, typename Kernel::Params& params,
                                 cudaStream_t stream) {

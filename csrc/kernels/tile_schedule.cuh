@@ -70,9 +70,15 @@ struct TensorAndHead {
   int tensor;  // 0: dK, 1: dV
   int head;
 };
-CUTLASS_DEVICE TensorAndHead split_tensor_and_head(int grid_y, int num_heads) {
-  int const tensor = grid_y >= num_heads ? 1 : 0;
-  return {tensor, grid_y - tensor * num_heads};
+
+// An index over dK's items then dV's (`per_tensor` each) -> (tensor, index within its tensor).
+struct TensorSplit {
+  int tensor;  // 0: dK, 1: dV
+  int index;
+};
+CUTLASS_DEVICE TensorSplit split_by_tensor(int index, int per_tensor) {
+  int const tensor = index >= per_tensor ? 1 : 0;
+  return {tensor, index - tensor * per_tensor};
 }
 
 // A row tile of one output (tensor, head) of a driver over dK and dV; output_tile locates tile
@@ -91,25 +97,15 @@ CUTLASS_DEVICE OutputTile<kBlockN> output_tile(Params const& params, TensorAndHe
 // tensor goes into x, not y: gridDim.y and z hold at most 65535, and heads up to 65535 must launch
 // (2 * heads in y did not); x holds 2^31 - 1, far above 2 * row_tiles. Tiles stay fastest, heads and
 // batch keep their dims (a tensor's tiles of one head still run together); only dK's and dV's tiles
-// of a head are now neighbours (before: every head of dK, then every head of dV). No order between
-// the outputs is relied on: each CTA reads and writes its own tile.
-struct TensorAndTile {
-  int tensor;  // 0: dK, 1: dV
-  int tile;
-};
-CUTLASS_DEVICE TensorAndTile split_tensor_and_tile(int grid_x, int tiles_per_tensor) {
-  int const tensor = grid_x >= tiles_per_tensor ? 1 : 0;
-  return {tensor, grid_x - tensor * tiles_per_tensor};
-}
-
-// This CTA's tile in a one-CTA-per-tile driver (grid: see TensorAndTile). Thread 0 also prefetches
-// that output's TMA descriptor. Params: tensors[2].epilogue (tensors[0] always set), batch.
+// of a head are neighbours. No order between the outputs is relied on: each CTA reads and writes its
+// own tile. This CTA's tile; thread 0 also prefetches that output's TMA descriptor.
+// Params: tensors[2].epilogue (tensors[0] always set), batch.
 template <int kBlockN, class Epilogue, class Params>
 CUTLASS_DEVICE OutputTile<kBlockN> locate_output_tile(Params const& params) {
   auto const& ep = params.tensors[0].epilogue;
   bool const varlen = ep.cu_seqlens != nullptr;
   int const tiles = static_cast<int>(row_tiles<kBlockN>(cute::get<0>(ep.shape_dK), params.batch, varlen));
-  auto const [tensor, tile] = split_tensor_and_tile(blockIdx.x, tiles);
+  auto const [tensor, tile] = split_by_tensor(blockIdx.x, tiles);
   TensorAndHead const out{tensor, static_cast<int>(blockIdx.y)};
   if (threadIdx.x == 0) { Epilogue::prefetch_tma_descriptors(params.tensors[out.tensor].epilogue); }
   return output_tile<kBlockN>(params, out, tile, blockIdx.z);

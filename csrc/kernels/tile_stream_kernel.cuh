@@ -126,7 +126,8 @@ struct TileStreamKernel {
   // the same elsewhere (measured: see benchmarks/NOTES.md).
   CUTLASS_DEVICE static TileWork decode(Params const& params, int tile) {
     int const heads_y = params.num_tensors * params.num_heads;
-    TensorAndHead const out = split_tensor_and_head(tile % heads_y, params.num_heads);
+    auto const [tensor, head] = split_by_tensor(tile % heads_y, params.num_heads);
+    TensorAndHead const out{tensor, head};
     int const rest = tile / heads_y;
     return output_tile<kBlockN>(params, out, rest % params.num_n_tiles, rest / params.num_n_tiles);
   }
