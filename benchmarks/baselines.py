@@ -1,9 +1,11 @@
 """The baselines each op is timed against, all deterministic. torch eager: what a user writes
 (`.to(bf16)`, `.view(...).sum(group)`, `acc += ...`, a scaled `.to`, a masked_fill_ of the valid rows
-with the mask built inside the timed call). torch.compile: the same functions under
-torch.compile(dynamic=True), one wrapper per op, given (rows, heads, d) views of batched tensors (as
-varlen ones are) so that shapes share graphs. Plain Triton: one streaming kernel of the same math
-(one launch for dK and dV, except the row zeroing: one per tensor).
+with the mask built inside the timed call). torch.compile, as a user gets it: the same functions under
+torch.compile's default static shapes (dynamic=False: one compile per shape, warmed before timing), on
+the tensors as given. torch.compile(dynamic=True) beside it: one wrapper per op, given (rows, heads, d)
+views of batched tensors (as varlen ones are) so that shapes share graphs; its kernels are generic in
+the sizes and slower at some shapes than the static ones. Plain Triton: one streaming kernel of the same
+math (one launch for dK and dV, except the row zeroing: one per tensor).
 """
 from __future__ import annotations
 
@@ -59,7 +61,7 @@ def eager_gqa_postprocess(ak, av, scale_dk: float, scale_dv: float):
 EAGER = {"store": eager_store, "store_zero": eager_zero, "store_zero_varlen": eager_zero_varlen,
          "gqa_reduce": eager_gqa_reduce, "gqa_accumulate": eager_gqa_accumulate,
          "gqa_postprocess": eager_gqa_postprocess}
-_COMPILED: dict[str, Callable] = {}
+_COMPILED: dict[tuple, Callable] = {}
 
 
 def _configure_dynamo() -> None:
@@ -70,17 +72,25 @@ def _configure_dynamo() -> None:
     for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit",
                  "accumulated_cache_size_limit"):
         if hasattr(torch._dynamo.config, name):
-            setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 64))
+            setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 256))
 
 
-def compiled(key: str) -> Callable:
-    """One torch.compile(dynamic=True) wrapper per op: only size-1 heads/groups, dtypes and
-    store_zero's batched mask (which keeps the 4-D layout) recompile."""
-    if key not in _COMPILED:
+def _static_entry(fn: Callable) -> Callable:
+    # a frame of its own for the static compiles (dynamo caches per code object: the dynamic wrapper
+    # compiles EAGER[key] itself, so the two never share, or count against, one cache)
+    return lambda *args: fn(*args)
+
+
+def compiled(key: str, dynamic: bool = False) -> Callable:
+    """One torch.compile wrapper per op and mode. Static (the default a user gets): one graph per shape
+    and dtype. dynamic=True: only size-1 heads/groups, dtypes and store_zero's batched mask (which
+    keeps the 4-D layout) recompile."""
+    if (key, dynamic) not in _COMPILED:
         if not _COMPILED:
             _configure_dynamo()
-        _COMPILED[key] = torch.compile(EAGER[key], dynamic=True)
-    return _COMPILED[key]
+        fn = EAGER[key] if dynamic else _static_entry(EAGER[key])
+        _COMPILED[key, dynamic] = torch.compile(fn, dynamic=dynamic)
+    return _COMPILED[key, dynamic]
 
 
 def flat(t):
@@ -89,9 +99,12 @@ def flat(t):
     return t.flatten(0, 1).detach() if t is not None and t.dim() == 4 else t
 
 
-def compiled_call(key: str, *args, shapes=None) -> Callable:
-    """The compiled baseline on flat views; outputs viewed back to `shapes` (None: returns args[-2:])."""
-    fn = compiled(key)
+def compiled_call(key: str, *args, shapes=None, dynamic: bool = False) -> Callable:
+    """The compiled baseline: static on the tensors as given, dynamic on flat views with its outputs
+    viewed back to `shapes`. shapes None: the op writes its last two arguments, which it returns."""
+    fn = compiled(key, dynamic)
+    if not dynamic:
+        return (lambda: (fn(*args), *args[-2:])[1:]) if shapes is None else (lambda: fn(*args))
     fargs = [flat(a) if isinstance(a, torch.Tensor) else a for a in args]
     if shapes is None:
         return lambda: (fn(*fargs), *args[-2:])[1:]

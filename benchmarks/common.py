@@ -29,7 +29,7 @@ if REPO not in sys.path:  # run from a source checkout without an install
 OUT = torch.bfloat16
 MB = 1e6
 L2_DEFAULT = 60 * 1024 * 1024
-IMPLS = ("flash_epilogue", "torch_eager", "torch_compile", "triton")
+IMPLS = ("flash_epilogue", "torch_eager", "torch_compile", "torch_compile_dynamic", "triton")
 
 
 def log(msg: str = "") -> None:
@@ -104,10 +104,10 @@ def rotating(fns: list[Callable]) -> Callable:
     return fns[0] if len(fns) == 1 else lambda: next(it)()
 
 
-def do_bench_median(fn, warmup: float = 25, rep: float = 100) -> float:
+def do_bench_median(fn, warmup: float = 25, rep: float = 100, grad_to_none=None) -> float:
     """Milliseconds: do_bench's median."""
     from triton.testing import do_bench
-    return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+    return float(do_bench(fn, warmup=warmup, rep=rep, grad_to_none=grad_to_none, return_mode="median"))
 
 
 def copy_roofline(warmup: float = 25, rep: float = 100) -> float:
@@ -204,7 +204,7 @@ def write_plot(result: dict, path: str) -> bool:
     panels = list(dict.fromkeys((r["op"], r.get("dtype", "")) for r in result["rows"]))
     nrows = max(1, math.ceil(len(panels) / 2))
     fig, axes = plt.subplots(nrows, 2, figsize=(16, 3.6 * nrows), squeeze=False)
-    colors = dict(zip(IMPLS, ("tab:blue", "tab:orange", "tab:green", "tab:purple")))
+    colors = dict(zip(IMPLS, ("tab:blue", "tab:orange", "tab:green", "tab:olive", "tab:purple")))
     copy, width = result.get("copy_TBps"), 0.8 / len(IMPLS)
     for ax, (op, dtype) in zip(axes.flat, panels):
         rows = [r for r in result["rows"] if r["op"] == op and r.get("dtype", "") == dtype]

@@ -88,8 +88,9 @@ def make_inputs(c, torch, device="cuda"):
                  max_seqlen_k=None)
         return x
     lq, lk = c["seqlens_q"], c["seqlens_k"]
-    cu = lambda lens: torch.tensor([0] + [sum(lens[:i + 1]) for i in range(len(lens))], device=device,
-                                   dtype=torch.int32)
+    def cu(lens):
+        return torch.tensor([0] + [sum(lens[:i + 1]) for i in range(len(lens))], device=device, dtype=torch.int32)
+
     x = dict(q=randn(sum(lq), hq, d), k=randn(sum(lk), hk, d), v=randn(sum(lk), hk, d), dout=randn(sum(lq), hq, d),
              cu_seqlens_q=cu(lq), cu_seqlens_k=cu(lk), max_seqlen_q=max(lq), max_seqlen_k=max(lk),
              seqused_q=None, seqused_k=None)
@@ -192,9 +193,12 @@ def run_cases(lib, case_file, out_file):
     torch.ops.load_library(lib)
     ops = torch.ops.flash_attn_3
     results = {}
+
+    def canary(t):
+        return torch.full(t.shape, CANARY, dtype=torch.int16, device="cuda").view(torch.bfloat16)
+
     for c in json.loads(Path(case_file).read_text()):
         x = make_inputs(c, torch)
-        canary = lambda t: torch.full(t.shape, CANARY, dtype=torch.int16, device="cuda").view(torch.bfloat16)
         out = torch.zeros_like(x["dout"])  # rows past seqused_q stay defined (FA3 does not write them)
         meta = {k: x[k] for k in ("cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k", "max_seqlen_q",
                                   "max_seqlen_k")}
@@ -216,13 +220,18 @@ def run_timing(lib, out_file):
     times = []
     for t in TIMING:
         g = torch.Generator(device="cuda").manual_seed(0)
-        rand = lambda *s: torch.randn(*s, generator=g, device="cuda", dtype=torch.bfloat16)
+
+        def rand(*s):
+            return torch.randn(*s, generator=g, device="cuda", dtype=torch.bfloat16)
+
         q, dout = rand(t["b"], t["s"], t["hq"], t["d"]), rand(t["b"], t["s"], t["hq"], t["d"])
         k, v = rand(t["b"], t["s"], t["hk"], t["d"]), rand(t["b"], t["s"], t["hk"], t["d"])
         out, lse, *_ = ops.fwd(q, k, v)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        bwd = lambda: ops.bwd(dout, q, k, v, out, lse, dq, dk, dv, None, None, None, None, None, None, None, False,
-                              -1, -1, 0.0, t["det"], 0)
+        def bwd():
+            ops.bwd(dout, q, k, v, out, lse, dq, dk, dv, None, None, None, None, None, None, None, False, -1, -1, 0.0,
+                    t["det"], 0)
+
         times.append(do_bench(bwd, warmup=200, rep=1500, return_mode="median"))
     Path(out_file).write_text(json.dumps(times))
 
@@ -273,7 +282,10 @@ def valid_mask(c, t, torch, which):
 
 def compare_case(c, res, torch, device="cuda"):
     x = make_inputs(c, torch, device)
-    bits = lambda t: t.view(torch.int16)
+
+    def bits(t):
+        return t.view(torch.int16)
+
     report = dict(name=c["name"], ok=True, bitwise={}, tolerance={}, untouched_past_seqused={})
     tol_tensors = set()
     if not c["det"]:
@@ -296,7 +308,8 @@ def compare_case(c, res, torch, device="cuda"):
         r, r16 = ref[name[1]].cpu()[valid], ref_bf16[name[1]].cpu()[valid]
         atol = 2 * ((r + 0.3 - 0.3) - r).abs().max().item() if r.numel() else 0.0
         bound = 2 * (r16 - r).abs().max().item() + atol if r.numel() else 0.0
-        err = {k: (t.float()[valid] - r).abs().max().item() if r.numel() else 0.0 for k, t in (("orig", a), ("compat", b))}
+        err = {k: (t.float()[valid] - r).abs().max().item() if r.numel() else 0.0
+               for k, t in (("orig", a), ("compat", b))}
         ok = canary_same and err["compat"] <= bound and all(math.isfinite(e) for e in err.values())
         report["tolerance"][name] = dict(ok=ok, bound=bound, err_orig=err["orig"], err_compat=err["compat"],
                                          max_abs_diff=(a.float()[valid] - b.float()[valid]).abs().max().item()
