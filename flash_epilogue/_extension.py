@@ -72,4 +72,7 @@ def op_error(op: str, e: Exception) -> Exception:
     match = _SCHEMA_TYPE.search(str(e)) if type(e) is RuntimeError else None
     if match:
         return FlashEpilogueTypeError(f"flash_epilogue.{op}: {match[1]}: expected a torch.Tensor, got {match[2]}")
+    if isinstance(e, NotImplementedError) and "There were no tensor arguments" in str(e):
+        # every tensor argument None: the dispatcher has no device to pick a kernel by
+        return FlashEpilogueTypeError(f"flash_epilogue.{op}: expected torch.Tensor arguments, got None for all of them")
     return e

@@ -302,6 +302,8 @@ ROWS = [
     *[R("store", rf"{k}: {TENSOR}list", TYPE, **{k: on(lambda t: t.tolist())}) for k in STORE4],
     R("store", rf"dk: {TENSOR}NoneType", TYPE, dk=None),
     R("store_op", rf"dk: {TENSOR}NoneType", TypeError, dk=None),
+    R("store", r"expected torch\.Tensor arguments, got None for all of them", TYPE,  # the dispatcher has no device
+      dk_accum=None, dv_accum=None, dk=None, dv=None),
     *[R("store", f"{k}: " + DT.format("float32", "float64"), TYPE,
                                                 **{k: on(torch.Tensor.double)}) for k in ("dk_accum", "dv_accum")],
     R("store_op", "dk_accum: " + DT.format("float32", "float64"), TypeError, dk_accum=on(torch.Tensor.double)),
@@ -629,6 +631,8 @@ ROWS = [
       r"torch\.float64", TYPE, **{k: on(torch.Tensor.double) for k in PARTIALS}),
     R("gqa_reduce", rf"dk_partial: {TENSOR}list", TYPE, dk_partial=[1.0], dv_partial=None),
     R("gqa_reduce", r"scale_dv: expected a float, got NoneType", PY, scale_dv=None),
+    R("gqa_reduce", r"expected torch\.Tensor arguments, got None for all of them", TYPE, dk_partial=None,
+      dv_partial=None, cu_seqlens=None, seqused=None),
     R("gqa_reduce", "scale_dk: " + FP32_RANGE + r"1e\+300", scale_dk=1e300),
     R("gqa_reduce", "scale_dk: " + FP32_RANGE + "1" + "0" * 400 + "$", PY, scale_dk=10**400),
     R("gqa_reduce", "dk_partial: " + RANK_V + sh(2, 40, 4, 64), cu_seqlens=new(lambda d: i32(d, 0, S))),

@@ -177,6 +177,13 @@ def test_backward_sign_of_zero_and_specials():
     assert out[0, 1, 0, 0].item() == float("inf") and out[0, 2, 0, 0].isnan()
 
 
+def test_backward_of_empty_heads_with_a_huge_n_rep():
+    # 0 KV heads divide by any n_rep: the plain-PyTorch backward once looped n_rep times over empty slices
+    grad = torch.empty(2, 0, 3, 8)
+    out = torch.ops.flash_epilogue.repeat_kv_backward(grad, 2**40, 1, [0, 1, 2])
+    assert out.shape == (2, 0, 3, 8)
+
+
 @pytest.mark.parametrize("dim", [1, 2])
 def test_gradient_follows_the_layout_of_x(dim):
     shape = (2, 3, 5, 16) if dim == 1 else (2, 5, 3, 16)

@@ -28,6 +28,7 @@ at::Tensor kernel_view(TensorArg t, int64_t dim) { return dim == 1 ? t.transpose
 // flash_epilogue.reference.group_sum_reference into `out`, the same ATen calls in the same order (the same bits):
 // per KV head 0 + g_0 + ... + g_{n-1} in fp32 (or the gradient's wider dtype), then one rounding to out's dtype.
 at::Tensor group_sum_reference(TensorArg grad, int64_t n_rep, int64_t dim, TensorArg out) {
+  if (out.numel() == 0) { return out; }  // nothing to sum (and no n_rep-long loop over empty heads)
   at::ScalarType const acc_dtype = c10::promoteTypes(grad.scalar_type(), at::kFloat);
   at::Tensor acc = out.scalar_type() == acc_dtype ? out : at::empty(out.sizes(), grad.options().dtype(acc_dtype));
   acc.zero_();
