@@ -21,7 +21,8 @@
 //   * Varlen MHA on sm_90: a tile whose rows all lie in its sequence is stored by TMA; the rest by predicated
 //     stores (FA3: every varlen tile by predicated stores). Same bits.
 //   * Host: to_underlying_arguments checks the arguments (can_implement) and throws std::invalid_argument with
-//     the reason for ones the collectives cannot run (FA3's extension reports it as a Python RuntimeError).
+//     the reason for ones the collectives cannot run, instead of launching (FA3's checked calls never reach it;
+//     how FA3's binding turns the exception into a Python error is FA3's).
 //   * cu_seqlens / seqused are ignored when Varlen is false, as in FA3.
 
 #include <stdexcept>
