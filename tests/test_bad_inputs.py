@@ -903,18 +903,19 @@ def test_accepted(op, changes, runs, dev):
 
 
 def test_deterministic_accumulate_past_its_work_items():
-    # deterministic mode's 1-D grid and int tickets hold (row tiles x batch x 2 x h_q) < 2^31 work items: varlen,
-    # 16385 sequences over 128 tokens, 65535 query heads of one KV head (partials expanded, accumulators untouched)
+    # the sm_80 deterministic mode's 1-D grid and int tickets hold (row tiles x batch x 2 x h_q) < 2^31 work items:
+    # varlen, 16385 sequences over 128 tokens, 65535 query heads of one KV head (partials expanded, accumulators
+    # untouched). The sm_90 path has no such limit (it reaches the device check).
     batch, h_q, rows = 16385, 65535, 128
-    layout = fe._extension._C.gqa_accum_layout(1, D, D, batch, rows, True, 0, torch.device("cpu"))
+    layout = fe._extension._C.gqa_accum_layout(1, D, D, batch, rows, True, 80, torch.device("cpu"))
     part = torch.zeros(rows, 1, D).expand(rows, h_q, D)
     acc = [torch.empty(layout["shape"]) for _ in range(2)]
     sem, cu = torch.zeros(layout["semaphore_numel"], dtype=I32), torch.zeros(batch + 1, dtype=I32)
     with pytest.raises(ValueError, match=r"flash_epilogue\.gqa_accumulate: dk_partial: shape: expected at most "
                        r"2\^31 - 1 \(row tiles x batch x 2 x h_q\) work items in deterministic mode, got 2147713020"):
-        OPS.gqa_accumulate(part, part, *acc, sem, cu_seqlens=cu, deterministic=True)
+        OPS.gqa_accumulate(part, part, *acc, sem, cu_seqlens=cu, deterministic=True, _arch=80)
     with pytest.raises(ValueError, match=r"dk_partial: device: expected a CUDA tensor"):  # atomic mode: no such limit
-        OPS.gqa_accumulate(part, part, *acc, None, cu_seqlens=cu, deterministic=False)
+        OPS.gqa_accumulate(part, part, *acc, None, cu_seqlens=cu, deterministic=False, _arch=80)
 
 
 @pytest.mark.gpu

@@ -1,7 +1,8 @@
 #pragma once
 
 // Drivers of the GQA path:
-//   GqaAccumulateKernel  per-q-head fp32 partials -> C fragments -> CollectiveEpilogueBwdGQA::store
+//   GqaAccumulateKernel  per-q-head fp32 partials -> C fragments -> CollectiveEpilogueBwdGQA::store (sm_80)
+//   GqaAccumulateStreamKernel  accumulator tile + a group's partials in registers -> the tile (sm_90)
 //   GqaPostprocessKernel accumulator -> C fragments (same TiledMma) * scale -> CollectiveEpilogueBwd
 //   GqaDenseKernel       accumulator -> row-major fp32 (debugging and tests)
 //   GqaReduceKernel      all partials of a group summed in registers, in head order -> store
@@ -132,23 +133,92 @@ struct GqaAccumulateKernel {
   }
 };
 
-// Accumulator tiles back into C fragments: (n_block, kv_head, batch) -> fragment of thread_idx.
+// The accumulator tiles of one tensor, read into and written from C fragments: (n_block, kv_head, batch).
 template <class Traits>
-struct AccumReader {
-  float const* ptr;
+struct AccumTiles {
+  float* ptr;
   int64_t head_stride;
   int64_t batch_stride;
   int num_tiles;
 
+  // The tile's first float, or -1 for a tile outside [0, num_tiles) (inconsistent sequence metadata).
+  template <class SeqInfo>
+  CUTLASS_DEVICE int64_t tile_offset(SeqInfo const& info, bool varlen, int n_block, int kv_head, int bidb) const {
+    // 64-bit, as the collective's locate: bad metadata puts the sum past 2^31.
+    int64_t const tile = (varlen ? info.offset_padded / Traits::Collective::kBlockN : 0) + n_block;
+    if (tile < 0 || tile >= num_tiles) { return -1; }
+    return (varlen ? 0 : bidb) * batch_stride + kv_head * head_stride + tile * Traits::kAccumTileElems;
+  }
+
   template <class Fragment, class SeqInfo>
   CUTLASS_DEVICE bool read(Fragment& frag, SeqInfo const& info, bool varlen, int n_block, int kv_head, int bidb,
                            int thread_idx) const {
-    // 64-bit, as the collective's locate: bad metadata puts the sum past 2^31.
-    int64_t const tile = (varlen ? info.offset_padded / Traits::Collective::kBlockN : 0) + n_block;
-    if (tile < 0 || tile >= num_tiles) { return false; }
-    int64_t const offset = (varlen ? 0 : bidb) * batch_stride + kv_head * head_stride + tile * Traits::kAccumTileElems;
+    int64_t const offset = tile_offset(info, varlen, n_block, kv_head, bidb);
+    if (offset < 0) { return false; }
     Traits::Collective::load_fragment(frag, ptr + offset, thread_idx);
     return true;
+  }
+};
+
+// The sm_90 gqa_accumulate: one CTA per accumulator tile, grid (2 * tiles_x, h_k, tiles_z) as in
+// locate_output_tile. The tile is read once into C fragments, the group's partials are added to it in
+// head order, ((acc + p_0) + p_1) + ..., in fp32 registers (subnormals kept), and it is written back
+// once: each accumulator tile moves through memory once per call, where the collective's per-query-head
+// bulk adds (GqaAccumulateKernel, the sm_80 path and what an attention kernel calls) move it g times.
+// No other CTA touches the tile, so the sum is deterministic without counters, and bitwise that of the
+// ordered per-head adds (each an fp32 add of the same operands in the same order).
+template <class Config_>
+struct GqaAccumulateStreamKernel {
+  using Config = Config_;
+  using ArchTag = cutlass::arch::Sm90;
+  using Traits = GqaTraits<Config, ArchTag>;
+  static constexpr int kBlockN = Config::kBlockN;
+  static constexpr int kHeadDim = Config::kHeadDim;
+  static constexpr int kNumThreads = Config::kNumThreads;
+  static constexpr int kMinBlocksPerSm = Traits::kMinBlocksPerSm;
+  static constexpr int kSharedStorageSize = 0;
+
+  struct TensorParams {
+    AccumTiles<Traits> accum;
+    float const* ptr_partial;
+    ShapeRowsHeadBatch shape;  // (rows, d, h_q, batch_extent)
+    StrideRowsHeadBatch stride;
+  };
+
+  struct Params {
+    TensorParams tensors[2];  // dK, dV
+    int group;
+    int batch;
+    int tiles_x;  // row tiles per (tensor, kv_head, batch z)
+    int const* cu_seqlens;
+    int const* seqused;
+  };
+
+  CUTLASS_DEVICE void operator()(Params const& params, char* /*smem*/) const {
+    using namespace cute;
+    auto const [tensor, tile_x] = split_by_tensor(blockIdx.x, params.tiles_x);
+    int const kv_head = blockIdx.y;
+    TensorParams const& work = params.tensors[tensor];
+    auto const [n_block, bidb, seqlen_info, valid_rows] =
+        locate_row_tile<kBlockN>(tile_x, blockIdx.z, params.batch, work.shape, params);
+    if (valid_rows <= 0) { return; }
+    bool const varlen = params.cu_seqlens != nullptr;
+    int64_t const offset = work.accum.tile_offset(seqlen_info, varlen, n_block, kv_head, bidb);
+    if (offset < 0) { return; }
+    int const thread_idx = threadIdx.x;
+    typename Traits::TiledMma tiled_mma;
+    auto thr_mma = tiled_mma.get_thread_slice(thread_idx);
+    Tensor frag = partition_fragment_C(tiled_mma, typename Traits::FragmentTileShape{});
+    Traits::Collective::load_fragment(frag, work.accum.ptr + offset, thread_idx);
+    for (int g = 0; g < params.group; ++g) {
+      auto const gtile = rows_tile<kBlockN, kHeadDim>(work.ptr_partial, work.shape, work.stride,
+                                                      kv_head * params.group + g, varlen ? 0 : bidb,
+                                                      seqlen_info.offset, n_block);
+      // rows past valid_rows and columns past d add +0, as the per-head adds do
+      load_accum_tile<Config::kSwapAB, kBlockN, kHeadDim, /*kAdd=*/true>(frag, thr_mma, gtile, valid_rows,
+                                                                         get<1>(work.shape));
+    }
+    Traits::Collective::store_fragment(frag, work.accum.ptr + offset, thread_idx);
   }
 };
 
@@ -166,7 +236,7 @@ struct GqaPostprocessKernel {
 
   struct TensorParams {
     typename Epilogue::Params epilogue;  // this output as the collective's dK, no dV
-    AccumReader<Traits> accum;
+    AccumTiles<Traits> accum;
     float scale;
   };
 
@@ -202,7 +272,7 @@ struct GqaDenseKernel {
   static constexpr int kMinBlocksPerSm = Traits::kMinBlocksPerSm;
 
   struct Params {
-    AccumReader<Traits> accum;
+    AccumTiles<Traits> accum;
     float* ptr_out;
     ShapeRowsHeadBatch shape_out;  // (rows, w, h_k, batch_extent)
     StrideRowsHeadBatch stride_out;

@@ -17,7 +17,7 @@ namespace flash_epilogue {
 namespace detail {
 
 template <class Traits>
-AccumReader<Traits> reader_of(AccumDesc const& a) {
+AccumTiles<Traits> tiles_of(AccumDesc const& a) {
   return {a.ptr, a.head_stride, a.batch_stride, a.num_tiles};
 }
 
@@ -25,8 +25,8 @@ template <class Element, int kHeadDim, class ArchTag, bool kVarlen>
 char const* launch_gqa_postprocess_variant(GqaPostprocessLaunchArgs const& args, cudaStream_t stream) {
   using Config = BwdTileConfig<kHeadDim, ArchTag>;
   using Kernel = GqaPostprocessKernel<Config, Element, ArchTag, kVarlen>;
-  typename Kernel::Params params{{{{}, reader_of<typename Kernel::Traits>(args.dk_accum), args.scale_dk},
-                                  {{}, reader_of<typename Kernel::Traits>(args.dv_accum), args.scale_dv}},
+  typename Kernel::Params params{{{{}, tiles_of<typename Kernel::Traits>(args.dk_accum), args.scale_dk},
+                                  {{}, tiles_of<typename Kernel::Traits>(args.dv_accum), args.scale_dv}},
                                  args.num_heads_kv, args.batch};
   return launch_output_tiles<Kernel>(args, 2, args.num_heads_kv, params, stream);
 }
@@ -63,10 +63,33 @@ char const* launch_gqa_reduce_streamed(GqaReduceLaunchArgs const& args, cudaStre
       tensors, num_tensors, args.rows, args.num_heads_kv, group, args.batch, args.cu_seqlens, args.seqused, stream);
 }
 
+// The sm_90 path, both modes: one CTA per accumulator tile adds the whole group (GqaAccumulateStreamKernel);
+// deterministic by construction, so the semaphores are not used.
+template <int kHeadDim>
+char const* launch_gqa_accumulate_streamed(GqaAccumulateLaunchArgs const& args, cudaStream_t stream) {
+  using Config = BwdTileConfig<kHeadDim, cutlass::arch::Sm90>;
+  using Kernel = GqaAccumulateStreamKernel<Config>;
+  bool const varlen = args.cu_seqlens != nullptr;
+  int const batch_extent = varlen ? 1 : args.batch;
+  dim3 const tiles = row_tile_grid<Config::kBlockN>(args.rows, args.num_heads_kv, args.batch, varlen);
+  auto tensor = [&](TensorDesc const& partial, AccumDesc const& accum) {
+    return typename Kernel::TensorParams{tiles_of<typename Kernel::Traits>(accum),
+                                         static_cast<float const*>(partial.ptr),
+                                         shape_of(partial, args.rows, args.num_heads_q, batch_extent),
+                                         stride_of(partial)};
+  };
+  typename Kernel::Params const params{{tensor(args.dk_partial, args.dk_accum), tensor(args.dv_partial, args.dv_accum)},
+                                       args.num_heads_q / args.num_heads_kv, args.batch, static_cast<int>(tiles.x),
+                                       args.cu_seqlens, args.seqused};
+  return launch_kernel<Kernel>(dim3(2 * tiles.x, tiles.y, tiles.z), params, stream);  // see locate_output_tile
+}
+
 }  // namespace detail
 
+// The sm_80 path: GqaAccumulateKernel, each query head's tile added through the collective (atomics, or in
+// deterministic mode ordered load-add-stores).
 template <int kHeadDim, int kArch>
-char const* launch_gqa_accumulate(GqaAccumulateLaunchArgs const& args, cudaStream_t stream) {
+char const* launch_gqa_accumulate_per_head(GqaAccumulateLaunchArgs const& args, cudaStream_t stream) {
   using ArchTag = arch_tag_of<kArch>;
   using Config = BwdTileConfig<kHeadDim, ArchTag>;
   using Kernel = GqaAccumulateKernel<Config, ArchTag>;
@@ -125,13 +148,22 @@ char const* launch_gqa_accumulate(GqaAccumulateLaunchArgs const& args, cudaStrea
 }
 
 template <int kHeadDim, int kArch>
+char const* launch_gqa_accumulate(GqaAccumulateLaunchArgs const& args, cudaStream_t stream) {
+  if constexpr (kArch >= 90) {
+    return detail::launch_gqa_accumulate_streamed<kHeadDim>(args, stream);
+  } else {
+    return launch_gqa_accumulate_per_head<kHeadDim, kArch>(args, stream);
+  }
+}
+
+template <int kHeadDim, int kArch>
 char const* launch_gqa_accum_to_dense(GqaDenseLaunchArgs const& args, cudaStream_t stream) {
   using ArchTag = arch_tag_of<kArch>;
   using Config = BwdTileConfig<kHeadDim, ArchTag>;
   using Kernel = GqaDenseKernel<Config, ArchTag>;
   bool const varlen = args.cu_seqlens != nullptr;
   int const batch_extent = varlen ? 1 : args.batch;
-  typename Kernel::Params params{detail::reader_of<typename Kernel::Traits>(args.accum),
+  typename Kernel::Params params{detail::tiles_of<typename Kernel::Traits>(args.accum),
                                  static_cast<float*>(args.out.ptr),
                                  shape_of(args.out, args.rows, args.num_heads_kv, batch_extent),
                                  stride_of(args.out), args.batch, args.cu_seqlens, args.seqused};

@@ -208,6 +208,23 @@ struct CollectiveEpilogueBwdGQA {
     }
   }
 
+  // The inverse: write this thread's fragment into an accumulator tile (a driver that owns the whole tile,
+  // e.g. one that adds a whole group in registers; no other CTA may touch the tile meanwhile).
+  template <class Fragment>
+  CUTLASS_DEVICE static void store_fragment(Fragment const& frag, float* tile, int thread_idx) {
+    static_assert(decltype(cute::size(frag))::value == kFragElems, "fragment of another TiledMma or thread count");
+    if constexpr (Use_BulkReduce) {
+#pragma unroll
+      for (int i = 0; i < kFragElems; i += 4) {
+        *reinterpret_cast<float4*>(tile + accum_offset(thread_idx, i)) =
+            make_float4(frag(i), frag(i + 1), frag(i + 2), frag(i + 3));
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < kFragElems; ++i) { tile[accum_offset(thread_idx, i)] = frag(i); }
+    }
+  }
+
   // The accumulator tile of (n_block, kv_head, batch) and its counter index; not valid if
   // (inconsistent) sequence metadata puts it outside the accumulator.
   struct TileLocation {
