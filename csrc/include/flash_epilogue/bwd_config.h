@@ -51,11 +51,16 @@ struct BwdTileConfigSm90Base {
   static_assert(kNumWarpGroups % kAtomLayoutNdKV == 0, "AtomLayoutNdKV must divide the warpgroup count");
 };
 
-template <> struct BwdTileConfig<64, cutlass::arch::Sm90> : BwdTileConfigSm90Base<64, 128, 256, false, 2> {};
-template <> struct BwdTileConfig<96, cutlass::arch::Sm90> : BwdTileConfigSm90Base<96, 128, 256, false, 2> {};
-template <> struct BwdTileConfig<128, cutlass::arch::Sm90> : BwdTileConfigSm90Base<128, 128, 256, false, 2> {};
-template <> struct BwdTileConfig<192, cutlass::arch::Sm90> : BwdTileConfigSm90Base<192, 96, 384, true, 1> {};
-template <> struct BwdTileConfig<256, cutlass::arch::Sm90> : BwdTileConfigSm90Base<256, 80, 256, true, 1> {};
+template <>
+struct BwdTileConfig<64, cutlass::arch::Sm90> : BwdTileConfigSm90Base<64, 128, 256, false, 2> {};
+template <>
+struct BwdTileConfig<96, cutlass::arch::Sm90> : BwdTileConfigSm90Base<96, 128, 256, false, 2> {};
+template <>
+struct BwdTileConfig<128, cutlass::arch::Sm90> : BwdTileConfigSm90Base<128, 128, 256, false, 2> {};
+template <>
+struct BwdTileConfig<192, cutlass::arch::Sm90> : BwdTileConfigSm90Base<192, 96, 384, true, 1> {};
+template <>
+struct BwdTileConfig<256, cutlass::arch::Sm90> : BwdTileConfigSm90Base<256, 80, 256, true, 1> {};
 
 // The dK/dV TiledMma of the sm_90 mainloop: one warpgroup per 64 rows of N (of D when swapAB),
 // the GMMA atom's N covering the rest of the tile. Element is the 16-bit input type of the MMA.
@@ -66,18 +71,18 @@ struct BwdTiledMmaSm90 {
   static constexpr int kAtomN = Config::kAtomLayoutNdKV;
   static constexpr int kAtomK = Config::kAtomLayoutKdKV;
   // (M, N, K) of one warpgroup's atom; K (the query block) only has to be a legal GMMA K.
-  using AtomShape = std::conditional_t<!Config::kSwapAB,
-                                       cute::Shape<cute::Int<kBlockN / kAtomN>, cute::Int<kHeadDim / kAtomK>, cute::_64>,
-                                       cute::Shape<cute::Int<kHeadDim / kAtomK>, cute::Int<kBlockN / kAtomN>, cute::_64>>;
-  using AtomLayout = std::conditional_t<!Config::kSwapAB,
-                                        cute::Layout<cute::Shape<cute::Int<kAtomN>, cute::Int<kAtomK>, cute::_1>>,
-                                        cute::Layout<cute::Shape<cute::Int<kAtomK>, cute::Int<kAtomN>, cute::_1>>>;
+  using AtomShape =
+      std::conditional_t<!Config::kSwapAB,
+                         cute::Shape<cute::Int<kBlockN / kAtomN>, cute::Int<kHeadDim / kAtomK>, cute::_64>,
+                         cute::Shape<cute::Int<kHeadDim / kAtomK>, cute::Int<kBlockN / kAtomN>, cute::_64>>;
+  using AtomLayout =
+      std::conditional_t<!Config::kSwapAB, cute::Layout<cute::Shape<cute::Int<kAtomN>, cute::Int<kAtomK>, cute::_1>>,
+                         cute::Layout<cute::Shape<cute::Int<kAtomK>, cute::Int<kAtomN>, cute::_1>>>;
   using TiledMma = decltype(cute::make_tiled_mma(
       cute::GMMA::ss_op_selector<Element, Element, float, AtomShape, cute::GMMA::Major::K, cute::GMMA::Major::K>(),
       AtomLayout{}));
   // The (rows, cols) tile the C fragment covers: (kBlockN, kHeadDim), transposed when swapAB.
-  using FragmentTileShape = std::conditional_t<!Config::kSwapAB,
-                                               cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>,
+  using FragmentTileShape = std::conditional_t<!Config::kSwapAB, cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>,
                                                cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>>>;
 };
 
@@ -93,11 +98,16 @@ struct BwdTileConfigSm80Base {
   static_assert(kNumWarps % kAtomLayoutNdKV == 0, "AtomLayoutNdKV must divide the warp count");
 };
 
-template <> struct BwdTileConfig<64, cutlass::arch::Sm80> : BwdTileConfigSm80Base<64, 128, false, 4> {};
-template <> struct BwdTileConfig<96, cutlass::arch::Sm80> : BwdTileConfigSm80Base<96, 128, false, 4> {};
-template <> struct BwdTileConfig<128, cutlass::arch::Sm80> : BwdTileConfigSm80Base<128, 128, false, 2> {};
-template <> struct BwdTileConfig<192, cutlass::arch::Sm80> : BwdTileConfigSm80Base<192, 80, true, 2> {};
-template <> struct BwdTileConfig<256, cutlass::arch::Sm80> : BwdTileConfigSm80Base<256, 64, false, 2> {};
+template <>
+struct BwdTileConfig<64, cutlass::arch::Sm80> : BwdTileConfigSm80Base<64, 128, false, 4> {};
+template <>
+struct BwdTileConfig<96, cutlass::arch::Sm80> : BwdTileConfigSm80Base<96, 128, false, 4> {};
+template <>
+struct BwdTileConfig<128, cutlass::arch::Sm80> : BwdTileConfigSm80Base<128, 128, false, 2> {};
+template <>
+struct BwdTileConfig<192, cutlass::arch::Sm80> : BwdTileConfigSm80Base<192, 80, true, 2> {};
+template <>
+struct BwdTileConfig<256, cutlass::arch::Sm80> : BwdTileConfigSm80Base<256, 64, false, 2> {};
 
 // The dK/dV TiledMma of FA3's sm_80 mainloop: the 16x8x16 MMA atom tiled over 8 warps, each warp
 // grid dimension covering 16 rows/columns per warp.
@@ -112,11 +122,10 @@ struct BwdTiledMmaSm80 {
   using AtomLayout = std::conditional_t<!Config::kSwapAB,
                                         cute::Layout<cute::Shape<cute::Int<kAtomN>, cute::Int<kAtomOther>, cute::_1>>,
                                         cute::Layout<cute::Shape<cute::Int<kAtomOther>, cute::Int<kAtomN>, cute::_1>>>;
-  using TiledMma = decltype(cute::make_tiled_mma(
-      cute::MMA_Atom<MmaAtom>{}, AtomLayout{},
-      cute::Tile<cute::Int<16 * cute::size<0>(AtomLayout{})>, cute::Int<16 * cute::size<1>(AtomLayout{})>, cute::_16>{}));
-  using FragmentTileShape = std::conditional_t<!Config::kSwapAB,
-                                               cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>,
+  using TiledMma = decltype(cute::make_tiled_mma(cute::MMA_Atom<MmaAtom>{}, AtomLayout{},
+                                                 cute::Tile<cute::Int<16 * cute::size<0>(AtomLayout{})>,
+                                                            cute::Int<16 * cute::size<1>(AtomLayout{})>, cute::_16>{}));
+  using FragmentTileShape = std::conditional_t<!Config::kSwapAB, cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>,
                                                cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>>>;
 };
 

@@ -96,8 +96,8 @@ constexpr auto smem_layout_atom_k_major() {
 //   BarrierId           the first of the two named barriers the collective uses, BarrierId and
 //                       BarrierId + 1, in 1..15 (default 8, 9: above the ids CUTLASS reserves,
 //                       1..7; a kernel already using them passes another).
-template <class TileShape_MNK_, class Element_, class ArchTag_, int NumEpilogueThreads_, bool Varlen_,
-          bool dKV_swapAB_, int AtomLayoutKdKV_ = 1, int BarrierId_ = kDefaultEpilogueBarrierId>
+template <class TileShape_MNK_, class Element_, class ArchTag_, int NumEpilogueThreads_, bool Varlen_, bool dKV_swapAB_,
+          int AtomLayoutKdKV_ = 1, int BarrierId_ = kDefaultEpilogueBarrierId>
 struct CollectiveEpilogueBwd {
   using TileShape_MNK = TileShape_MNK_;  // (BLK_M, BLK_N, BLK_D); BLK_M is the mainloop's, unused here
   using Element = Element_;
@@ -106,10 +106,10 @@ struct CollectiveEpilogueBwd {
   static constexpr bool Varlen = Varlen_;
   static constexpr bool dKV_swapAB = dKV_swapAB_;
   static constexpr int AtomLayoutKdKV = AtomLayoutKdKV_;
-  static constexpr int BarrierId = BarrierId_;          // NumEpilogueThreads threads
+  static constexpr int BarrierId = BarrierId_;           // NumEpilogueThreads threads
   static constexpr int StoreBarrierId = BarrierId_ + 1;  // the TMA store's hand-off, NumEpilogueThreads + 32
   static constexpr bool Use_TMA = ArchTag::kMinComputeCapability >= 90;  // for every tile unless Varlen
-  static constexpr bool Use_Predicated = Varlen || !Use_TMA;              // compiled in; per tile when Varlen
+  static constexpr bool Use_Predicated = Varlen || !Use_TMA;             // compiled in; per tile when Varlen
   static constexpr int kBlockN = cute::get<1>(TileShape_MNK{});
   static constexpr int kHeadDim = cute::get<2>(TileShape_MNK{});
 
@@ -142,7 +142,8 @@ struct CollectiveEpilogueBwd {
       cute::Swizzle<kSwizzleBits, 3, 3>{},
       cute::Layout<cute::Shape<cute::_8, cute::Int<kBlockKSmem>>, cute::Stride<cute::Int<kBlockKSmem>, cute::_1>>{}));
   using SmemLayoutAtomdKV = std::conditional_t<Use_TMA, SmemLayoutAtomdKVTMA, SmemLayoutAtomdKVSTG>;
-  using SmemLayoutdKV = decltype(cute::tile_to_shape(SmemLayoutAtomdKV{}, cute::select<1, 2>(TileShape_MNK{})));  // (BLK_N, BLK_D)
+  using SmemLayoutdKV =
+      decltype(cute::tile_to_shape(SmemLayoutAtomdKV{}, cute::select<1, 2>(TileShape_MNK{})));  // (BLK_N, BLK_D)
   // The same memory seen as (BLK_D, BLK_N), for the transposed fragment of a swapAB MMA.
   using SmemLayoutdKVt = decltype(cute::composition(
       SmemLayoutdKV{}, cute::make_layout(cute::make_shape(cute::Int<kHeadDim>{}, cute::Int<kBlockN>{}),
@@ -170,13 +171,13 @@ struct CollectiveEpilogueBwd {
   using ShapedKV = cute::Shape<int32_t, int32_t, int32_t, int32_t>;  // (seqlen or total_tokens, d, head, batch)
   using StridedKV = cute::Stride<int64_t, cute::_1, int64_t, int64_t>;
 
-  using TMA_dKV = std::conditional_t<
-      Use_TMA,
-      decltype(cute::make_tma_copy(cute::SM90_TMA_STORE{},
-                                   cute::make_tensor(cute::make_gmem_ptr(static_cast<Element*>(nullptr)), ShapedKV{},
-                                                     StridedKV{}),
-                                   SmemLayoutdKVTMA{}, cute::select<1, 2>(TileShape_MNK{}), cute::_1{})),
-      std::nullptr_t>;
+  using TMA_dKV = std::conditional_t<Use_TMA,
+                                     decltype(cute::make_tma_copy(
+                                         cute::SM90_TMA_STORE{},
+                                         cute::make_tensor(cute::make_gmem_ptr(static_cast<Element*>(nullptr)),
+                                                           ShapedKV{}, StridedKV{}),
+                                         SmemLayoutdKVTMA{}, cute::select<1, 2>(TileShape_MNK{}), cute::_1{})),
+                                     std::nullptr_t>;
 
   // Host side. In varlen (cu_seqlens set) the layout is (total_tokens, d, head, 1).
   struct Arguments {
@@ -218,7 +219,9 @@ struct CollectiveEpilogueBwd {
         if (s < 0 || (s * int64_t(sizeof(Element))) % 16 != 0) {
           return "row, head and batch strides must be non-negative multiples of 16 bytes";
         }
-        if (Use_TMA && s * int64_t(sizeof(Element)) >= (int64_t(1) << 40)) { return "TMA strides must be < 2^40 bytes"; }
+        if (Use_TMA && s * int64_t(sizeof(Element)) >= (int64_t(1) << 40)) {
+          return "TMA strides must be < 2^40 bytes";
+        }
       }
       if (cute::get<0>(shape) < 0 || cute::get<2>(shape) < 0 || cute::get<3>(shape) < 0) { return "negative extent"; }
       if (Use_TMA && (cute::get<0>(shape) == 0 || cute::get<2>(shape) == 0 || cute::get<3>(shape) == 0)) {
@@ -242,18 +245,24 @@ struct CollectiveEpilogueBwd {
     auto make_store = [](Element* ptr, ShapedKV const& shape, StridedKV const& stride) {
       if constexpr (Use_TMA) {
         auto mdKV = cute::make_tensor(cute::make_gmem_ptr(ptr), shape, stride);
-        return cute::make_tma_copy(cute::SM90_TMA_STORE{}, mdKV, SmemLayoutdKVTMA{}, cute::select<1, 2>(TileShape_MNK{}),
-                                   cute::_1{});  // no multicast for dK/dV
+        return cute::make_tma_copy(cute::SM90_TMA_STORE{}, mdKV, SmemLayoutdKVTMA{},
+                                   cute::select<1, 2>(TileShape_MNK{}), cute::_1{});  // no multicast for dK/dV
       } else {
         return nullptr;
       }
     };
     bool const has_dv = args.ptr_dV != nullptr;  // without dV, its descriptor is dK's (never used)
-    return {args.ptr_dK, args.shape_dK, args.stride_dK, args.ptr_dV, args.shape_dV, args.stride_dV,
+    return {args.ptr_dK,
+            args.shape_dK,
+            args.stride_dK,
+            args.ptr_dV,
+            args.shape_dV,
+            args.stride_dV,
             make_store(args.ptr_dK, args.shape_dK, args.stride_dK),
             has_dv ? make_store(args.ptr_dV, args.shape_dV, args.stride_dV)
                    : make_store(args.ptr_dK, args.shape_dK, args.stride_dK),
-            args.cu_seqlens, args.seqused};
+            args.cu_seqlens,
+            args.seqused};
   }
 
   // Ideally from one thread, early in the kernel.
@@ -273,16 +282,22 @@ struct CollectiveEpilogueBwd {
     using namespace cute;
     auto [n_block, bidh, bidb] = block_coord;
     bool const has_dv = params.ptr_dV != nullptr;
-    Tensor sdK = as_position_independent_swizzle_tensor(make_tensor(make_smem_ptr(storage.smem_dk.data()), SmemLayoutdKV{}));
-    Tensor sdV = as_position_independent_swizzle_tensor(make_tensor(make_smem_ptr(storage.smem_dv.data()), SmemLayoutdKV{}));
-    Tensor sdKt = as_position_independent_swizzle_tensor(make_tensor(make_smem_ptr(storage.smem_dk.data()), SmemLayoutdKVt{}));
-    Tensor sdVt = as_position_independent_swizzle_tensor(make_tensor(make_smem_ptr(storage.smem_dv.data()), SmemLayoutdKVt{}));
+    Tensor sdK =
+        as_position_independent_swizzle_tensor(make_tensor(make_smem_ptr(storage.smem_dk.data()), SmemLayoutdKV{}));
+    Tensor sdV =
+        as_position_independent_swizzle_tensor(make_tensor(make_smem_ptr(storage.smem_dv.data()), SmemLayoutdKV{}));
+    Tensor sdKt =
+        as_position_independent_swizzle_tensor(make_tensor(make_smem_ptr(storage.smem_dk.data()), SmemLayoutdKVt{}));
+    Tensor sdVt =
+        as_position_independent_swizzle_tensor(make_tensor(make_smem_ptr(storage.smem_dv.data()), SmemLayoutdKVt{}));
 
     auto smem_tiled_copy_dKV = make_tiled_copy_C(SmemCopyAtomdKV{}, tiled_mma);
     auto smem_thr_copy_dKV = smem_tiled_copy_dKV.get_thread_slice(thread_idx);
 
-    Tensor taccdKsdK = smem_thr_copy_dKV.partition_D(cute::conditional_return<!dKV_swapAB>(sdK, sdKt));  // ((Atom,AtomNum), PIPE_M, PIPE_N)
-    Tensor taccdVsdV = smem_thr_copy_dKV.partition_D(cute::conditional_return<!dKV_swapAB>(sdV, sdVt));  // ((Atom,AtomNum), PIPE_M, PIPE_N)
+    Tensor taccdKsdK = smem_thr_copy_dKV.partition_D(
+        cute::conditional_return<!dKV_swapAB>(sdK, sdKt));  // ((Atom,AtomNum), PIPE_M, PIPE_N)
+    Tensor taccdVsdV = smem_thr_copy_dKV.partition_D(
+        cute::conditional_return<!dKV_swapAB>(sdV, sdVt));  // ((Atom,AtomNum), PIPE_M, PIPE_N)
 
     // Convert one fragment and copy it to its shared-memory tile. One tensor at a time, so only one
     // 16-bit copy is live (a driver holding a single fp32 fragment stays small enough for two CTAs
@@ -297,7 +312,8 @@ struct CollectiveEpilogueBwd {
         // The TiledMma's tile does not divide (kBlockN, kHeadDim) (FA3's sm_80 hdim-192 config: N = 80
         // in steps of 32), so the fragment has padding elements whose smem address lies outside the
         // tile. Copy element by element, only those inside.
-        auto tile_shape = cute::conditional_return<!dKV_swapAB>(select<1, 2>(TileShape_MNK{}), select<2, 1>(TileShape_MNK{}));
+        auto tile_shape =
+            cute::conditional_return<!dKV_swapAB>(select<1, 2>(TileShape_MNK{}), select<2, 1>(TileShape_MNK{}));
         Tensor taccdKVcdKV = smem_thr_copy_dKV.partition_D(make_identity_tensor(tile_shape));
         Tensor tdKVpdKV = make_tensor<bool>(shape(taccdKVcdKV));
 #pragma unroll
@@ -319,7 +335,8 @@ struct CollectiveEpilogueBwd {
     [[maybe_unused]] bool const full_tile = !Varlen || seqlen_info.valid_rows(n_block, rows) >= kBlockN;
     if constexpr (Use_TMA) {
       if (full_tile) {
-        tma_store_tile(params, sdK, sdV, thread_idx, n_block, bidh, Varlen && params.cu_seqlens ? 0 : bidb, seqlen_info.offset);
+        tma_store_tile(params, sdK, sdV, thread_idx, n_block, bidh, Varlen && params.cu_seqlens ? 0 : bidb,
+                       seqlen_info.offset);
         return;
       }
     }
@@ -350,8 +367,10 @@ struct CollectiveEpilogueBwd {
     int const end_row = clamp_rows(row_end - tile_start);
     int const valid_rows = cute::min(seqlen_info.valid_rows(n_block, get<0>(params.shape_dK)), end_row);
     if (valid_rows <= 0 || first_row >= valid_rows) { return; }
-    Tensor gdK = tile_of(params.ptr_dK, params.shape_dK, params.stride_dK, params, seqlen_info, block_coord);  // (BLK_N, BLK_D)
-    Tensor gdV = tile_of(params.ptr_dV, params.shape_dV, params.stride_dV, params, seqlen_info, block_coord);  // (BLK_N, BLK_D)
+    Tensor gdK =
+        tile_of(params.ptr_dK, params.shape_dK, params.stride_dK, params, seqlen_info, block_coord);  // (BLK_N, BLK_D)
+    Tensor gdV =
+        tile_of(params.ptr_dV, params.shape_dV, params.stride_dV, params, seqlen_info, block_coord);  // (BLK_N, BLK_D)
     bool const has_dv = params.ptr_dV != nullptr;
 
     GmemTiledCopydKV gmem_tiled_copy_dKV;
@@ -361,11 +380,11 @@ struct CollectiveEpilogueBwd {
     Tensor tdKVrZero = make_fragment_like(tdKVgdK);
     clear(tdKVrZero);
     Tensor tdKVcdKV = gmem_thr_copy_dKV.partition_D(make_identity_tensor(select<1, 2>(TileShape_MNK{})));
-    copy_predicated(gmem_tiled_copy_dKV, tdKVrZero, tdKVgdK, tdKVcdKV, column_predicate(tdKVcdKV, get<1>(params.shape_dK)),
-                    valid_rows, first_row);
+    copy_predicated(gmem_tiled_copy_dKV, tdKVrZero, tdKVgdK, tdKVcdKV,
+                    column_predicate(tdKVcdKV, get<1>(params.shape_dK)), valid_rows, first_row);
     if (has_dv) {
-      copy_predicated(gmem_tiled_copy_dKV, tdKVrZero, tdKVgdV, tdKVcdKV, column_predicate(tdKVcdKV, get<1>(params.shape_dV)),
-                      valid_rows, first_row);
+      copy_predicated(gmem_tiled_copy_dKV, tdKVrZero, tdKVgdV, tdKVcdKV,
+                      column_predicate(tdKVcdKV, get<1>(params.shape_dV)), valid_rows, first_row);
     }
   }
 
@@ -380,8 +399,9 @@ struct CollectiveEpilogueBwd {
     // Everyone arrives; only the last warp waits, so the others move on at once.
     named_barrier_arrive(NumEpilogueThreads + cutlass::NumThreadsPerWarp, StoreBarrierId);
     auto tile = [&](auto const& tma, auto const& shape) {
-      Tensor m = domain_offset(make_coord(row_offset, _0{}), tma.get_tma_tensor(shape)(_, _, head, batch));  // (rows, d)
-      return local_tile(m, select<1, 2>(TileShape_MNK{}), make_coord(n_block, _0{}));  // (BLK_N, BLK_D)
+      Tensor m =
+          domain_offset(make_coord(row_offset, _0{}), tma.get_tma_tensor(shape)(_, _, head, batch));  // (rows, d)
+      return local_tile(m, select<1, 2>(TileShape_MNK{}), make_coord(n_block, _0{}));                 // (BLK_N, BLK_D)
     };
     Tensor gdK = tile(params.tma_store_dK, params.shape_dK);
     Tensor gdV = tile(params.tma_store_dV, params.shape_dV);
@@ -434,8 +454,10 @@ struct CollectiveEpilogueBwd {
     using namespace cute;
     int const n_block = get<0>(block_coord);
     int const valid_rows = seqlen_info.valid_rows(n_block, get<0>(params.shape_dK));
-    Tensor gdK = tile_of(params.ptr_dK, params.shape_dK, params.stride_dK, params, seqlen_info, block_coord);  // (BLK_N, BLK_D)
-    Tensor gdV = tile_of(params.ptr_dV, params.shape_dV, params.stride_dV, params, seqlen_info, block_coord);  // (BLK_N, BLK_D)
+    Tensor gdK =
+        tile_of(params.ptr_dK, params.shape_dK, params.stride_dK, params, seqlen_info, block_coord);  // (BLK_N, BLK_D)
+    Tensor gdV =
+        tile_of(params.ptr_dV, params.shape_dV, params.stride_dV, params, seqlen_info, block_coord);  // (BLK_N, BLK_D)
 
     GmemTiledCopydKV gmem_tiled_copy_dKV;
     auto gmem_thr_copy_dKV = gmem_tiled_copy_dKV.get_thread_slice(thread_idx);
@@ -454,9 +476,11 @@ struct CollectiveEpilogueBwd {
     if (has_dv) { copy_predicated<!kEvenN>(gmem_tiled_copy_dKV, tdKVsdV, tdKVrdV, tdKVcdKV, all_columns, kBlockN); }
     copy_predicated<!kEvenN>(gmem_tiled_copy_dKV, tdKVsdK, tdKVrdK, tdKVcdKV, all_columns, kBlockN);
     if (has_dv) {
-      copy_predicated(gmem_tiled_copy_dKV, tdKVrdV, tdKVgdV, tdKVcdKV, column_predicate(tdKVcdKV, get<1>(params.shape_dV)), valid_rows);
+      copy_predicated(gmem_tiled_copy_dKV, tdKVrdV, tdKVgdV, tdKVcdKV,
+                      column_predicate(tdKVcdKV, get<1>(params.shape_dV)), valid_rows);
     }
-    copy_predicated(gmem_tiled_copy_dKV, tdKVrdK, tdKVgdK, tdKVcdKV, column_predicate(tdKVcdKV, get<1>(params.shape_dK)), valid_rows);
+    copy_predicated(gmem_tiled_copy_dKV, tdKVrdK, tdKVgdK, tdKVcdKV,
+                    column_predicate(tdKVcdKV, get<1>(params.shape_dK)), valid_rows);
   }
 };
 

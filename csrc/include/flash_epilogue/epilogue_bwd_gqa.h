@@ -85,8 +85,10 @@ struct CollectiveEpilogueBwdGQA {
   static constexpr int kFragElems = kAccumTileElems / NumEpilogueThreads;
 
   static_assert(ArchTag::kMinComputeCapability >= 80, "CollectiveEpilogueBwdGQA needs sm_80 or newer");
-  static_assert(kAccumTileElems % NumEpilogueThreads == 0, "kAccumTileElems must be size(fragment) * NumEpilogueThreads");
-  static_assert(kAccumTileElems >= kBlockN * kHeadDim, "the accumulator tile must hold the whole (kBlockN, kHeadDim) block");
+  static_assert(kAccumTileElems % NumEpilogueThreads == 0,
+                "kAccumTileElems must be size(fragment) * NumEpilogueThreads");
+  static_assert(kAccumTileElems >= kBlockN * kHeadDim,
+                "the accumulator tile must hold the whole (kBlockN, kHeadDim) block");
   static_assert(BarrierId > 0 && BarrierId <= kMaxNamedBarrierId, "BarrierId must be in [1, 15]");
   static_assert(!Use_BulkReduce || NumEpilogueThreads % cutlass::NumThreadsPerWarpGroup == 0,
                 "the sm_90 path works per warpgroup");
@@ -111,7 +113,7 @@ struct CollectiveEpilogueBwdGQA {
     int batch_extent;      // batch (batched) or 1 (varlen)
     int num_heads_q;
     int num_heads_kv;
-    int static_seqlen;     // batched layout's seqlen (SeqlenInfo); the token count in varlen
+    int static_seqlen;             // batched layout's seqlen (SeqlenInfo); the token count in varlen
     int* dk_semaphores = nullptr;  // deterministic: semaphore_count(*this) zeroed counters for dKaccum
     int* dv_semaphores = nullptr;  // and as many for dVaccum (needed when ptr_dVaccum is given)
     int const* cu_seqlens = nullptr;
@@ -239,9 +241,9 @@ struct CollectiveEpilogueBwdGQA {
     int const batch_coord = params.cu_seqlens ? 0 : bidb;
     int64_t const offset = batch_coord * params.stride_batch + kv_head * params.stride_head + tile * kAccumTileElems;
     bool const padded_order = params.counter_order == CounterOrder::kPaddedTile;
-    int64_t const semaphore = padded_order
-        ? (static_cast<int64_t>(batch_coord) * params.num_tiles + tile) * params.num_heads_kv + kv_head
-        : (static_cast<int64_t>(n_block) * params.num_batch + bidb) * params.num_heads_kv + kv_head;
+    int64_t const semaphore =
+        padded_order ? (static_cast<int64_t>(batch_coord) * params.num_tiles + tile) * params.num_heads_kv + kv_head
+                     : (static_cast<int64_t>(n_block) * params.num_batch + bidb) * params.num_heads_kv + kv_head;
     bool const counter_in_range = padded_order || (n_block >= 0 && n_block < params.num_tiles);
     return {offset, semaphore, tile >= 0 && tile < params.num_tiles && counter_in_range};
   }
@@ -265,7 +267,9 @@ struct CollectiveEpilogueBwdGQA {
     if (!loc.valid) { return; }  // whole CTA
     int* const sem_dk = params.dk_semaphores ? params.dk_semaphores + loc.semaphore : nullptr;
     int* const sem_dv = params.dv_semaphores ? params.dv_semaphores + loc.semaphore : nullptr;
-    if (params.ptr_dVaccum) { add_tile(tdVrdV, params.ptr_dVaccum + loc.offset, sem_dv, group_idx, storage, thread_idx); }
+    if (params.ptr_dVaccum) {
+      add_tile(tdVrdV, params.ptr_dVaccum + loc.offset, sem_dv, group_idx, storage, thread_idx);
+    }
     add_tile(tdKrdK, params.ptr_dKaccum + loc.offset, sem_dk, group_idx, storage, thread_idx);
   }
 

@@ -78,8 +78,14 @@ struct CollectiveEpilogueBwd
   };
 
   static typename Base::Arguments collective_arguments(Arguments const& args) {
-    return {args.ptr_dK,     args.shape_dK, args.stride_dK, args.ptr_dV, args.shape_dV, args.stride_dV,
-            Varlen_ ? args.cu_seqlens : nullptr, Varlen_ ? args.seqused : nullptr};
+    return {args.ptr_dK,
+            args.shape_dK,
+            args.stride_dK,
+            args.ptr_dV,
+            args.shape_dV,
+            args.stride_dV,
+            Varlen_ ? args.cu_seqlens : nullptr,
+            Varlen_ ? args.seqused : nullptr};
   }
 
   static char const* can_implement(Arguments const& args) { return Base::can_implement(collective_arguments(args)); }
@@ -106,9 +112,9 @@ struct CollectiveEpilogueBwd
 template <class TileShape_MNK_, class ElementAccum, class ArchTag_, int NumEpilogueThreads_, bool Varlen_,
           bool Deterministic_>
 struct CollectiveEpilogueBwdGQA
-    : flash_epilogue::CollectiveEpilogueBwdGQA<
-          TileShape_MNK_, ArchTag_, NumEpilogueThreads_,
-          cute::get<1>(TileShape_MNK_{}) * cute::get<2>(TileShape_MNK_{}), fa3_compat::kGqaBarrierId> {
+    : flash_epilogue::CollectiveEpilogueBwdGQA<TileShape_MNK_, ArchTag_, NumEpilogueThreads_,
+                                               cute::get<1>(TileShape_MNK_{}) * cute::get<2>(TileShape_MNK_{}),
+                                               fa3_compat::kGqaBarrierId> {
   using Base = flash_epilogue::CollectiveEpilogueBwdGQA<TileShape_MNK_, ArchTag_, NumEpilogueThreads_,
                                                         cute::get<1>(TileShape_MNK_{}) * cute::get<2>(TileShape_MNK_{}),
                                                         fa3_compat::kGqaBarrierId>;
@@ -175,7 +181,8 @@ struct CollectiveEpilogueBwdGQA
     if (args.ptr_dVaccum != nullptr && !same_layout) {
       return "dVaccum must have dKaccum's shape and strides (FA3 rounds d and dv to one head dim)";
     }
-    if (Deterministic_ && (args.dk_semaphore == nullptr || (args.ptr_dVaccum != nullptr && args.dv_semaphore == nullptr))) {
+    if (Deterministic_ &&
+        (args.dk_semaphore == nullptr || (args.ptr_dVaccum != nullptr && args.dv_semaphore == nullptr))) {
       return "Deterministic needs dk_semaphore and dv_semaphore";
     }
     return Base::can_implement(collective_arguments(args));
