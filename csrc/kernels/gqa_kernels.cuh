@@ -167,7 +167,10 @@ struct AccumTiles {
 // bulk adds (GqaAccumulateKernel, the sm_80 path and what an attention kernel calls) move it g times.
 // No other CTA touches the tile, so the sum is deterministic without counters, and bitwise that of the
 // ordered per-head adds (each an fp32 add of the same operands in the same order).
-template <class Config_>
+// The swapAB configs (hdim 192, 256) stage the tile in shared memory and read the partials as rows of
+// 16-byte vectors, as gqa_reduce does: their fragment runs down columns in 4-byte pieces, and read
+// straight the hdim-256 fragment spilled at two CTAs per SM.
+template <class Config_, bool kStaged_ = Config_::kSwapAB>
 struct GqaAccumulateStreamKernel {
   using Config = Config_;
   using ArchTag = cutlass::arch::Sm90;
@@ -175,8 +178,10 @@ struct GqaAccumulateStreamKernel {
   static constexpr int kBlockN = Config::kBlockN;
   static constexpr int kHeadDim = Config::kHeadDim;
   static constexpr int kNumThreads = Config::kNumThreads;
-  static constexpr int kMinBlocksPerSm = Traits::kMinBlocksPerSm;
-  static constexpr int kSharedStorageSize = 0;
+  static constexpr bool kStaged = kStaged_;
+  using Staged = StagedTileSum<kBlockN, kHeadDim, kNumThreads, Config::kSwapAB, float>;
+  static constexpr int kMinBlocksPerSm = kStaged ? 2 : Traits::kMinBlocksPerSm;
+  static constexpr int kSharedStorageSize = kStaged ? Staged::kSmemBytes : 0;
 
   struct TensorParams {
     AccumTiles<Traits> accum;
@@ -194,7 +199,7 @@ struct GqaAccumulateStreamKernel {
     int const* seqused;
   };
 
-  CUTLASS_DEVICE void operator()(Params const& params, char* /*smem*/) const {
+  CUTLASS_DEVICE void operator()(Params const& params, char* smem) const {
     using namespace cute;
     auto const [tensor, tile_x] = split_by_tensor(blockIdx.x, params.tiles_x);
     int const kv_head = blockIdx.y;
@@ -210,13 +215,24 @@ struct GqaAccumulateStreamKernel {
     auto thr_mma = tiled_mma.get_thread_slice(thread_idx);
     Tensor frag = partition_fragment_C(tiled_mma, typename Traits::FragmentTileShape{});
     Traits::Collective::load_fragment(frag, work.accum.ptr + offset, thread_idx);
-    for (int g = 0; g < params.group; ++g) {
-      auto const gtile = rows_tile<kBlockN, kHeadDim>(work.ptr_partial, work.shape, work.stride,
-                                                      kv_head * params.group + g, varlen ? 0 : bidb,
-                                                      seqlen_info.offset, n_block);
-      // rows past valid_rows and columns past d add +0, as the per-head adds do
-      load_accum_tile<Config::kSwapAB, kBlockN, kHeadDim, /*kAdd=*/true>(frag, thr_mma, gtile, valid_rows,
-                                                                         get<1>(work.shape));
+    auto tile_of = [&](int g) {
+      return rows_tile<kBlockN, kHeadDim>(work.ptr_partial, work.shape, work.stride, kv_head * params.group + g,
+                                          varlen ? 0 : bidb, seqlen_info.offset, n_block);
+    };
+    // rows past valid_rows and columns past d add nothing: the accumulator keeps them, as the per-head adds do
+    int const num_cols = get<1>(work.shape);
+    if constexpr (kStaged) {
+      float* stage = reinterpret_cast<float*>(smem);
+      store_fragment_tile<Config::kSwapAB, kBlockN, kHeadDim>(frag, thr_mma, Staged::stage_tile(stage), kBlockN,
+                                                              kHeadDim);
+      named_barrier_sync(kNumThreads, kDefaultEpilogueBarrierId);
+      Staged::template run</*kOntoStage=*/true>(frag, thr_mma, tile_of, params.group, valid_rows, num_cols, 1.f,
+                                                stage, thread_idx, kDefaultEpilogueBarrierId);
+    } else {
+      for (int g = 0; g < params.group; ++g) {
+        load_accum_tile<Config::kSwapAB, kBlockN, kHeadDim, /*kAdd=*/true>(frag, thr_mma, tile_of(g), valid_rows,
+                                                                           num_cols);
+      }
     }
     Traits::Collective::store_fragment(frag, work.accum.ptr + offset, thread_idx);
   }

@@ -113,8 +113,18 @@ struct StagedTileSum {
   static constexpr int kPitch = kHeadDim + (kSwapAB ? 4 : 8);
   static constexpr int kSmemBytes = kBlockN * kPitch * sizeof(float);
 
+  // The staging buffer as a (BLK_N, BLK_D) tile.
+  CUTLASS_DEVICE static auto stage_tile(float* smem) {
+    using namespace cute;
+    return make_tensor(make_smem_ptr(smem),
+                       make_layout(Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_stride(Int<kPitch>{}, _1{})));
+  }
+
   // acc(i) in fragment order = scale * sum over g of tile_g, zeros outside the valid rows/cols.
-  template <class Fragment, class ThrMma, class TileOf>
+  // kOntoStage: the sum starts from the (BLK_N, BLK_D) tile already in `smem` (stage_tile, written and
+  // synced by the caller), ((stage + tile_0) + tile_1) + ..., instead of from zero; its elements outside
+  // the valid rows/cols are kept.
+  template <bool kOntoStage = false, class Fragment, class ThrMma, class TileOf>
   CUTLASS_DEVICE static void run(Fragment& frag, ThrMma const& thr_mma, TileOf&& tile_of, int group, int valid_rows,
                                  int num_cols, float scale, float* smem, int thread_idx, int barrier_id) {
     using namespace cute;
@@ -126,11 +136,19 @@ struct StagedTileSum {
     for (int r0 = 0; r0 < kRowIters; r0 += kChunkRowIters) {
       float sum[kChunkRowIters][kColIters][kVec];
 #pragma unroll
-      for (int r = 0; r < kChunkRowIters; ++r)
+      for (int r = 0; r < kChunkRowIters; ++r) {
+        int const row = row0 + (r0 + r) * kRowsPerPass;
+        bool const in_stage = r0 + r < kRowIters && (kBlockN % kRowsPerPass == 0 || row < kBlockN);
 #pragma unroll
-        for (int c = 0; c < kColIters; ++c)
+        for (int c = 0; c < kColIters; ++c) {
+          int const col = col0 + c * kThreadsPerRow * kVec;
 #pragma unroll
-          for (int v = 0; v < kVec; ++v) { sum[r][c][v] = 0.f; }
+          for (int v = 0; v < kVec; ++v) {
+            // each thread reads only the elements it writes back below: no barrier between
+            sum[r][c][v] = (kOntoStage && in_stage) ? smem[row * kPitch + col + v] : 0.f;
+          }
+        }
+      }
       for (int g = 0; g < group; ++g) {
         auto const gtile = tile_of(g);  // (BLK_N, BLK_D)
 #pragma unroll
@@ -164,9 +182,7 @@ struct StagedTileSum {
       }
     }
     named_barrier_sync(kNumThreads, barrier_id);
-    Tensor stile = make_tensor(make_smem_ptr(smem), make_layout(Shape<Int<kBlockN>, Int<kHeadDim>>{},
-                                                               make_stride(Int<kPitch>{}, _1{})));  // (BLK_N, BLK_D)
-    load_accum_tile<kSwapAB, kBlockN, kHeadDim>(frag, thr_mma, stile, kBlockN, kHeadDim);
+    load_accum_tile<kSwapAB, kBlockN, kHeadDim>(frag, thr_mma, stage_tile(smem), kBlockN, kHeadDim);
     // The collective's store starts with a barrier: nobody overwrites the staging before all read it.
   }
 };
