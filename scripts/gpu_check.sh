@@ -6,7 +6,8 @@
 #   pack        the built extension -> prebuilt.tgz; carried as .prebuilt/prebuilt.tgz into a later call
 #               without `build`, it spares a cold machine the rebuild
 #   test        pytest, GPU tests included (TEST_FILES, default tests; TEST_TIMEOUT_S; TEST_MAXFAIL, default 30)
-#               -> junit.xml, tests.log and the summary gpu_tests.json
+#               -> junit.xml, tests.log and the summary gpu_tests.json (with "interrupted" when pytest was cut
+#               off without a report: the counts are then those of the tests that finished)
 #   sanitize    scripts/sanitize.sh: compute-sanitizer over every op -> sanitize.json, sanitize_logs.tgz
 #               (budget SANITIZE_BUDGET_S)
 #   bench_host  benchmarks/bench_host.py: the wrappers' host time against torch.ops -> host_time.json
@@ -71,22 +72,31 @@ elif has test; then
   # pytest then still prints the failures so far and writes junit.xml (a SIGTERM'd run leaves
   # neither). TEST_MAXFAIL stops a run whose every test fails (a poisoned process) early, with the
   # first tracebacks in tests.log.
+  rm -f "$OUT/junit.xml"
   timeout -s INT -k 20 "${TEST_TIMEOUT_S}" python3 -m pytest ${TEST_FILES:-tests} -q -rs -p no:cacheprovider \
-    --durations=25 --maxfail="${TEST_MAXFAIL:-30}" --junitxml="$OUT/junit.xml" > "$OUT/tests.log" 2>&1 || status=1
+    --durations=25 --maxfail="${TEST_MAXFAIL:-30}" --junitxml="$OUT/junit.xml" > "$OUT/tests.log" 2>&1
+  test_rc=$?
+  (( test_rc != 0 )) && status=1
   tail -15 "$OUT/tests.log"
-  python3 - "$OUT" "$COMMIT" <<'PY'
-import datetime, json, sys, xml.etree.ElementTree as ET
+  python3 - "$OUT" "$COMMIT" "$test_rc" <<'PY'
+import datetime, json, re, sys, xml.etree.ElementTree as ET
 import torch
-out, commit = sys.argv[1], sys.argv[2]
+out, commit, rc = sys.argv[1], sys.argv[2], int(sys.argv[3])
+summary = {"commit": commit, "date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
+           "torch": torch.__version__}
 try:
     suite = ET.parse(f"{out}/junit.xml").getroot()
     suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
     total, failed, errors, skipped = (int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped"))
-except FileNotFoundError:  # pytest died (e.g. a crash) before writing its report
-    total, failed, errors, skipped = 1, 1, 0, 0
-summary = {"commit": commit, "date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
-           "torch": torch.__version__, "passed": total - failed - errors - skipped, "failed": failed + errors,
-           "skipped": skipped}
+    summary.update(passed=total - failed - errors - skipped, failed=failed + errors, skipped=skipped)
+except FileNotFoundError:
+    # No report: pytest crashed, or was killed at TEST_TIMEOUT_S (rc 124/137) inside a call that ignored SIGINT.
+    # Count what its progress lines show ('.' passed, 's' skipped, anything else failed), and say it was cut.
+    marks = "".join(m.group(1) for m in re.finditer(r"^([.sxXFE]+)\s*(?:\[\s*\d+%\])?$",
+                                                   open(f"{out}/tests.log").read(), re.M))
+    summary.update(passed=marks.count("."), failed=sum(map(marks.count, "FEX")), skipped=sum(map(marks.count, "sx")),
+                   interrupted=f"no junit.xml (pytest rc {rc}): counted from the progress of the {len(marks)} "
+                   "tests that finished; the rest did not run")
 json.dump(summary, open(f"{out}/gpu_tests.json", "w"), indent=1)
 print(summary)
 PY
