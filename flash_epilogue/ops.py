@@ -57,7 +57,9 @@ def _index_tensor(name: str, idx: IndexArg, device) -> torch.Tensor | None:
     for v, n in zip(values, names):
         if not _I32_MIN <= v <= _I32_MAX:
             fail(op, n, f"an int32 value in [{_I32_MIN}, {_I32_MAX}]", v)
-    return torch.tensor(values, dtype=torch.int32, device=device)
+    # built on the host, then moved: the same copy as torch.tensor(..., device=device), and under torch.compile on
+    # the meta device a traced op (torch.tensor straight on meta gives a real meta tensor, which dynamo rejects)
+    return torch.tensor(values, dtype=torch.int32).to(device)
 
 
 def store_zero(dk: torch.Tensor, dv: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None,

@@ -257,6 +257,17 @@ def test_compile_fullgraph_every_wrapper(request, device):
         assert_same_problem(t, acc, t2, acc2)
 
 
+def test_compile_fullgraph_store_zero_index_lists_on_meta():
+    # ints and lists of ints become int32 tensors inside the compiled graph, on the meta device too
+    dk = torch.empty(2, 64, 4, 128, dtype=BF16, device="meta")
+
+    def zero(dk, dv):
+        fe.store_zero(dk, dv, batch_idx=[1], head_idx=2, row_start=3)
+        return dk
+
+    assert torch.compile(zero, fullgraph=True, backend="aot_eager")(dk, torch.empty_like(dk)).device.type == "meta"
+
+
 # ---------------------------------------------------------------------------------------------
 # opcheck: store and store_zero
 
