@@ -108,10 +108,9 @@ struct GqaAccumulateKernel {
       // of a head side by side, the accumulator tiles between two members' adds were twice as many,
       // more than L2 holds in varlen (measured: benchmarks/NOTES.md, D33). 64-bit: 2 * tiles_x * h_q
       // may pass 2^31.
-      int64_t const linear = int64_t(blockIdx.y) * gridDim.x + blockIdx.x;
-      int64_t const per_tensor = int64_t(params.tiles_x) * params.num_heads_q;
-      tensor = linear >= per_tensor ? 1 : 0;
-      int64_t const rest = linear - tensor * per_tensor;
+      auto const [t, rest] = split_by_tensor<int64_t>(int64_t(blockIdx.y) * gridDim.x + blockIdx.x,
+                                                      int64_t(params.tiles_x) * params.num_heads_q);
+      tensor = t;
       q_head = static_cast<int>(rest / params.tiles_x);
       tile_x = static_cast<int>(rest - int64_t(q_head) * params.tiles_x);
       batch_z = blockIdx.z;

@@ -9,6 +9,7 @@
 // finds its sequence by binary search. Padded tiles past a sequence's end have no valid rows.
 
 #include <cstdint>
+#include <type_traits>
 
 #include <cute/tensor.hpp>
 
@@ -71,12 +72,16 @@ struct TensorAndHead {
   int head;
 };
 
-// An index over dK's items then dV's (`per_tensor` each) -> (tensor, index within its tensor).
+// An index over dK's items then dV's (`per_tensor` each) -> (tensor, index within its tensor), in int, or
+// in int64_t (split_by_tensor<int64_t>) where 2 * per_tensor may pass 2^31.
+template <class Index>
 struct TensorSplit {
   int tensor;  // 0: dK, 1: dV
-  int index;
+  Index index;
 };
-CUTLASS_DEVICE TensorSplit split_by_tensor(int index, int per_tensor) {
+template <class Index = int>
+CUTLASS_DEVICE TensorSplit<Index> split_by_tensor(std::type_identity_t<Index> index,
+                                                  std::type_identity_t<Index> per_tensor) {
   int const tensor = index >= per_tensor ? 1 : 0;
   return {tensor, index - tensor * per_tensor};
 }
