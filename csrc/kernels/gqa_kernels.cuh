@@ -169,7 +169,7 @@ struct AccumTiles {
 // The swapAB configs (hdim 192, 256) stage the tile in shared memory and read the partials as rows of
 // 16-byte vectors, as gqa_reduce does: their fragment runs down columns in 4-byte pieces, and read
 // straight the hdim-256 fragment spilled at two CTAs per SM.
-template <class Config_, bool kStaged_ = Config_::kSwapAB>
+template <class Config_>
 struct GqaAccumulateStreamKernel {
   using Config = Config_;
   using ArchTag = cutlass::arch::Sm90;
@@ -177,7 +177,7 @@ struct GqaAccumulateStreamKernel {
   static constexpr int kBlockN = Config::kBlockN;
   static constexpr int kHeadDim = Config::kHeadDim;
   static constexpr int kNumThreads = Config::kNumThreads;
-  static constexpr bool kStaged = kStaged_;
+  static constexpr bool kStaged = Config::kSwapAB;
   using Staged = StagedTileSum<kBlockN, kHeadDim, kNumThreads, Config::kSwapAB, float>;
   static constexpr int kMinBlocksPerSm = kStaged ? 2 : Traits::kMinBlocksPerSm;
   static constexpr int kSharedStorageSize = kStaged ? Staged::kSmemBytes : 0;

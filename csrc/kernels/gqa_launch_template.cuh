@@ -65,10 +65,10 @@ char const* launch_gqa_reduce_streamed(GqaReduceLaunchArgs const& args, cudaStre
 
 // The sm_90 path, both modes: one CTA per accumulator tile adds the whole group (GqaAccumulateStreamKernel);
 // deterministic by construction, so the semaphores are not used.
-template <int kHeadDim, bool kStaged = BwdTileConfig<kHeadDim, cutlass::arch::Sm90>::kSwapAB>
+template <int kHeadDim>
 char const* launch_gqa_accumulate_streamed(GqaAccumulateLaunchArgs const& args, cudaStream_t stream) {
   using Config = BwdTileConfig<kHeadDim, cutlass::arch::Sm90>;
-  using Kernel = GqaAccumulateStreamKernel<Config, kStaged>;
+  using Kernel = GqaAccumulateStreamKernel<Config>;
   bool const varlen = args.cu_seqlens != nullptr;
   int const batch_extent = varlen ? 1 : args.batch;
   dim3 const tiles = row_tile_grid<Config::kBlockN>(args.rows, args.num_heads_kv, args.batch, varlen);
