@@ -2,7 +2,7 @@
 
 // Drivers of the GQA path:
 //   GqaAccumulateKernel  per-q-head fp32 partials -> C fragments -> CollectiveEpilogueBwdGQA::store (sm_80)
-//   GqaAccumulateStreamKernel  accumulator tile + a group's partials in registers -> the tile (sm_90)
+//   GqaAccumulateStreamKernel  accumulator tile + a group's partials, in head order -> the tile (sm_90)
 //   GqaPostprocessKernel accumulator -> C fragments (same TiledMma) * scale -> CollectiveEpilogueBwd
 //   GqaDenseKernel       accumulator -> row-major fp32 (debugging and tests)
 //   GqaReduceKernel      all partials of a group summed in registers, in head order -> store
@@ -160,15 +160,16 @@ struct AccumTiles {
 };
 
 // The sm_90 gqa_accumulate: one CTA per accumulator tile, grid (2 * tiles_x, h_k, tiles_z) as in
-// locate_output_tile. The tile is read once into C fragments, the group's partials are added to it in
-// head order, ((acc + p_0) + p_1) + ..., in fp32 registers (subnormals kept), and it is written back
-// once: each accumulator tile moves through memory once per call, where the collective's per-query-head
-// bulk adds (GqaAccumulateKernel, the sm_80 path and what an attention kernel calls) move it g times.
-// No other CTA touches the tile, so the sum is deterministic without counters, and bitwise that of the
-// ordered per-head adds (each an fp32 add of the same operands in the same order).
-// The swapAB configs (hdim 192, 256) stage the tile in shared memory and read the partials as rows of
-// 16-byte vectors, as gqa_reduce does: their fragment runs down columns in 4-byte pieces, and read
-// straight the hdim-256 fragment spilled at two CTAs per SM.
+// locate_output_tile. The tile is read once, the group's partials are added to it in head order,
+// ((acc + p_0) + p_1) + ..., in fp32 (subnormals kept), and it is written back once: each accumulator
+// tile moves through memory once per call, where the collective's per-query-head bulk adds
+// (GqaAccumulateKernel, the sm_80 path and what an attention kernel calls) move it g times. No other
+// CTA touches the tile, so the sum is deterministic without counters, and bitwise that of the ordered
+// per-head adds (each an fp32 add of the same operands in the same order).
+// The tile goes through shared memory row-major (StagedTileSum, as gqa_reduce's swapAB configs): the
+// partials are then read as rows of 16-byte vectors, where the C fragment reads 8-byte pairs (4-byte
+// pieces down columns with swapAB) and, holding the whole tile, leaves few registers for loads in
+// flight. Measured faster at every head dim (benchmarks/NOTES.md, D34, D35).
 template <class Config_>
 struct GqaAccumulateStreamKernel {
   using Config = Config_;
@@ -177,10 +178,9 @@ struct GqaAccumulateStreamKernel {
   static constexpr int kBlockN = Config::kBlockN;
   static constexpr int kHeadDim = Config::kHeadDim;
   static constexpr int kNumThreads = Config::kNumThreads;
-  static constexpr bool kStaged = Config::kSwapAB;
   using Staged = StagedTileSum<kBlockN, kHeadDim, kNumThreads, Config::kSwapAB, float>;
-  static constexpr int kMinBlocksPerSm = kStaged ? 2 : Traits::kMinBlocksPerSm;
-  static constexpr int kSharedStorageSize = kStaged ? Staged::kSmemBytes : 0;
+  static constexpr int kMinBlocksPerSm = 2;  // the running sums are a chunk of rows, not the tile
+  static constexpr int kSharedStorageSize = Staged::kSmemBytes;
 
   struct TensorParams {
     AccumTiles<Traits> accum;
@@ -213,26 +213,19 @@ struct GqaAccumulateStreamKernel {
     typename Traits::TiledMma tiled_mma;
     auto thr_mma = tiled_mma.get_thread_slice(thread_idx);
     Tensor frag = partition_fragment_C(tiled_mma, typename Traits::FragmentTileShape{});
+    // accumulator tile (fragment order) -> registers -> shared memory, row-major
+    float* stage = reinterpret_cast<float*>(smem);
     Traits::Collective::load_fragment(frag, work.accum.ptr + offset, thread_idx);
+    store_fragment_tile<Config::kSwapAB, kBlockN, kHeadDim>(frag, thr_mma, Staged::stage_tile(stage), kBlockN,
+                                                            kHeadDim);
+    named_barrier_sync(kNumThreads, kDefaultEpilogueBarrierId);
     auto tile_of = [&](int g) {
       return rows_tile<kBlockN, kHeadDim>(work.ptr_partial, work.shape, work.stride, kv_head * params.group + g,
                                           varlen ? 0 : bidb, seqlen_info.offset, n_block);
     };
     // rows past valid_rows and columns past d add nothing: the accumulator keeps them, as the per-head adds do
-    int const num_cols = get<1>(work.shape);
-    if constexpr (kStaged) {
-      float* stage = reinterpret_cast<float*>(smem);
-      store_fragment_tile<Config::kSwapAB, kBlockN, kHeadDim>(frag, thr_mma, Staged::stage_tile(stage), kBlockN,
-                                                              kHeadDim);
-      named_barrier_sync(kNumThreads, kDefaultEpilogueBarrierId);
-      Staged::template run</*kOntoStage=*/true>(frag, thr_mma, tile_of, params.group, valid_rows, num_cols, 1.f,
-                                                stage, thread_idx, kDefaultEpilogueBarrierId);
-    } else {
-      for (int g = 0; g < params.group; ++g) {
-        load_accum_tile<Config::kSwapAB, kBlockN, kHeadDim, /*kAdd=*/true>(frag, thr_mma, tile_of(g), valid_rows,
-                                                                           num_cols);
-      }
-    }
+    Staged::template run</*kOntoStage=*/true>(frag, thr_mma, tile_of, params.group, valid_rows,
+                                              get<1>(work.shape), 1.f, stage, thread_idx, kDefaultEpilogueBarrierId);
     Traits::Collective::store_fragment(frag, work.accum.ptr + offset, thread_idx);
   }
 };

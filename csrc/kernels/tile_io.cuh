@@ -92,9 +92,10 @@ CUTLASS_DEVICE void load_accum_tile(Fragment& frag, ThrMma const& thr_mma, GmemT
 // The sum of `group` (BLK_N, BLK_D) tiles (group 1: one tile), read row-major with 16-byte
 // vectors, staged in shared memory as fp32 and read back in C-fragment order. gqa_reduce uses it
 // where reading straight in fragment order is slow: 16-bit partials (the fragment reads 2- or
-// 4-byte pieces) and the swapAB configs (the fragment runs down columns, 4-byte pieces). Store and
-// gqa_accumulate read their fp32 tiles straight in fragment order: staged they ran slower
-// (measured: see benchmarks/NOTES.md). `smem` needs kSmemBytes and may alias the collective's
+// 4-byte pieces) and the swapAB configs (the fragment runs down columns, 4-byte pieces); the sm_90
+// gqa_accumulate at every head dim, onto the accumulator's tile (kOntoStage). Store and the sm_80
+// gqa_accumulate read their fp32 tiles straight in fragment order: staged, the per-head adds ran
+// slower (measured: see benchmarks/NOTES.md). `smem` needs kSmemBytes and may alias the collective's
 // storage: the collectives start with a barrier before writing theirs.
 template <int kBlockN, int kHeadDim, int kNumThreads, bool kSwapAB, class ElementIn>
 struct StagedTileSum {
