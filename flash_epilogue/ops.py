@@ -45,13 +45,18 @@ def _index_tensor(name: str, idx: IndexArg, device) -> torch.Tensor | None:
     op, what = "store_zero", "None, an int, a sequence of ints or an int32 tensor"
     if isinstance(idx, (bool, str, bytes)):
         fail(op, name, what, type(idx).__name__, FlashEpilogueTypeError)
-    try:
-        values, names = [operator.index(idx)], [name]
-    except TypeError:
+    # a list or tuple never goes through operator.index: under torch.compile (torch 2.11) the TypeError it raises
+    # comes out as dynamo's internal error, which `except TypeError` does not catch
+    items = idx if isinstance(idx, (list, tuple)) else None
+    if items is None:
         try:
-            items = list(idx)
+            values, names = [operator.index(idx)], [name]
         except TypeError:
-            fail(op, name, what, type(idx).__name__, FlashEpilogueTypeError)
+            try:
+                items = list(idx)
+            except TypeError:
+                fail(op, name, what, type(idx).__name__, FlashEpilogueTypeError)
+    if items is not None:
         names = [f"{name}[{i}]" for i in range(len(items))]
         values = [as_index(op, n, v) for n, v in zip(names, items)]
     for v, n in zip(values, names):
