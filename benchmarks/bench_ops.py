@@ -3,6 +3,7 @@
     python benchmarks/bench_ops.py --out benchmarks/results --commit abc1234   # H200: ~4-5 min
     python benchmarks/bench_ops.py --quick --out /tmp/r                        # smoke run: 3 shapes
     python benchmarks/bench_ops.py --from-json benchmarks/results/h200.json    # tables, CSV, PNG again
+    python benchmarks/bench_ops.py --from-json benchmarks/results/h200.json --readme-table  # the README's table
 
 Rows: "op" (store, store_varlen, store_zero, gqa_reduce with fp32 and bf16 partials as "dtype",
 gqa_accumulate, gqa_accumulate_det, gqa_postprocess), "impl" (flash_epilogue: torch.ops.flash_epilogue.*;
@@ -30,7 +31,8 @@ import torch
 import baselines as B
 from bench_host import host_calls
 from common import (IMPLS, MB, OUT, REPO, Shape, all_shapes, copy_roofline, default_commit, do_bench_median,
-                    environment, host_loop, log, rotating, rotation, run_cmd, write_csv, write_outputs, write_plot)
+                    environment, host_loop, log, readme_table, rotating, rotation, run_cmd, write_csv, write_outputs,
+                    write_plot)
 
 OPS = ("store", "store_varlen", "store_zero", "gqa_reduce", "gqa_accumulate", "gqa_accumulate_det",
        "gqa_postprocess")
@@ -514,15 +516,22 @@ def main(argv=None) -> int:
     p.add_argument("--baseline", default=None, help="results to compare with (default: git HEAD's NAME.json)")
     p.add_argument("--from-json", default=None, help="no run: tables, targets, CSV and PNG from this results file "
                                                      "(written next to it)")
+    p.add_argument("--readme-table", action="store_true",
+                   help="with --from-json: print only the README's performance table (markdown), write nothing")
     args = p.parse_args(argv)
     args.commit, args.store_repeats = args.commit or default_commit(), args.store_repeats or (1 if args.quick else 3)
     args.ops, args.impls = ([x.strip() for x in v.split(",") if x.strip()] for v in (args.ops, args.impls))
     for what, given, allowed in (("--ops", args.ops, OPS), ("--impls", args.impls, IMPLS)):
         for x in set(given) - set(allowed):
             p.error(f"{what}: unknown {x!r} (choose from {', '.join(allowed)})")
+    if args.readme_table and not args.from_json:
+        p.error("--readme-table needs --from-json")
     if args.from_json:
         with open(args.from_json) as f:
             result = json.load(f)
+        if args.readme_table:
+            log(readme_table(result))
+            return 0
         result["targets"] = targets(result)
         print_tables(result)
         write_csv(result, os.path.splitext(args.from_json)[0] + ".csv")

@@ -184,6 +184,44 @@ def write_csv(result: dict, path: str) -> None:
                         r.get("shared_with", "")])
 
 
+# The README's performance table: these rows of a results file (op, dtype, shape name, label), every impl.
+README_ROWS = (
+    ("store", "float32", "b4_s8192_hk8_g4_d128", "store (fp32)"),
+    ("store", "float32", "b8_s4096_hk4_g8_d64", "store (fp32)"),
+    ("store", "float32", "b2_s8192_hk8_g4_d256", "store (fp32)"),
+    ("store", "float32", "tiny_b1_s512_hk8_g4_d128", "store (fp32)"),
+    ("store_varlen", "float32", "varlen32k_hk8_g4_d128", "store_varlen (fp32)"),
+    ("store_zero", "bfloat16", "b4_s8192_hk8_g4_d128", "store_zero"),
+    ("gqa_reduce", "float32", "b4_s8192_hk8_g4_d128", "gqa_reduce (fp32)"),
+    ("gqa_reduce", "float32", "b2_s16384_hk8_g8_d128", "gqa_reduce (fp32)"),
+    ("gqa_reduce", "float32", "b2_s8192_hk16_g1_d192_dv128", "gqa_reduce (fp32)"),
+    ("gqa_reduce", "bfloat16", "b4_s8192_hk8_g4_d128", "gqa_reduce (bf16)"),
+    ("gqa_reduce", "bfloat16", "b8_s4096_hk4_g8_d64", "gqa_reduce (bf16)"),
+    ("gqa_reduce", "bfloat16", "varlen32k_hk8_g4_d128", "gqa_reduce (bf16)"),
+    ("gqa_accumulate", "float32", "b4_s8192_hk8_g4_d128", "gqa_accumulate (fp32)"),
+    ("gqa_accumulate", "float32", "b8_s4096_hk4_g8_d64", "gqa_accumulate (fp32)"),
+    ("gqa_accumulate", "float32", "b2_s8192_hk8_g4_d256", "gqa_accumulate (fp32)"),
+    ("gqa_accumulate", "float32", "varlen32k_hk8_g4_d128", "gqa_accumulate (fp32)"),
+    ("gqa_accumulate_det", "float32", "b4_s8192_hk8_g4_d128", "gqa_accumulate, deterministic"),
+    ("gqa_postprocess", "float32", "b4_s8192_hk8_g4_d128", "gqa_postprocess (fp32)"),
+)
+README_HEADER = ("| op (inputs) | shape | flash_epilogue | torch eager | torch.compile | torch.compile dynamic | "
+                 "plain Triton |\n|---|---|---|---|---|---|---|")
+
+
+def readme_table(result: dict) -> str:
+    """The README's performance table (README_ROWS) from a results file, as markdown: TB/s (us) per impl."""
+    idx = {(r["op"], r.get("dtype", ""), r["name"], r["impl"]): r for r in result["rows"]}
+    lines = [README_HEADER]
+    for op, dtype, name, label in README_ROWS:
+        cells = [f"{x['TBps']:.2f} ({x['ms'] * 1e3:.0f} us)" if x else ""
+                 for x in (idx.get((op, dtype, name, impl)) for impl in IMPLS)]
+        if op == "gqa_accumulate_det":  # one kernel for both modes: the baselines are gqa_accumulate's rows
+            cells = [cells[0], "(gqa_accumulate's baselines)", "", "", ""]
+        lines.append(f"| {label} | {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def _short(name: str) -> str:
     return (name.replace("packed_", "pk ").replace("tiny_", "tiny ").replace("_hk", " hk").replace("_g", " g")
             .replace("_d", " d").replace("_s", " s").replace("_", " "))

@@ -39,17 +39,31 @@ def test_tile_table_is_the_extension_s():
     assert fe.tile_config(80).head_dim == 96 and fe.tile_config(72, 136).head_dim == 192
 
 
-def _generator():
-    path = ROOT / "scripts/generate_instantiations.py"
-    spec = importlib.util.spec_from_file_location("generate_instantiations", path)
+def _load(name, relative_path):
+    spec = importlib.util.spec_from_file_location(name, ROOT / relative_path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
+
+
+def _generator():
+    return _load("generate_instantiations", "scripts/generate_instantiations.py")
 
 
 @needs_C
 def test_instantiation_generator_has_the_extension_s_head_dims():
     assert tuple(_generator().HEAD_DIMS) == tuple(sorted({r["head_dim"] for r in C.tile_configs()}))
+
+
+def test_readme_performance_table_is_the_committed_run():
+    # the README's table is `bench_ops.py --from-json benchmarks/results/h200.json --readme-table`, so the
+    # figures and the results file the README cites cannot drift apart
+    import json
+
+    common = _load("bench_common", "benchmarks/common.py")
+    table = common.readme_table(json.loads((ROOT / "benchmarks/results/h200.json").read_text()))
+    assert table in (ROOT / "README.md").read_text(), "regenerate the README's performance table:\n" + table
 
 
 def test_instantiations_are_up_to_date():
