@@ -1,6 +1,7 @@
 """CPU tests of the package surface: the tile table (the C++ one, as _C, fe.tile_config and the
 instantiation generator see it), the GQA accumulator's geometry and allocation, the fake kernels,
-`python -m flash_epilogue`, and the environment switches."""
+`python -m flash_epilogue`, the environment switches, and the README's performance table against the
+results file it cites."""
 import importlib.util
 import subprocess
 import sys
