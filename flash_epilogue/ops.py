@@ -47,18 +47,19 @@ def _index_tensor(name: str, idx: IndexArg, device) -> torch.Tensor | None:
         fail(op, name, what, type(idx).__name__, FlashEpilogueTypeError)
     # a list or tuple never goes through operator.index: under torch.compile (torch 2.11) the TypeError it raises
     # comes out as dynamo's internal error, which `except TypeError` does not catch
-    items = idx if isinstance(idx, (list, tuple)) else None
-    if items is None:
+    if not isinstance(idx, (list, tuple)):
         try:
-            values, names = [operator.index(idx)], [name]
+            idx = operator.index(idx)
         except TypeError:
             try:
-                items = list(idx)
+                idx = list(idx)
             except TypeError:
                 fail(op, name, what, type(idx).__name__, FlashEpilogueTypeError)
-    if items is not None:
-        names = [f"{name}[{i}]" for i in range(len(items))]
-        values = [as_index(op, n, v) for n, v in zip(names, items)]
+    if isinstance(idx, int):
+        values, names = [idx], [name]
+    else:
+        names = [f"{name}[{i}]" for i in range(len(idx))]
+        values = [as_index(op, n, v) for n, v in zip(names, idx)]
     for v, n in zip(values, names):
         if not _I32_MIN <= v <= _I32_MAX:
             fail(op, n, f"an int32 value in [{_I32_MIN}, {_I32_MAX}]", v)

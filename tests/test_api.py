@@ -3,6 +3,7 @@ instantiation generator see it), the GQA accumulator's geometry and allocation, 
 `python -m flash_epilogue`, the environment switches, and the README's performance table against the
 results file it cites."""
 import importlib.util
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -60,8 +61,6 @@ def test_instantiation_generator_has_the_extension_s_head_dims():
 def test_readme_performance_table_is_the_committed_run():
     # the README's table is `bench_ops.py --from-json benchmarks/results/h200.json --readme-table`, so the
     # figures and the results file the README cites cannot drift apart
-    import json
-
     common = _load("bench_common", "benchmarks/common.py")
     table = common.readme_table(json.loads((ROOT / "benchmarks/results/h200.json").read_text()))
     assert table in (ROOT / "README.md").read_text(), "regenerate the README's performance table:\n" + table
