@@ -2,7 +2,7 @@
 
 // Drivers of the GQA path:
 //   GqaAccumulateKernel  per-q-head fp32 partials -> C fragments -> CollectiveEpilogueBwdGQA::store (sm_80)
-//   GqaAccumulateStreamKernel  accumulator tile + a group's partials, in head order -> the tile (sm_90)
+//   GqaAccumulateStreamKernel  accumulator tile + a group's partials, streamed, in head order -> the tile (sm_90)
 //   GqaPostprocessKernel accumulator -> C fragments (same TiledMma) * scale -> CollectiveEpilogueBwd
 //   GqaDenseKernel       accumulator -> row-major fp32 (debugging and tests)
 //   GqaReduceKernel      all partials of a group summed in registers, in head order -> store
@@ -17,6 +17,7 @@
 #include "store_kernel.cuh"
 #include "tile_io.cuh"
 #include "tile_schedule.cuh"
+#include "tile_stream_kernel.cuh"
 
 namespace flash_epilogue {
 
@@ -159,74 +160,135 @@ struct AccumTiles {
   }
 };
 
-// The sm_90 gqa_accumulate: one CTA per accumulator tile, grid (2 * tiles_x, h_k, tiles_z) as in
-// locate_output_tile. The tile is read once, the group's partials are added to it in head order,
-// ((acc + p_0) + p_1) + ..., in fp32 (subnormals kept), and it is written back once: each accumulator
-// tile moves through memory once per call, where the collective's per-query-head bulk adds
-// (GqaAccumulateKernel, the sm_80 path and what an attention kernel calls) move it g times. No other
-// CTA touches the tile, so the sum is deterministic without counters, and bitwise that of the ordered
-// per-head adds (each an fp32 add of the same operands in the same order).
-// The tile goes through shared memory row-major (StagedTileSum, as gqa_reduce's swapAB configs): the
-// partials are then read as rows of 16-byte vectors, where the C fragment reads 8-byte pairs (4-byte
-// pieces down columns with swapAB) and, holding the whole tile, leaves few registers for loads in
-// flight. Measured faster at every head dim (benchmarks/NOTES.md, D34, D35).
+// The sm_90 gqa_accumulate: persistent CTAs, one per SM, walk the accumulator tiles (KV heads of dK,
+// then of dV, fastest; then row tiles; then batch, as TileStreamKernel walks its outputs) and stream
+// each tile's inputs through a StreamRing: first the accumulator tile itself (one 1-D bulk copy: its
+// floats are in fragment order, read back as conflict-free float4), then the group's partials (TMA
+// tiles). The consumers add the partials to the tile in head order, ((acc + p_0) + p_1) + ..., in fp32
+// (subnormals kept; rows past valid_rows and columns past d keep the accumulator's value, as the
+// per-head adds do), write it over the last partial's stage in fragment order, and one thread
+// bulk-copies it back. Each accumulator tile moves through memory once per call, where the
+// collective's per-query-head bulk adds (GqaAccumulateKernel, the sm_80 path and what an attention
+// kernel calls) move it g times. No other CTA touches the tile, so the sum is deterministic without
+// counters, and bitwise that of the ordered per-head adds (each an fp32 add of the same operands in
+// the same order). Streamed, the loads in flight no longer depend on the registers: one CTA per tile
+// reading into registers ran latency-bound at 16 warps per SM (benchmarks/NOTES.md, D37).
 template <class Config_>
 struct GqaAccumulateStreamKernel {
   using Config = Config_;
   using ArchTag = cutlass::arch::Sm90;
   using Traits = GqaTraits<Config, ArchTag>;
+  using Ring = StreamRing<Config, float, /*kCtasPerSm=*/1>;
   static constexpr int kBlockN = Config::kBlockN;
   static constexpr int kHeadDim = Config::kHeadDim;
-  static constexpr int kNumThreads = Config::kNumThreads;
-  using Staged = StagedTileSum<kBlockN, kHeadDim, kNumThreads, Config::kSwapAB, float>;
-  static constexpr int kMinBlocksPerSm = 2;  // the running sums are a chunk of rows, not the tile
-  static constexpr int kSharedStorageSize = Staged::kSmemBytes;
+  static constexpr int kNumThreads = Ring::kNumThreads;
+  static constexpr int kMinBlocksPerSm = 1;
+  static constexpr int kSharedStorageSize = Ring::kSharedStorageSize;
+  static constexpr int kTileBytes = Traits::kAccumTileElems * static_cast<int>(sizeof(float));
+  static_assert(kTileBytes == Ring::kStageBytes, "an accumulator tile fills one stage");
+  static_assert(Traits::kNumThreads == Ring::kNumConsumerThreads, "the accumulator's fragments are the consumers'");
+  using TmaLoad = typename Ring::TmaLoad;
 
   struct TensorParams {
     AccumTiles<Traits> accum;
-    float const* ptr_partial;
-    ShapeRowsHeadBatch shape;  // (rows, d, h_q, batch_extent)
-    StrideRowsHeadBatch stride;
+    TmaLoad tma_load_in;          // its partials, (rows, d, h_q, batch extent)
+    ShapeRowsHeadBatch shape_in;
   };
 
   struct Params {
     TensorParams tensors[2];  // dK, dV
+    int num_heads;            // h_k
     int group;
     int batch;
-    int tiles_x;  // row tiles per (tensor, kv_head, batch z)
+    int num_n_tiles;          // row tiles per (tensor, KV head, batch extent)
+    int num_tiles;            // num_n_tiles * 2 * h_k * batch extent
     int const* cu_seqlens;
     int const* seqused;
   };
 
+  // A tile of the walk, and its accumulator tile's first float (-1: nothing to do, no valid rows or a
+  // tile outside the accumulator).
+  struct TileWork : TensorAndHead, RowTile<kBlockN> {
+    int64_t offset;
+  };
+
+  CUTLASS_DEVICE static TileWork decode(Params const& params, int tile) {
+    int const heads_y = 2 * params.num_heads;
+    auto const [tensor, head] = split_by_tensor(tile % heads_y, params.num_heads);
+    int const rest = tile / heads_y;
+    TensorParams const& t = params.tensors[tensor];
+    RowTile<kBlockN> const row_tile =
+        locate_row_tile<kBlockN>(rest % params.num_n_tiles, rest / params.num_n_tiles, params.batch, t.shape_in, params);
+    bool const varlen = params.cu_seqlens != nullptr;
+    int64_t const offset =
+        row_tile.valid_rows > 0
+            ? t.accum.tile_offset(row_tile.seqlen_info, varlen, row_tile.n_block, head, row_tile.batch)
+            : -1;
+    return {{tensor, head}, row_tile, offset};
+  }
+
   CUTLASS_DEVICE void operator()(Params const& params, char* smem) const {
     using namespace cute;
-    auto const [tensor, tile_x] = split_by_tensor(blockIdx.x, params.tiles_x);
-    int const kv_head = blockIdx.y;
-    TensorParams const& work = params.tensors[tensor];
-    auto const [n_block, bidb, seqlen_info, valid_rows] =
-        locate_row_tile<kBlockN>(tile_x, blockIdx.z, params.batch, work.shape, params);
-    if (valid_rows <= 0) { return; }
-    bool const varlen = params.cu_seqlens != nullptr;
-    int64_t const offset = work.accum.tile_offset(seqlen_info, varlen, n_block, kv_head, bidb);
-    if (offset < 0) { return; }
     int const thread_idx = threadIdx.x;
+    int const warp_idx = __shfl_sync(0xffffffff, thread_idx / cutlass::NumThreadsPerWarp, 0);
+    Ring const ring(smem);
+    if (thread_idx == 0) { ring.init(); }
+    __syncthreads();  // the only CTA-wide barrier: the roles part here
+
+    if (warp_idx >= Ring::kNumConsumerWarps) {
+      // Producer: per tile, the accumulator tile, then its group's partials in head order.
+      cutlass::arch::warpgroup_reg_dealloc<Ring::kProducerRegisters>();
+      if (warp_idx == Ring::kNumConsumerWarps && cute::elect_one_sync()) {
+        for (auto const& t : params.tensors) { prefetch_tma_descriptor(t.tma_load_in.get_tma_descriptor()); }
+        int load_index = 0;
+        for (int tile = blockIdx.x; tile < params.num_tiles; tile += gridDim.x) {
+          TileWork const work = decode(params, tile);
+          if (work.offset < 0) { continue; }
+          TensorParams const& t = params.tensors[work.tensor];
+          ring.load_bytes(t.accum.ptr + work.offset, ring.acquire(load_index++));
+          for (int member = 0; member < params.group; ++member) {
+            int const stage = ring.acquire(load_index++);
+            ring.load_tile(t.tma_load_in, t.shape_in, work.head * params.group + member,
+                           params.cu_seqlens ? 0 : work.batch, work.seqlen_info.offset, work.n_block, stage);
+          }
+        }
+      }
+      return;
+    }
+
+    // Consumers: the config's threads, the accumulator's fragment layout.
+    cutlass::arch::warpgroup_reg_alloc<Ring::kConsumerRegisters>();
     typename Traits::TiledMma tiled_mma;
     auto thr_mma = tiled_mma.get_thread_slice(thread_idx);
     Tensor frag = partition_fragment_C(tiled_mma, typename Traits::FragmentTileShape{});
-    // accumulator tile (fragment order) -> registers -> shared memory, row-major
-    float* stage = reinterpret_cast<float*>(smem);
-    Traits::Collective::load_fragment(frag, work.accum.ptr + offset, thread_idx);
-    store_fragment_tile<Config::kSwapAB, kBlockN, kHeadDim>(frag, thr_mma, Staged::stage_tile(stage), kBlockN,
-                                                            kHeadDim);
-    named_barrier_sync(kNumThreads, kDefaultEpilogueBarrierId);
-    auto tile_of = [&](int g) {
-      return rows_tile<kBlockN, kHeadDim>(work.ptr_partial, work.shape, work.stride, kv_head * params.group + g,
-                                          varlen ? 0 : bidb, seqlen_info.offset, n_block);
-    };
-    // rows past valid_rows and columns past d add nothing: the accumulator keeps them, as the per-head adds do
-    Staged::template run</*kOntoStage=*/true>(frag, thr_mma, tile_of, params.group, valid_rows,
-                                              get<1>(work.shape), 1.f, stage, thread_idx, kDefaultEpilogueBarrierId);
-    Traits::Collective::store_fragment(frag, work.accum.ptr + offset, thread_idx);
+    int load_index = 0;  // loads consumed
+    for (int tile = blockIdx.x; tile < params.num_tiles; tile += gridDim.x) {
+      TileWork const work = decode(params, tile);
+      if (work.offset < 0) { continue; }
+      TensorParams const& t = params.tensors[work.tensor];
+      int stage = ring.wait(load_index++);
+      Traits::Collective::load_fragment(frag, ring.stage_ptr(stage), thread_idx);
+      ring.release(stage);
+      for (int member = 0; member < params.group; ++member) {
+        stage = ring.wait(load_index++);
+        Tensor s_in = make_tensor(make_smem_ptr(ring.stage_ptr(stage)), typename Ring::SmemLayoutIn{});
+        load_accum_tile<Config::kSwapAB, kBlockN, kHeadDim, /*kAdd=*/true, /*kKeepOutside=*/true>(
+            frag, thr_mma, s_in, work.valid_rows, get<1>(t.shape_in));
+        if (member + 1 < params.group) { ring.release(stage); }
+      }
+      // The sum over the last partial's stage, once every consumer has read that partial; the
+      // bulk copy reads it once every thread's writes are visible to the async proxy.
+      named_barrier_sync(Ring::kNumConsumerThreads, kDefaultEpilogueBarrierId);
+      Traits::Collective::store_fragment(frag, ring.stage_ptr(stage), thread_idx);
+      cutlass::arch::fence_view_async_shared();
+      named_barrier_sync(Ring::kNumConsumerThreads, kDefaultEpilogueBarrierId);
+      if (thread_idx == 0) {
+        SM90_BULK_COPY_S2G::copy(ring.stage_ptr(stage), t.accum.ptr + work.offset, kTileBytes);
+        tma_store_arrive();
+        tma_store_wait<0>();  // the copy has read the stage (its warp releases it after this)
+      }
+      ring.release(stage);
+    }
   }
 };
 

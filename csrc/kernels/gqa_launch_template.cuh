@@ -63,25 +63,41 @@ char const* launch_gqa_reduce_streamed(GqaReduceLaunchArgs const& args, cudaStre
       tensors, num_tensors, args.rows, args.num_heads_kv, group, args.batch, args.cu_seqlens, args.seqused, stream);
 }
 
-// The sm_90 path, both modes: one CTA per accumulator tile adds the whole group (GqaAccumulateStreamKernel);
-// deterministic by construction, so the semaphores are not used.
+// The sm_90 path, both modes: persistent CTAs stream each accumulator tile and its group's partials
+// (GqaAccumulateStreamKernel); deterministic by construction, so the semaphores are not used.
 template <int kHeadDim>
 char const* launch_gqa_accumulate_streamed(GqaAccumulateLaunchArgs const& args, cudaStream_t stream) {
+  using namespace cute;
   using Config = BwdTileConfig<kHeadDim, cutlass::arch::Sm90>;
   using Kernel = GqaAccumulateStreamKernel<Config>;
+  using Ring = typename Kernel::Ring;
   bool const varlen = args.cu_seqlens != nullptr;
   int const batch_extent = varlen ? 1 : args.batch;
-  dim3 const tiles = row_tile_grid<Config::kBlockN>(args.rows, args.num_heads_kv, args.batch, varlen);
+  int64_t const n_tiles = row_tiles<Config::kBlockN>(args.rows, args.batch, varlen);
+  int64_t const num_tiles = n_tiles * 2 * args.num_heads_kv * batch_extent;
+  for (TensorDesc const* partial : {&args.dk_partial, &args.dv_partial}) {
+    if (char const* why = tma_input_strides_fit(*partial, sizeof(float))) { return why; }
+  }
+  if (num_tiles == 0) { return nullptr; }
+  // Each tile is a distinct accumulator tile of at least 16 KB: more than 2^31 - 1 cannot be allocated.
+  if (num_tiles > INT_MAX) { return "more than 2^31 - 1 accumulator tiles"; }
   auto tensor = [&](TensorDesc const& partial, AccumDesc const& accum) {
-    return typename Kernel::TensorParams{tiles_of<typename Kernel::Traits>(accum),
-                                         static_cast<float const*>(partial.ptr),
-                                         shape_of(partial, args.rows, args.num_heads_q, batch_extent),
-                                         stride_of(partial)};
+    ShapeRowsHeadBatch const shape = shape_of(partial, args.rows, args.num_heads_q, batch_extent);
+    auto const m = make_tensor(make_gmem_ptr(static_cast<float const*>(partial.ptr)), shape, stride_of(partial));
+    return typename Kernel::TensorParams{
+        tiles_of<typename Kernel::Traits>(accum),
+        make_tma_copy(SM90_TMA_LOAD{}, m, typename Ring::SmemLayoutIn{}, typename Ring::TileShape{}, _1{}), shape};
   };
   typename Kernel::Params const params{{tensor(args.dk_partial, args.dk_accum), tensor(args.dv_partial, args.dv_accum)},
-                                       args.num_heads_q / args.num_heads_kv, args.batch, static_cast<int>(tiles.x),
-                                       args.cu_seqlens, args.seqused};
-  return launch_kernel<Kernel>(dim3(2 * tiles.x, tiles.y, tiles.z), params, stream);  // see locate_output_tile
+                                       args.num_heads_kv,
+                                       args.num_heads_q / args.num_heads_kv,
+                                       args.batch,
+                                       static_cast<int>(n_tiles),
+                                       static_cast<int>(num_tiles),
+                                       args.cu_seqlens,
+                                       args.seqused};
+  int const grid = static_cast<int>(std::min<int64_t>(num_tiles, std::max(multiprocessor_count(), 1)));
+  return launch_kernel<Kernel>(dim3(grid), params, stream);
 }
 
 }  // namespace detail

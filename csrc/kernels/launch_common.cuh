@@ -157,6 +157,14 @@ char const* launch_output_tiles(LaunchArgs const& args, int count, int heads, ty
   return launch_kernel<Kernel>(grid, params, stream);
 }
 
+// Whether TMA can load a tensor of these strides (each under 2^40 bytes), or why not.
+inline char const* tma_input_strides_fit(TensorDesc const& t, size_t element_bytes) {
+  for (int64_t s : {t.row_stride, t.head_stride, t.batch_stride}) {
+    if (s * static_cast<int64_t>(element_bytes) >= (int64_t(1) << 40)) { return "input strides must be < 2^40 bytes (TMA)"; }
+  }
+  return nullptr;
+}
+
 // One output of a TileStreamKernel launch: a 16-bit (rows, d, heads, batch) tensor, its input
 // (rows, d, heads * group, batch) and the scale of the sum (kReduce kernels only).
 struct StreamedTensor {
@@ -178,11 +186,7 @@ char const* launch_tile_stream(StreamedTensor const* tensors, int num_tensors, i
   int64_t const num_tiles = n_tiles * num_tensors * num_heads * batch_extent;
 
   for (int i = 0; i < num_tensors; ++i) {
-    for (int64_t s : {tensors[i].in.row_stride, tensors[i].in.head_stride, tensors[i].in.batch_stride}) {
-      if (s * static_cast<int64_t>(sizeof(ElementIn)) >= (int64_t(1) << 40)) {
-        return "input strides must be < 2^40 bytes (TMA)";
-      }
-    }
+    if (char const* why = tma_input_strides_fit(tensors[i].in, sizeof(ElementIn))) { return why; }
   }
   if (num_tiles == 0) { return nullptr; }
   if (num_tiles > INT_MAX) {

@@ -65,17 +65,23 @@ CUTLASS_DEVICE void for_each_fragment_element(ThrMma const& thr_mma, GmemTensor 
 }
 
 // Load one (BLK_N, BLK_D) tile (fp32, or 16-bit widened to fp32) into the C fragment `frag`
-// (kAdd: add it to `frag`), as zeros outside [0, valid_rows) x [0, num_cols). Pairs are read as one
-// 8-byte (fp32) or 4-byte (16-bit) access.
-template <bool kSwapAB, int kBlockN, int kHeadDim, bool kAdd = false, class Fragment, class ThrMma, class GmemTensor>
+// (kAdd: add it to `frag`), as zeros outside [0, valid_rows) x [0, num_cols). kKeepOutside (with
+// kAdd): the elements outside are left as they are, not + 0.f (which turns -0.0 into +0.0 and
+// quiets a NaN's payload). Pairs are read as one 8-byte (fp32) or 4-byte (16-bit) access.
+template <bool kSwapAB, int kBlockN, int kHeadDim, bool kAdd = false, bool kKeepOutside = false, class Fragment,
+          class ThrMma, class GmemTensor>
 CUTLASS_DEVICE void load_accum_tile(Fragment& frag, ThrMma const& thr_mma, GmemTensor const& gtile, int valid_rows,
                                     int num_cols) {
+  static_assert(kAdd || !kKeepOutside, "kKeepOutside is for adds");
   using In = std::remove_cv_t<typename GmemTensor::value_type>;
   auto put = [&](int i, float v) {
     if constexpr (kAdd) { frag(i) += v; } else { frag(i) = v; }
   };
   auto load = [&](auto width, int i, int row, int col, auto ptr) {
     bool const valid = row < valid_rows && col < num_cols;
+    if constexpr (kKeepOutside) {
+      if (!valid) { return; }
+    }
     if constexpr (decltype(width)::value == 2) {
       cutlass::Array<In, 2> v;
       v.fill(In(0));
@@ -92,11 +98,10 @@ CUTLASS_DEVICE void load_accum_tile(Fragment& frag, ThrMma const& thr_mma, GmemT
 // The sum of `group` (BLK_N, BLK_D) tiles (group 1: one tile), read row-major with 16-byte
 // vectors, staged in shared memory as fp32 and read back in C-fragment order. gqa_reduce uses it
 // where reading straight in fragment order is slow: 16-bit partials (the fragment reads 2- or
-// 4-byte pieces) and the swapAB configs (the fragment runs down columns, 4-byte pieces); the sm_90
-// gqa_accumulate at every head dim, onto the accumulator's tile (kOntoStage). Store and the sm_80
-// gqa_accumulate read their fp32 tiles straight in fragment order: staged, the per-head adds ran
-// slower (measured: see benchmarks/NOTES.md). `smem` needs kSmemBytes and may alias the collective's
-// storage: the collectives start with a barrier before writing theirs.
+// 4-byte pieces) and the swapAB configs (the fragment runs down columns, 4-byte pieces). Store and
+// the sm_80 gqa_accumulate read their fp32 tiles straight in fragment order: staged, the per-head
+// adds ran slower (measured: see benchmarks/NOTES.md). `smem` needs kSmemBytes and may alias the
+// collective's storage: the collectives start with a barrier before writing theirs.
 template <int kBlockN, int kHeadDim, int kNumThreads, bool kSwapAB, class ElementIn>
 struct StagedTileSum {
   static constexpr int kVec = 16 / sizeof(ElementIn);            // elements per 16-byte load
@@ -122,10 +127,7 @@ struct StagedTileSum {
   }
 
   // acc(i) in fragment order = scale * sum over g of tile_g, zeros outside the valid rows/cols.
-  // kOntoStage: the sum starts from the (BLK_N, BLK_D) tile already in `smem` (stage_tile, written and
-  // synced by the caller), ((stage + tile_0) + tile_1) + ..., instead of from zero; its elements outside
-  // the valid rows/cols are kept.
-  template <bool kOntoStage = false, class Fragment, class ThrMma, class TileOf>
+  template <class Fragment, class ThrMma, class TileOf>
   CUTLASS_DEVICE static void run(Fragment& frag, ThrMma const& thr_mma, TileOf&& tile_of, int group, int valid_rows,
                                  int num_cols, float scale, float* smem, int thread_idx, int barrier_id) {
     using namespace cute;
@@ -137,19 +139,11 @@ struct StagedTileSum {
     for (int r0 = 0; r0 < kRowIters; r0 += kChunkRowIters) {
       float sum[kChunkRowIters][kColIters][kVec];
 #pragma unroll
-      for (int r = 0; r < kChunkRowIters; ++r) {
-        int const row = row0 + (r0 + r) * kRowsPerPass;
-        bool const in_stage = r0 + r < kRowIters && (kBlockN % kRowsPerPass == 0 || row < kBlockN);
+      for (int r = 0; r < kChunkRowIters; ++r)
 #pragma unroll
-        for (int c = 0; c < kColIters; ++c) {
-          int const col = col0 + c * kThreadsPerRow * kVec;
+        for (int c = 0; c < kColIters; ++c)
 #pragma unroll
-          for (int v = 0; v < kVec; ++v) {
-            // each thread reads only the elements it writes back below: no barrier between
-            sum[r][c][v] = (kOntoStage && in_stage) ? smem[row * kPitch + col + v] : 0.f;
-          }
-        }
-      }
+          for (int v = 0; v < kVec; ++v) { sum[r][c][v] = 0.f; }
       for (int g = 0; g < group; ++g) {
         auto const gtile = tile_of(g);  // (BLK_N, BLK_D)
 #pragma unroll

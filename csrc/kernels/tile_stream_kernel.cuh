@@ -18,6 +18,11 @@
 // Work order: tile t of the CTA's walk is (tensor and head, n_tile, batch), heads fastest,
 // t = blockIdx.x + k * gridDim.x. A tile of `group` members (gqa_reduce: the group's query heads;
 // store: 1) takes `group` consecutive loads of the stream; load i uses stage i % kStages.
+//
+// StreamRing (below) is the part the sm_90 gqa_accumulate driver shares (gqa_kernels.cuh): the
+// roles, the stages and their barriers.
+
+#include <type_traits>
 
 #include <cute/tensor.hpp>
 #include <cute/atom/copy_traits_sm90_tma.hpp>
@@ -31,6 +36,124 @@
 #include "tile_schedule.cuh"
 
 namespace flash_epilogue {
+
+// The roles and the shared memory of a persistent sm_90 driver that streams (BLK_N, BLK_D) ElementIn
+// tiles through TMA-loaded stages.
+//   Roles: the config's kNumThreads consumer threads (whole warpgroups, the collective's epilogue
+//   threads) and one producer warpgroup, one thread of which issues the loads and walks the tiles,
+//   off the consumers' path. The producer gives its registers to the consumers (setmaxnreg), who
+//   hold a whole fp32 tile in registers: without that, a 288-thread CTA's 168-register cap spilled
+//   the varlen store.
+//   Shared memory: kStages stages of one tile each, swizzled as TMA writes it; kExtraBytes for the
+//   driver; the stages' full and empty mbarriers. Load i of the CTA's stream uses stage i % kStages.
+// Device side, a CTA's view of its ring: acquire / load_tile (producer), wait / release (consumers).
+template <class Config, class ElementIn, int kCtasPerSm, int kExtraBytes = 0>
+struct StreamRing {
+  static constexpr int kBlockN = Config::kBlockN;
+  static constexpr int kHeadDim = Config::kHeadDim;
+  static constexpr int kNumConsumerThreads = Config::kNumThreads;
+  static constexpr int kNumConsumerWarps = kNumConsumerThreads / cutlass::NumThreadsPerWarp;
+  static constexpr int kNumThreads = kNumConsumerThreads + cutlass::NumThreadsPerWarpGroup;
+  static constexpr int kRegistersAtLaunch = (65536 / (kNumThreads * kCtasPerSm)) / 8 * 8;  // per thread, at launch
+  static constexpr int kProducerRegisters = 24;
+  static constexpr int kConsumerRegisters = cute::min(
+      240, (kRegistersAtLaunch * kNumThreads - kProducerRegisters * cutlass::NumThreadsPerWarpGroup) /
+               kNumConsumerThreads / 8 * 8);
+  static_assert(kNumConsumerThreads % cutlass::NumThreadsPerWarpGroup == 0, "setmaxnreg works on whole warpgroups");
+  static_assert(kConsumerRegisters >= kRegistersAtLaunch, "the consumers must not lose registers to the producer");
+  using TileShape = cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>;
+
+  // Reading a stage in C-fragment order is conflict-free: 8-byte fp32 pairs of 8 rows take the
+  // minimum two wavefronts, swapAB's column walks (4 rows 2 apart) one.
+  using SmemLayoutIn =  // (BLK_N, BLK_D)
+      decltype(cute::tile_to_shape(detail::smem_layout_atom_k_major<ElementIn, kHeadDim>(), TileShape{}));
+  static constexpr int kStageElems = kBlockN * kHeadDim;
+  static constexpr int kStageBytes = kStageElems * static_cast<int>(sizeof(ElementIn));
+  static_assert(kStageBytes % 1024 == 0, "stages must keep the 1024-byte alignment of the swizzled layouts");
+  // sm_90's opt-in dynamic shared memory per CTA (228 KB per SM, less 1 KB the system reserves per CTA)
+  static constexpr int kSmemCapacity = (228 / kCtasPerSm - 1) * 1024;
+  static constexpr int kBarrierBytes = 1024;  // the stages' mbarriers, with room to spare
+  static constexpr int kStages = cute::min(6, (kSmemCapacity - kBarrierBytes - kExtraBytes) / kStageBytes);
+  static_assert(kCtasPerSm == 1 || kCtasPerSm == 2, "one or two CTAs per SM");
+  static_assert(kStages >= 2, "the shared memory must hold at least two input stages");
+  static constexpr int kExtraOffset = kStages * kStageBytes;
+  static constexpr int kBarrierOffset = kExtraOffset + kExtraBytes;
+  static constexpr int kSharedStorageSize =  // barriers: full, empty
+      kBarrierOffset + 2 * kStages * static_cast<int>(sizeof(uint64_t));
+  static_assert(kSharedStorageSize <= kSmemCapacity);
+
+  using TmaLoad = decltype(cute::make_tma_copy(
+      cute::SM90_TMA_LOAD{},
+      cute::make_tensor(cute::make_gmem_ptr(static_cast<ElementIn const*>(nullptr)), ShapeRowsHeadBatch{},
+                        StrideRowsHeadBatch{}),
+      SmemLayoutIn{}, TileShape{}, cute::_1{}));
+  using Barrier = cutlass::arch::ClusterTransactionBarrier;
+
+  ElementIn* const stages;
+  uint64_t* const full;   // TMA landed in the stage
+  uint64_t* const empty;  // every consumer warp is done with it
+
+  CUTLASS_DEVICE explicit StreamRing(char* smem)
+      : stages(reinterpret_cast<ElementIn*>(smem)),
+        full(reinterpret_cast<uint64_t*>(smem + kBarrierOffset)),
+        empty(reinterpret_cast<uint64_t*>(smem + kBarrierOffset) + kStages) {}
+
+  CUTLASS_DEVICE ElementIn* stage_ptr(int stage) const { return stages + stage * kStageElems; }
+
+  // Thread 0, before the CTA-wide barrier that parts the roles.
+  CUTLASS_DEVICE void init() const {
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) {
+      Barrier::init(&full[s], 1);
+      Barrier::init(&empty[s], kNumConsumerWarps);
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+
+  // Producer: load `load_index`'s stage, once every consumer warp has released its previous fill
+  // (fill f waits for release number f / kStages - 1; a fresh barrier passes parity 1).
+  CUTLASS_DEVICE int acquire(int load_index) const {
+    int const stage = load_index % kStages;
+    Barrier::wait(&empty[stage], ((load_index / kStages) & 1) ^ 1);
+    return stage;
+  }
+
+  // Producer: TMA-load the (BLK_N, BLK_D) tile n_block of head `head` (rows from `offset`) into
+  // `stage`. Rows past the tensor and columns past d arrive as zeros; rows of the next sequence
+  // (varlen) are loaded too and never used. No L2 eviction hint: EVICT_FIRST, the obvious one for
+  // inputs read once, was slower than no hint or EVICT_NORMAL for store and gqa_reduce (measured:
+  // see benchmarks/NOTES.md).
+  CUTLASS_DEVICE void load_tile(TmaLoad const& tma, ShapeRowsHeadBatch const& shape, int head, int batch_coord,
+                                int offset, int n_block, int stage) const {
+    using namespace cute;
+    Tensor g_in = rows_tile<kBlockN, kHeadDim>(tma.get_tma_tensor(shape), head, batch_coord, offset,
+                                               n_block);  // (BLK_N, BLK_D)
+    Tensor s_in = make_tensor(make_smem_ptr(stage_ptr(stage)), SmemLayoutIn{});  // (BLK_N, BLK_D)
+    auto cta_tma = tma.get_slice(_0{});
+    Barrier::arrive_and_expect_tx(&full[stage], kStageBytes);  // OOB-filled bytes count too
+    copy(tma.with(full[stage]), cta_tma.partition_S(g_in), cta_tma.partition_D(s_in));
+  }
+
+  // Producer: one 1-D bulk copy of a whole stage's bytes (16-byte aligned) from global memory.
+  CUTLASS_DEVICE void load_bytes(void const* src, int stage) const {
+    Barrier::arrive_and_expect_tx(&full[stage], kStageBytes);
+    cute::SM90_BULK_COPY_G2S::copy(src, &full[stage], stage_ptr(stage), kStageBytes);
+  }
+
+  // Consumers: wait until load `load_index` has landed; its stage.
+  CUTLASS_DEVICE int wait(int load_index) const {
+    int const stage = load_index % kStages;
+    Barrier::wait(&full[stage], (load_index / kStages) & 1);
+    return stage;
+  }
+
+  // Each consumer warp: done with `stage` once all its lanes are (a stage a TMA store or bulk copy
+  // reads: once its issuing thread, in one of the warps, has waited for that read).
+  CUTLASS_DEVICE void release(int stage) const {
+    __syncwarp();
+    if (cute::elect_one_sync()) { Barrier::arrive(&empty[stage]); }
+  }
+};
 
 // kReduce: the tile is 0 + p_0 + ... + p_{group-1} in head order, times the tensor's scale
 // (gqa_reduce; the same bits as GqaReduceKernel). Otherwise the single input tile as it is (store:
@@ -50,57 +173,23 @@ struct TileStreamKernel {
   using FragmentTileShape = typename Store::TiledMmaConfig::FragmentTileShape;
   using ShapeIO = typename Epilogue::ShapedKV;    // (rows, d, head, batch)
   using StrideIO = typename Epilogue::StridedKV;
+  static_assert(std::is_same_v<ShapeIO, ShapeRowsHeadBatch> && std::is_same_v<StrideIO, StrideRowsHeadBatch>);
   static constexpr int kBlockN = Config::kBlockN;
   static constexpr int kHeadDim = Config::kHeadDim;
-  // The collective's epilogue threads (whole warpgroups) consume the stages; one more warpgroup
-  // produces them (one of its threads issues the TMA loads and walks the tiles, off the consumers'
-  // path). The producer gives its registers to the consumers (setmaxnreg), who hold a whole fp32
-  // tile in registers: without that, a 288-thread CTA's 168-register cap spilled the varlen path.
-  static constexpr int kNumConsumerThreads = Config::kNumThreads;
-  static constexpr int kNumConsumerWarps = kNumConsumerThreads / cutlass::NumThreadsPerWarp;
-  static constexpr int kNumThreads = kNumConsumerThreads + cutlass::NumThreadsPerWarpGroup;
-  static constexpr int kMinBlocksPerSm = kCtasPerSm;
-  static constexpr int kRegistersAtLaunch = (65536 / (kNumThreads * kCtasPerSm)) / 8 * 8;  // per thread, at launch
-  static constexpr int kProducerRegisters = 24;
-  static constexpr int kConsumerRegisters = cute::min(
-      240, (kRegistersAtLaunch * kNumThreads - kProducerRegisters * cutlass::NumThreadsPerWarpGroup) /
-               kNumConsumerThreads / 8 * 8);
-  static_assert(kNumConsumerThreads % cutlass::NumThreadsPerWarpGroup == 0, "setmaxnreg works on whole warpgroups");
-  static_assert(kConsumerRegisters >= kRegistersAtLaunch, "the consumers must not lose registers to the producer");
-  using TileShape = cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>;
-
-  // One stage holds one input tile, swizzled as TMA writes it. Reading it in C-fragment order is
-  // then conflict-free: 8-byte fp32 pairs of 8 rows take the minimum two wavefronts, swapAB's
-  // column walks (4 rows 2 apart) one.
-  using SmemLayoutIn =  // (BLK_N, BLK_D)
-      decltype(cute::tile_to_shape(detail::smem_layout_atom_k_major<ElementIn, kHeadDim>(), TileShape{}));
-  static constexpr int kStageElems = kBlockN * kHeadDim;
-  static constexpr int kStageBytes = kStageElems * static_cast<int>(sizeof(ElementIn));
-  static_assert(kStageBytes % 1024 == 0, "stages must keep the 1024-byte alignment of the swizzled layouts");
 
   // The collective's shared memory. An fp32 stage is as large as the collective's storage (two
   // 16-bit tiles), so the tile's last stage serves as its output buffer once read into registers;
   // 16-bit stages are half that size and the collective gets a region of its own.
   using OutputStorage = typename Epilogue::TensorStorage;
-  static constexpr bool kOutputInStage = kStageBytes >= static_cast<int>(sizeof(OutputStorage));
-  static constexpr int kOutputBytes = kOutputInStage ? 0 : static_cast<int>(sizeof(OutputStorage));
-  // sm_90's opt-in dynamic shared memory per CTA (228 KB per SM, less 1 KB the system reserves per CTA)
-  static constexpr int kSmemCapacity = (228 / kCtasPerSm - 1) * 1024;
-  static constexpr int kBarrierBytes = 1024;        // the stages' mbarriers, with room to spare
-  static constexpr int kStages = cute::min(6, (kSmemCapacity - kBarrierBytes - kOutputBytes) / kStageBytes);
-  static_assert(kCtasPerSm == 1 || kCtasPerSm == 2, "one or two CTAs per SM");
-  static_assert(kStages >= 2, "the shared memory must hold at least two input stages");
-  static constexpr int kOutputOffset = kStages * kStageBytes;
-  static constexpr int kBarrierOffset = kOutputOffset + kOutputBytes;
-  static constexpr int kSharedStorageSize =  // barriers: full, empty
-      kBarrierOffset + 2 * kStages * static_cast<int>(sizeof(uint64_t));
-  static_assert(kSharedStorageSize <= kSmemCapacity);
-
-  using TmaLoad = decltype(cute::make_tma_copy(
-      cute::SM90_TMA_LOAD{},
-      cute::make_tensor(cute::make_gmem_ptr(static_cast<ElementIn const*>(nullptr)), ShapeIO{}, StrideIO{}),
-      SmemLayoutIn{}, TileShape{}, cute::_1{}));
-  using Barrier = cutlass::arch::ClusterTransactionBarrier;
+  static constexpr bool kOutputInStage =
+      kBlockN * kHeadDim * static_cast<int>(sizeof(ElementIn)) >= static_cast<int>(sizeof(OutputStorage));
+  using Ring = StreamRing<Config, ElementIn, kCtasPerSm, kOutputInStage ? 0 : static_cast<int>(sizeof(OutputStorage))>;
+  static constexpr int kNumThreads = Ring::kNumThreads;
+  static constexpr int kMinBlocksPerSm = kCtasPerSm;
+  static constexpr int kSharedStorageSize = Ring::kSharedStorageSize;
+  using SmemLayoutIn = typename Ring::SmemLayoutIn;
+  using TileShape = typename Ring::TileShape;
+  using TmaLoad = typename Ring::TmaLoad;
 
   struct TensorParams {
     typename Epilogue::Params epilogue;  // this output (rows, d, heads, batch) as the collective's dK, no dV
@@ -132,80 +221,46 @@ struct TileStreamKernel {
     return output_tile<kBlockN>(params, out, rest % params.num_n_tiles, rest / params.num_n_tiles);
   }
 
-  // Thread 0: TMA-load member `member` of tile `work` into `stage`. Rows past the tensor and
-  // columns past d arrive as zeros; rows of the next sequence (varlen) are loaded too and never
-  // stored. No L2 eviction hint: EVICT_FIRST, the obvious one for inputs read once, was slower than
-  // no hint or EVICT_NORMAL for store and gqa_reduce (measured: see benchmarks/NOTES.md).
-  CUTLASS_DEVICE static void issue_load(Params const& params, TileWork const& work, int member, ElementIn* stage,
-                                        uint64_t& full_barrier) {
-    using namespace cute;
-    TensorParams const& t = params.tensors[work.tensor];
-    int const batch_coord = t.epilogue.cu_seqlens ? 0 : work.batch;
-    Tensor g_in = rows_tile<kBlockN, kHeadDim>(t.tma_load_in.get_tma_tensor(t.shape_in),  // (BLK_N, BLK_D)
-                                               work.head * params.group + member, batch_coord, work.seqlen_info.offset,
-                                               work.n_block);
-    Tensor s_in = make_tensor(make_smem_ptr(stage), SmemLayoutIn{});  // (BLK_N, BLK_D)
-    auto cta_tma = t.tma_load_in.get_slice(_0{});
-    Barrier::arrive_and_expect_tx(&full_barrier, kStageBytes);  // OOB-filled bytes count too
-    copy(t.tma_load_in.with(full_barrier), cta_tma.partition_S(g_in), cta_tma.partition_D(s_in));
-  }
-
   CUTLASS_DEVICE void operator()(Params const& params, char* smem) const {
     using namespace cute;
     int const thread_idx = threadIdx.x;
     int const warp_idx = __shfl_sync(0xffffffff, thread_idx / cutlass::NumThreadsPerWarp, 0);
-    ElementIn* const stages = reinterpret_cast<ElementIn*>(smem);
-    uint64_t* const full = reinterpret_cast<uint64_t*>(smem + kBarrierOffset);  // TMA landed in the stage
-    uint64_t* const empty = full + kStages;                                     // every consumer warp is done with it
-    auto stage_ptr = [&](int s) { return stages + s * kStageElems; };
-
-    if (thread_idx == 0) {
-#pragma unroll
-      for (int s = 0; s < kStages; ++s) {
-        Barrier::init(&full[s], 1);
-        Barrier::init(&empty[s], kNumConsumerWarps);
-      }
-      cutlass::arch::fence_barrier_init();
-    }
+    Ring const ring(smem);
+    if (thread_idx == 0) { ring.init(); }
     __syncthreads();  // the only CTA-wide barrier: the roles part here
 
-    if (warp_idx >= kNumConsumerWarps) {
+    if (warp_idx >= Ring::kNumConsumerWarps) {
       // Producer: one thread walks the same tiles as the consumers, skipping the same empty ones, and
       // refills each stage as soon as all consumer warps have released it.
-      cutlass::arch::warpgroup_reg_dealloc<kProducerRegisters>();
-      if (warp_idx == kNumConsumerWarps && cute::elect_one_sync()) {
+      cutlass::arch::warpgroup_reg_dealloc<Ring::kProducerRegisters>();
+      if (warp_idx == Ring::kNumConsumerWarps && cute::elect_one_sync()) {
         for (int i = 0; i < params.num_tensors; ++i) {
           prefetch_tma_descriptor(params.tensors[i].tma_load_in.get_tma_descriptor());
         }
-        int load_index = 0;  // fill f of stage f % kStages waits for its release number f / kStages - 1
+        int load_index = 0;
         for (int tile = blockIdx.x; tile < params.num_tiles; tile += gridDim.x) {
           TileWork const work = decode(params, tile);
           if (work.valid_rows <= 0) { continue; }
           for (int member = 0; member < params.group; ++member, ++load_index) {
-            int const stage = load_index % kStages;
-            Barrier::wait(&empty[stage], ((load_index / kStages) & 1) ^ 1);  // a fresh barrier passes parity 1
-            issue_load(params, work, member, stage_ptr(stage), full[stage]);
+            int const stage = ring.acquire(load_index);
+            TensorParams const& t = params.tensors[work.tensor];
+            ring.load_tile(t.tma_load_in, t.shape_in, work.head * params.group + member,
+                           t.epilogue.cu_seqlens ? 0 : work.batch, work.seqlen_info.offset, work.n_block, stage);
           }
         }
       }
       return;
     }
 
-    // Consumers: kNumConsumerThreads threads, the collective's epilogue threads.
-    cutlass::arch::warpgroup_reg_alloc<kConsumerRegisters>();
+    // Consumers: the collective's epilogue threads.
+    cutlass::arch::warpgroup_reg_alloc<Ring::kConsumerRegisters>();
     if (thread_idx == 0) {
       for (int i = 0; i < params.num_tensors; ++i) { Epilogue::prefetch_tma_descriptors(params.tensors[i].epilogue); }
     }
-    // A warp is done with a stage once all its lanes are (for the output stage: once the TMA store's
-    // issuer, in the last warp, has waited for its read).
-    auto release = [&](int stage) {
-      __syncwarp();
-      if (cute::elect_one_sync()) { Barrier::arrive(&empty[stage]); }
-    };
     TiledMma tiled_mma;
     auto thr_mma = tiled_mma.get_thread_slice(thread_idx);
     Tensor acc = partition_fragment_C(tiled_mma, FragmentTileShape{});
-    int load_index = 0;  // loads consumed: stage load_index % kStages, phase (load_index / kStages) & 1
+    int load_index = 0;  // loads consumed
     for (int tile = blockIdx.x; tile < params.num_tiles; tile += gridDim.x) {
       TileWork const work = decode(params, tile);
       if (work.valid_rows <= 0) { continue; }  // padded varlen tile or empty sequence: never loaded
@@ -213,25 +268,25 @@ struct TileStreamKernel {
       if constexpr (kReduce) { clear(acc); }
       int stage = 0;
       for (int member = 0; member < params.group; ++member, ++load_index) {
-        stage = load_index % kStages;
-        Barrier::wait(&full[stage], (load_index / kStages) & 1);
-        Tensor s_in = make_tensor(make_smem_ptr(stage_ptr(stage)), SmemLayoutIn{});  // (BLK_N, BLK_D)
+        stage = ring.wait(load_index);
+        Tensor s_in = make_tensor(make_smem_ptr(ring.stage_ptr(stage)), SmemLayoutIn{});  // (BLK_N, BLK_D)
         load_accum_tile<Config::kSwapAB, kBlockN, kHeadDim, kReduce>(acc, thr_mma, s_in, kBlockN, kHeadDim);
-        if (!kOutputInStage || member + 1 < params.group) { release(stage); }
+        if (!kOutputInStage || member + 1 < params.group) { ring.release(stage); }
       }
       if constexpr (kReduce) {
 #pragma unroll
         for (int i = 0; i < size(acc); ++i) { acc(i) *= t.scale; }
       }
-      auto& output = *reinterpret_cast<OutputStorage*>(kOutputInStage ? reinterpret_cast<char*>(stage_ptr(stage))
-                                                                       : smem + kOutputOffset);
+      auto& output = *reinterpret_cast<OutputStorage*>(
+          kOutputInStage ? reinterpret_cast<char*>(ring.stage_ptr(stage)) : smem + Ring::kExtraOffset);
       // The collective starts with a barrier over the consumer threads, so nobody writes the stage
-      // before everyone has read it.
+      // before everyone has read it; its TMA store's issuer waits for the store's read before its
+      // warp releases the stage.
       Epilogue{}.store(t.epilogue, acc, acc, output, tiled_mma, thread_idx,
                        make_tuple(work.n_block, work.head, work.batch));
       if constexpr (kOutputInStage) {
         cutlass::arch::fence_view_async_shared();  // this thread's generic-proxy writes, before TMA refills the stage
-        release(stage);
+        ring.release(stage);
       }
     }
   }
