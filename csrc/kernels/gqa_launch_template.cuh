@@ -79,8 +79,8 @@ char const* launch_gqa_accumulate_streamed(GqaAccumulateLaunchArgs const& args, 
     if (char const* why = tma_input_strides_fit(*partial, sizeof(float))) { return why; }
   }
   if (num_tiles == 0) { return nullptr; }
-  // Each tile is a distinct accumulator tile of at least 16 KB: more than 2^31 - 1 cannot be allocated.
-  if (num_tiles > INT_MAX) { return "more than 2^31 - 1 accumulator tiles"; }
+  // Each is a distinct accumulator tile of at least 16 KB: so many cannot be allocated.
+  if (num_tiles > kMaxStreamedTiles) { return "more than 2^31 - 2^16 accumulator tiles"; }
   auto tensor = [&](TensorDesc const& partial, AccumDesc const& accum) {
     ShapeRowsHeadBatch const shape = shape_of(partial, args.rows, args.num_heads_q, batch_extent);
     auto const m = make_tensor(make_gmem_ptr(static_cast<float const*>(partial.ptr)), shape, stride_of(partial));

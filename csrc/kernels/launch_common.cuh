@@ -165,6 +165,10 @@ inline char const* tma_input_strides_fit(TensorDesc const& t, size_t element_byt
   return nullptr;
 }
 
+// The most tiles one launch of a persistent driver walks: its tile index is an int (the per-tile
+// decode stays 32-bit), and the walk's last step, tile + gridDim.x, must not pass INT_MAX either.
+constexpr int64_t kMaxStreamedTiles = INT_MAX - (1 << 16);
+
 // One output of a TileStreamKernel launch: a 16-bit (rows, d, heads, batch) tensor, its input
 // (rows, d, heads * group, batch) and the scale of the sum (kReduce kernels only).
 struct StreamedTensor {
@@ -189,13 +193,12 @@ char const* launch_tile_stream(StreamedTensor const* tensors, int num_tensors, i
     if (char const* why = tma_input_strides_fit(tensors[i].in, sizeof(ElementIn))) { return why; }
   }
   if (num_tiles == 0) { return nullptr; }
-  if (num_tiles > INT_MAX) {
-    // The kernel's tile index is an int (its per-tile decode stays 32-bit). More tiles (up to
-    // 65535 heads of 65535 short sequences) run as several launches over ranges of heads, each
-    // output and input offset to its first head: the same tiles, the same bits.
+  if (num_tiles > kMaxStreamedTiles) {
+    // More tiles (up to 65535 heads of 65535 short sequences) run as several launches over ranges
+    // of heads, each output and input offset to its first head: the same tiles, the same bits.
     int64_t const per_head = n_tiles * num_tensors * batch_extent;
-    if (per_head > INT_MAX) { return "more than 2^31 - 1 tiles per head"; }
-    int const chunk = static_cast<int>(INT_MAX / per_head);
+    if (per_head > kMaxStreamedTiles) { return "more than 2^31 - 2^16 tiles per head"; }
+    int const chunk = static_cast<int>(kMaxStreamedTiles / per_head);
     for (int h0 = 0; h0 < num_heads; h0 += chunk) {
       StreamedTensor part[2];
       for (int i = 0; i < num_tensors; ++i) {
