@@ -217,8 +217,8 @@ struct GqaAccumulateStreamKernel {
     auto const [tensor, head] = split_by_tensor(tile % heads_y, params.num_heads);
     int const rest = tile / heads_y;
     TensorParams const& t = params.tensors[tensor];
-    RowTile<kBlockN> const row_tile =
-        locate_row_tile<kBlockN>(rest % params.num_n_tiles, rest / params.num_n_tiles, params.batch, t.shape_in, params);
+    RowTile<kBlockN> const row_tile = locate_row_tile<kBlockN>(rest % params.num_n_tiles, rest / params.num_n_tiles,
+                                                               params.batch, t.shape_in, params);
     bool const varlen = params.cu_seqlens != nullptr;
     int64_t const offset =
         row_tile.valid_rows > 0

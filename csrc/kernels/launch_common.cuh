@@ -160,7 +160,9 @@ char const* launch_output_tiles(LaunchArgs const& args, int count, int heads, ty
 // Whether TMA can load a tensor of these strides (each under 2^40 bytes), or why not.
 inline char const* tma_input_strides_fit(TensorDesc const& t, size_t element_bytes) {
   for (int64_t s : {t.row_stride, t.head_stride, t.batch_stride}) {
-    if (s * static_cast<int64_t>(element_bytes) >= (int64_t(1) << 40)) { return "input strides must be < 2^40 bytes (TMA)"; }
+    if (s * static_cast<int64_t>(element_bytes) >= (int64_t(1) << 40)) {
+      return "input strides must be < 2^40 bytes (TMA)";
+    }
   }
   return nullptr;
 }
