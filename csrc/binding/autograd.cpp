@@ -55,14 +55,15 @@ bool has_tangent(TensorArg t) {  // a forward-mode AD dual tensor (only a tensor
   return t.unsafeGetTensorImpl()->autograd_meta() != nullptr && t._fw_grad(/*level=*/0).defined();
 }
 
-// Spec: the op (its schema's name), its C++ signature, and `backward_of_repeat_kv` (bit i: argument i is a gradient
-// whose derivative repeat_kv owns: gqa_reduce's partials). Argument names and Tensor(x!) positions come from the
-// registered schema (module.cpp), read once.
-template <class Spec, class Sig>
+// The kernels of one op: kSchema its registered name, Sig its kernel's C++ signature (binding.h), and
+// kBackwardOfRepeatKv (bit i: argument i is a gradient whose derivative repeat_kv owns: gqa_reduce's partials).
+// Argument names and Tensor(x!) positions come from the registered schema (module.cpp), read once; typing the
+// handle checks Sig against it.
+template <char const* kSchema, class Sig, uint32_t kBackwardOfRepeatKv = 0>
 struct InplaceKernels;
 
-template <class Spec, class... Args>
-struct InplaceKernels<Spec, void(Args...)> {
+template <char const* kSchema, uint32_t kBackwardOfRepeatKv, class... Args>
+struct InplaceKernels<kSchema, void(Args...), kBackwardOfRepeatKv> {
   struct Op {
     c10::TypedOperatorHandle<void(Args...)> handle;
     std::vector<std::string> names;
@@ -70,7 +71,7 @@ struct InplaceKernels<Spec, void(Args...)> {
   };
   static Op const& op() {
     static Op const o = [] {
-      c10::OperatorHandle const h = c10::Dispatcher::singleton().findSchemaOrThrow(Spec::schema, "");
+      c10::OperatorHandle const h = c10::Dispatcher::singleton().findSchemaOrThrow(kSchema, "");
       Op r{h.template typed<void(Args...)>(), {}, 0};
       std::vector<c10::Argument> const& args = h.schema().arguments();
       for (size_t i = 0; i < args.size(); ++i) {
@@ -82,7 +83,7 @@ struct InplaceKernels<Spec, void(Args...)> {
     return o;
   }
   static bool writes(int i) { return (op().written >> i & 1u) != 0; }
-  static char const* name() { return Spec::schema + sizeof("flash_epilogue::") - 1; }  // the op's own name
+  static char const* name() { return kSchema + sizeof("flash_epilogue::") - 1; }  // the op's own name
 
   static void inplace_or_view(c10::DispatchKeySet ks, Args... args) {
     if (!c10::InferenceMode::is_enabled()) {
@@ -111,7 +112,7 @@ struct InplaceKernels<Spec, void(Args...)> {
       if (!requires_grad && !has_tangent(t)) { return; }
       char const* const what = requires_grad ? "requires grad" : "has a forward-mode tangent";
       std::string const& arg = op().names[i];
-      TORCH_CHECK((Spec::backward_of_repeat_kv >> i & 1u) == 0, "flash_epilogue.", name(), ": ", arg, ": ", what,
+      TORCH_CHECK((kBackwardOfRepeatKv >> i & 1u) == 0, "flash_epilogue.", name(), ": ", arg, ": ", what,
                   ", but ", name(),
                   " has no derivative: it is itself the backward of repeat_kv "
                   "(the group sum of the expanded heads' gradient). To differentiate through a KV-head expand use "
@@ -126,57 +127,31 @@ struct InplaceKernels<Spec, void(Args...)> {
   }
 };
 
-// The specs: the kernels' C++ signatures (ops.cpp), checked against the schemas when the handles are typed.
-using OptInt = std::optional<int64_t>;
-struct Store {
-  static constexpr char const* schema = "flash_epilogue::store";
-  static constexpr uint32_t backward_of_repeat_kv = 0;
-  using Sig = void(TensorArg, TensorArg, TensorArg, TensorArg, OptArg, OptArg, int64_t);
-};
-struct StoreZero {
-  static constexpr char const* schema = "flash_epilogue::store_zero";
-  static constexpr uint32_t backward_of_repeat_kv = 0;
-  using Sig = void(TensorArg, TensorArg, OptArg, OptArg, OptArg, OptArg, int64_t, OptInt, int64_t);
-};
-struct GqaAccumulate {
-  static constexpr char const* schema = "flash_epilogue::gqa_accumulate";
-  static constexpr uint32_t backward_of_repeat_kv = 0;
-  using Sig = void(TensorArg, TensorArg, TensorArg, TensorArg, OptArg, OptArg, OptArg, bool, int64_t);
-};
-struct GqaPostprocess {
-  static constexpr char const* schema = "flash_epilogue::gqa_postprocess";
-  static constexpr uint32_t backward_of_repeat_kv = 0;
-  using Sig = void(TensorArg, TensorArg, TensorArg, TensorArg, double, double, OptArg, OptArg, int64_t);
-};
-struct GqaAccumToDense {
-  static constexpr char const* schema = "flash_epilogue::gqa_accum_to_dense";
-  static constexpr uint32_t backward_of_repeat_kv = 0;
-  using Sig = void(TensorArg, TensorArg, int64_t, OptArg, OptArg, int64_t);
-};
-struct GqaReduce {
-  static constexpr char const* schema = "flash_epilogue::gqa_reduce";
-  static constexpr uint32_t backward_of_repeat_kv = 0b11;  // dk_partial, dv_partial
-  using Sig = void(TensorArg, OptArg, TensorArg, OptArg, OptArg, OptArg, double, double, int64_t);
+constexpr char kStore[] = "flash_epilogue::store";
+constexpr char kStoreZero[] = "flash_epilogue::store_zero";
+constexpr char kGqaAccumulate[] = "flash_epilogue::gqa_accumulate";
+constexpr char kGqaPostprocess[] = "flash_epilogue::gqa_postprocess";
+constexpr char kGqaAccumToDense[] = "flash_epilogue::gqa_accum_to_dense";
+constexpr char kGqaReduce[] = "flash_epilogue::gqa_reduce";
+
+// Both keys' kernels of a list of ops.
+template <class... Kernels>
+struct Register {
+  static void inplace_or_view(torch::Library& m) {
+    (m.impl(Kernels::name(), TORCH_FN(Kernels::inplace_or_view)), ...);
+  }
+  static void autograd(torch::Library& m) { (m.impl(Kernels::name(), TORCH_FN(Kernels::autograd)), ...); }
 };
 
-template <class Spec>
-using KernelsOf = InplaceKernels<Spec, typename Spec::Sig>;
+// Every op with Tensor(x!) arguments.
+using MutatingOps = Register<InplaceKernels<kStore, decltype(store)>, InplaceKernels<kStoreZero, decltype(store_zero)>,
+                             InplaceKernels<kGqaAccumulate, decltype(gqa_accumulate)>,
+                             InplaceKernels<kGqaPostprocess, decltype(gqa_postprocess)>,
+                             InplaceKernels<kGqaAccumToDense, decltype(gqa_accum_to_dense)>,
+                             InplaceKernels<kGqaReduce, decltype(gqa_reduce), /*dk_partial, dv_partial*/ 0b11>>;
 
-template <class... Specs>
-void register_inplace_or_view(torch::Library& m) {
-  (m.impl(KernelsOf<Specs>::name(), TORCH_FN(KernelsOf<Specs>::inplace_or_view)), ...);
-}
-template <class... Specs>
-void register_autograd(torch::Library& m) {
-  (m.impl(KernelsOf<Specs>::name(), TORCH_FN(KernelsOf<Specs>::autograd)), ...);
-}
-
-TORCH_LIBRARY_IMPL(flash_epilogue, ADInplaceOrView, m) {
-  register_inplace_or_view<Store, StoreZero, GqaAccumulate, GqaPostprocess, GqaAccumToDense, GqaReduce>(m);
-}
-TORCH_LIBRARY_IMPL(flash_epilogue, Autograd, m) {
-  register_autograd<Store, StoreZero, GqaAccumulate, GqaPostprocess, GqaAccumToDense, GqaReduce>(m);
-}
+TORCH_LIBRARY_IMPL(flash_epilogue, ADInplaceOrView, m) { MutatingOps::inplace_or_view(m); }
+TORCH_LIBRARY_IMPL(flash_epilogue, Autograd, m) { MutatingOps::autograd(m); }
 
 }  // namespace
 }  // namespace flash_epilogue

@@ -86,6 +86,8 @@ void launch(char const* op, Problem const& p, at::ScalarType dtype, Args const& 
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+}  // namespace
+
 void store(TensorArg dk_accum, TensorArg dv_accum, TensorArg dk, TensorArg dv, OptArg cu_seqlens, OptArg seqused,
            int64_t arch) {
   Problem const p = check_store(dk_accum, dv_accum, dk, dv, cu_seqlens, seqused, arch);
@@ -150,6 +152,21 @@ void gqa_accum_to_dense(TensorArg accum, TensorArg out, int64_t head_dim, OptArg
          [](auto, auto d, auto a) { return launch_gqa_accum_to_dense<d, a>; });
 }
 
+void gqa_reduce(TensorArg dk_partial, OptArg dv_partial, TensorArg dk, OptArg dv, OptArg cu_seqlens, OptArg seqused,
+                double scale_dk, double scale_dv, int64_t arch) {
+  Problem const p = check_gqa_reduce(dk_partial, dv_partial, dk, dv, cu_seqlens, seqused, scale_dk, scale_dv, arch);
+  if (dk.numel() == 0) { return; }
+  auto args = args_for<GqaReduceLaunchArgs>(p, cu_seqlens, seqused, &dk, dv.has_value() ? &*dv : nullptr);
+  args.dk_partial = describe(dk_partial, p.varlen);
+  if (dv_partial.has_value()) { args.dv_partial = describe(*dv_partial, p.varlen); }
+  args.partial_fp32 = dk_partial.scalar_type() == at::kFloat;
+  args.scale_dk = static_cast<float>(scale_dk);
+  args.scale_dv = static_cast<float>(scale_dv);
+  launch("gqa_reduce", p, dk.scalar_type(), args, [](auto t, auto d, auto a) { return &launch_gqa_reduce<t, d, a>; });
+}
+
+namespace {
+
 // CPU tensors get every metadata check, then the device check's message (the CPU tests run the checks).
 void register_impls(torch::Library& m) {
   m.impl("store", &store);
@@ -164,18 +181,5 @@ TORCH_LIBRARY_IMPL(flash_epilogue, CUDA, m) { register_impls(m); }
 TORCH_LIBRARY_IMPL(flash_epilogue, CPU, m) { register_impls(m); }
 
 }  // namespace
-
-void gqa_reduce(TensorArg dk_partial, OptArg dv_partial, TensorArg dk, OptArg dv, OptArg cu_seqlens, OptArg seqused,
-                double scale_dk, double scale_dv, int64_t arch) {
-  Problem const p = check_gqa_reduce(dk_partial, dv_partial, dk, dv, cu_seqlens, seqused, scale_dk, scale_dv, arch);
-  if (dk.numel() == 0) { return; }
-  auto args = args_for<GqaReduceLaunchArgs>(p, cu_seqlens, seqused, &dk, dv.has_value() ? &*dv : nullptr);
-  args.dk_partial = describe(dk_partial, p.varlen);
-  if (dv_partial.has_value()) { args.dv_partial = describe(*dv_partial, p.varlen); }
-  args.partial_fp32 = dk_partial.scalar_type() == at::kFloat;
-  args.scale_dk = static_cast<float>(scale_dk);
-  args.scale_dv = static_cast<float>(scale_dv);
-  launch("gqa_reduce", p, dk.scalar_type(), args, [](auto t, auto d, auto a) { return &launch_gqa_reduce<t, d, a>; });
-}
 
 }  // namespace flash_epilogue
