@@ -67,7 +67,6 @@ char const* launch_gqa_reduce_streamed(GqaReduceLaunchArgs const& args, cudaStre
 // (GqaAccumulateStreamKernel); deterministic by construction, so the semaphores are not used.
 template <int kHeadDim>
 char const* launch_gqa_accumulate_streamed(GqaAccumulateLaunchArgs const& args, cudaStream_t stream) {
-  using namespace cute;
   using Config = BwdTileConfig<kHeadDim, cutlass::arch::Sm90>;
   using Kernel = GqaAccumulateStreamKernel<Config>;
   using Ring = typename Kernel::Ring;
@@ -83,10 +82,9 @@ char const* launch_gqa_accumulate_streamed(GqaAccumulateLaunchArgs const& args, 
   if (num_tiles > kMaxStreamedTiles) { return "more than 2^31 - 2^16 accumulator tiles"; }
   auto tensor = [&](TensorDesc const& partial, AccumDesc const& accum) {
     ShapeRowsHeadBatch const shape = shape_of(partial, args.rows, args.num_heads_q, batch_extent);
-    auto const m = make_tensor(make_gmem_ptr(static_cast<float const*>(partial.ptr)), shape, stride_of(partial));
     return typename Kernel::TensorParams{
         tiles_of<typename Kernel::Traits>(accum),
-        make_tma_copy(SM90_TMA_LOAD{}, m, typename Ring::SmemLayoutIn{}, typename Ring::TileShape{}, _1{}), shape};
+        Ring::make_tma_load(static_cast<float const*>(partial.ptr), shape, stride_of(partial)), shape};
   };
   typename Kernel::Params const params{{tensor(args.dk_partial, args.dk_accum), tensor(args.dv_partial, args.dv_accum)},
                                        args.num_heads_kv,
@@ -96,8 +94,7 @@ char const* launch_gqa_accumulate_streamed(GqaAccumulateLaunchArgs const& args, 
                                        static_cast<int>(num_tiles),
                                        args.cu_seqlens,
                                        args.seqused};
-  int const grid = static_cast<int>(std::min<int64_t>(num_tiles, std::max(multiprocessor_count(), 1)));
-  return launch_kernel<Kernel>(dim3(grid), params, stream);
+  return launch_kernel<Kernel>(dim3(persistent_grid<Kernel>(num_tiles)), params, stream);
 }
 
 }  // namespace detail

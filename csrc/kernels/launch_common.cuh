@@ -87,6 +87,14 @@ inline int multiprocessor_count() {
   return count;
 }
 
+// The grid of a persistent driver: kMinBlocksPerSm CTAs per SM (each holds that share of the SM's
+// shared memory), fewer when there are fewer tiles.
+template <class Kernel>
+int persistent_grid(int64_t num_tiles) {
+  int64_t const resident = int64_t(Kernel::kMinBlocksPerSm) * std::max(multiprocessor_count(), 1);
+  return static_cast<int>(std::min(num_tiles, resident));
+}
+
 // A TensorDesc's (rows, d, heads, batch extent) shape and element strides, as the drivers' Params
 // and the collectives' arguments hold them.
 inline cute::Shape<int32_t, int32_t, int32_t, int32_t> shape_of(TensorDesc const& t, int rows, int heads, int batch) {
@@ -226,10 +234,9 @@ char const* launch_tile_stream(StreamedTensor const* tensors, int num_tensors, i
   for (int i = 0; i < num_tensors; ++i) {
     StreamedTensor const& t = tensors[i];
     typename Epilogue::ShapedKV const shape_in = shape_of(t.in, rows, num_heads * group, batch_extent);
-    auto const m_in = make_tensor(make_gmem_ptr(static_cast<ElementIn const*>(t.in.ptr)), shape_in, stride_of(t.in));
-    auto const tma_in =
-        make_tma_copy(SM90_TMA_LOAD{}, m_in, typename Kernel::SmemLayoutIn{}, typename Kernel::TileShape{}, _1{});
-    params.tensors[i] = {epilogue[i], tma_in, shape_in, t.scale};
+    params.tensors[i] = {epilogue[i],
+                         Kernel::Ring::make_tma_load(static_cast<ElementIn const*>(t.in.ptr), shape_in, stride_of(t.in)),
+                         shape_in, t.scale};
   }
   params.num_tensors = num_tensors;
   params.num_heads = num_heads;
@@ -237,10 +244,7 @@ char const* launch_tile_stream(StreamedTensor const* tensors, int num_tensors, i
   params.batch = batch;
   params.num_n_tiles = static_cast<int>(n_tiles);
   params.num_tiles = static_cast<int>(num_tiles);
-  // Persistent CTAs, kMinBlocksPerSm per SM (each holds that share of the SM's shared memory).
-  int64_t const resident = int64_t(Kernel::kMinBlocksPerSm) * std::max(multiprocessor_count(), 1);
-  int const grid = static_cast<int>(std::min<int64_t>(num_tiles, resident));
-  return launch_kernel<Kernel>(dim3(grid), params, stream);
+  return launch_kernel<Kernel>(dim3(persistent_grid<Kernel>(num_tiles)), params, stream);
 }
 
 // launch_tile_stream of the TileStreamKernel instantiation the call's sequence metadata needs

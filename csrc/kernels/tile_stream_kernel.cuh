@@ -37,6 +37,14 @@
 
 namespace flash_epilogue {
 
+// Host: a TMA load of (rows, d, head, batch) ElementIn tiles of TileShape into stages laid out as
+// SmemLayout. StreamRing::TmaLoad is its type.
+template <class SmemLayout, class TileShape, class ElementIn>
+auto make_stage_tma_load(ElementIn const* ptr, ShapeRowsHeadBatch const& shape, StrideRowsHeadBatch const& stride) {
+  return cute::make_tma_copy(cute::SM90_TMA_LOAD{}, cute::make_tensor(cute::make_gmem_ptr(ptr), shape, stride),
+                             SmemLayout{}, TileShape{}, cute::_1{});
+}
+
 // The roles and the shared memory of a persistent sm_90 driver that streams (BLK_N, BLK_D) ElementIn
 // tiles through TMA-loaded stages.
 //   Roles: the config's kNumThreads consumer threads (whole warpgroups, the collective's epilogue
@@ -82,11 +90,13 @@ struct StreamRing {
       kBarrierOffset + 2 * kStages * static_cast<int>(sizeof(uint64_t));
   static_assert(kSharedStorageSize <= kSmemCapacity);
 
-  using TmaLoad = decltype(cute::make_tma_copy(
-      cute::SM90_TMA_LOAD{},
-      cute::make_tensor(cute::make_gmem_ptr(static_cast<ElementIn const*>(nullptr)), ShapeRowsHeadBatch{},
-                        StrideRowsHeadBatch{}),
-      SmemLayoutIn{}, TileShape{}, cute::_1{}));
+  using TmaLoad = decltype(make_stage_tma_load<SmemLayoutIn, TileShape>(static_cast<ElementIn const*>(nullptr),
+                                                                         ShapeRowsHeadBatch{}, StrideRowsHeadBatch{}));
+  // Host: the load descriptor of one input, (rows, d, head, batch) at `ptr`.
+  static TmaLoad make_tma_load(ElementIn const* ptr, ShapeRowsHeadBatch const& shape,
+                               StrideRowsHeadBatch const& stride) {
+    return make_stage_tma_load<SmemLayoutIn, TileShape>(ptr, shape, stride);
+  }
   using Barrier = cutlass::arch::ClusterTransactionBarrier;
 
   ElementIn* const stages;
@@ -188,7 +198,6 @@ struct TileStreamKernel {
   static constexpr int kMinBlocksPerSm = kCtasPerSm;
   static constexpr int kSharedStorageSize = Ring::kSharedStorageSize;
   using SmemLayoutIn = typename Ring::SmemLayoutIn;
-  using TileShape = typename Ring::TileShape;
   using TmaLoad = typename Ring::TmaLoad;
 
   struct TensorParams {
