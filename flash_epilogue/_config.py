@@ -13,6 +13,8 @@ class TileConfig:
     swap_ab: bool  # dKV_swapAB: the MMA computes dK^T, the fragment is (head_dim, block_n)
     atom_layout_n: int  # AtomLayoutNdKV: warpgroups (sm_80: warps) along N (along D when swap_ab)
     accum_tile_elems: int  # floats per tile in the GQA accumulator (the C fragment, padding included)
+    slab_cols: int  # where the warpgroups' slabs of a tile split its columns, the columns of each; else 0
+    slab_elems: int  # floats per slab (one per warpgroup on sm_90; the whole tile on sm_80)
     arch: int  # the code path: 90 (sm_90 collectives) or 80 (the sm_80 ones)
 
 

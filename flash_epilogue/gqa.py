@@ -19,8 +19,11 @@ class GQAAccumulator:
     """The fp32 dK/dV accumulators of one GQA backward problem (from :func:`gqa_accumulator`) and the int32
     ``semaphores`` of deterministic mode (or None). ``dk_accum``/``dv_accum``: (batch_extent, num_heads_kv, num_tiles,
     tile_elems), a tile of ``block_n`` KV rows per (sequence, KV head, tile), in the MMA fragment order of ``arch``
-    (opaque: only the ops read it; :meth:`to_dense` decodes it); varlen: batch_extent 1, each sequence at its
-    block_n-aligned offset. The ints: the problem it was sized for, which the ops check their inputs against."""
+    and of the config serving max(head_dim, head_dim_v) (opaque: only the ops read it; :meth:`to_dense` decodes it);
+    where that tile's warpgroups split its columns (hdim 192 on sm_90), an accumulator narrower than the tile holds
+    only the slabs that cover its own head dim (dV of (192, 128): 2/3 of a tile), so the two tile_elems can differ.
+    Varlen: batch_extent 1, each sequence at its block_n-aligned offset. The ints: the problem it was sized for,
+    which the ops check their inputs against."""
 
     dk_accum: torch.Tensor
     dv_accum: torch.Tensor
@@ -28,7 +31,6 @@ class GQAAccumulator:
     head_dim: int
     head_dim_v: int
     block_n: int
-    tile_elems: int
     arch: int
     num_heads_kv: int
     batch: int
@@ -94,8 +96,8 @@ class GQAAccumulator:
     def __repr__(self) -> str:
         sem = "None" if self.semaphores is None else f"int32[{self.semaphores.numel()}]"
         ints = ", ".join(f"{f}={getattr(self, f)}" for f in _CONTEXT)
-        return (f"GQAAccumulator(dk_accum/dv_accum=float32{list(self.dk_accum.shape)}, semaphores={sem}, {ints}, "
-                f"device={self.device})")
+        return (f"GQAAccumulator(dk_accum=float32{list(self.dk_accum.shape)}, "
+                f"dv_accum=float32{list(self.dv_accum.shape)}, semaphores={sem}, {ints}, device={self.device})")
 
 
 _LEAVES = ("dk_accum", "dv_accum", "semaphores")
@@ -154,10 +156,10 @@ def gqa_accumulator(num_heads_kv: int, head_dim: int, head_dim_v: int | None = N
         layout = _C.gqa_accum_layout(num_heads_kv, head_dim, head_dim_v, batch, rows, varlen, arch, device)
     except (TypeError, ValueError) as e:
         raise _extension.op_error(_OP, e) from None
-    accums = [torch.zeros(tuple(layout["shape"]), dtype=torch.float32, device=device) for _ in range(2)]
+    accums = [torch.zeros(tuple(shape), dtype=torch.float32, device=device) for shape in layout["shapes"]]
     semaphores = torch.zeros(layout["semaphore_numel"], dtype=torch.int32, device=device) if deterministic else None
-    return GQAAccumulator(*accums, semaphores, head_dim, head_dim_v, layout["block_n"], layout["tile_elems"],
-                          layout["arch"], num_heads_kv, batch, rows, varlen)
+    return GQAAccumulator(*accums, semaphores, head_dim, head_dim_v, layout["block_n"], layout["arch"], num_heads_kv,
+                          batch, rows, varlen)
 
 
 def _sequences(cu_seqlens) -> int:

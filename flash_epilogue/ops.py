@@ -118,7 +118,7 @@ def _check_acc(op: str, acc, k, v, cu_seqlens, k_name: str, v_name: str) -> None
     try:  # the op's own shape check comes first; it sizes with dk's heads (postprocess) or the accumulator's
         heads = shape[-2] if op == "gqa_postprocess" else acc.dk_accum.shape[1]
         layout = _extension._C.gqa_accum_layout(heads, *want[2:], *want[:2], varlen, acc.arch, k.device)
-        if tuple(layout["shape"]) != tuple(acc.dk_accum.shape):
+        if tuple(map(tuple, layout["shapes"])) != (tuple(acc.dk_accum.shape), tuple(acc.dv_accum.shape)):
             return
     except Exception:  # noqa: BLE001 (arguments the op rejects itself)
         return

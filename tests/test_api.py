@@ -35,7 +35,7 @@ def test_tile_table_is_the_extension_s():
         cfg = fe.tile_config(r["head_dim"], arch=r["arch"])
         assert isinstance(cfg, fe.TileConfig)
         got = {k: getattr(cfg, k) for k in ("head_dim", "block_n", "num_threads", "swap_ab", "atom_layout_n",
-                                           "accum_tile_elems")}
+                                           "accum_tile_elems", "slab_cols", "slab_elems")}
         assert got == {k: r[k] for k in got}, r
     # an uncompiled head dim runs on the next compiled tile
     assert fe.tile_config(80).head_dim == 96 and fe.tile_config(72, 136).head_dim == 192
@@ -100,7 +100,7 @@ def test_accumulator_shape_batched(d, arch, block, elems):
     for seqlen in (0, 1, block - 1, block, block + 1, 1000):
         acc = fe.gqa_accumulator(2, d, batch=3, seqlen=seqlen, deterministic=True, device="meta", arch=arch)
         assert acc.dk_accum.shape == acc.dv_accum.shape == (3, 2, -(-seqlen // block), elems)
-        assert (acc.block_n, acc.tile_elems, acc.arch) == (block, elems, arch)
+        assert (acc.block_n, acc.arch) == (block, arch)
         assert acc.semaphores.shape == (2 * 3 * acc.num_tiles * 2 + 1,) and acc.semaphores.dtype == I32
     assert fe.gqa_accumulator(2, d, batch=0, seqlen=50, device="meta", arch=arch).dk_accum.shape[0] == 0
 
@@ -134,21 +134,23 @@ def test_accumulator_allocation():
     assert isinstance(acc, fe.GQAAccumulator) and acc.dk_accum.shape == acc.dv_accum.shape == (3, 2, 3, 16384)
     assert acc.dk_accum.dtype == F32 and acc.dk_accum.is_contiguous() and acc.dv_accum.is_contiguous()
     assert acc.semaphores is None and not acc.deterministic
-    assert (acc.head_dim, acc.head_dim_v, acc.block_n, acc.tile_elems, acc.arch) == (128, 128, 128, 16384, 90)
+    assert (acc.head_dim, acc.head_dim_v, acc.block_n, acc.arch) == (128, 128, 128, 90)
     assert (acc.num_heads_kv, acc.batch, acc.rows, acc.varlen, acc.batch_extent, acc.num_tiles) == \
         (2, 3, 300, False, 3, 3)
     assert acc.config == fe.tile_config(128) and acc.device.type == "meta" and acc.dense_shape(128) == (3, 300, 2, 128)
-    assert "GQAAccumulator(dk_accum/dv_accum=float32[3, 2, 3, 16384], semaphores=None" in repr(acc)
+    assert "GQAAccumulator(dk_accum=float32[3, 2, 3, 16384], dv_accum=float32[3, 2, 3, 16384], semaphores=None" \
+        in repr(acc)
     # dv's own head dim: one tile serves max(d, dv); an uncompiled head dim: the next tile
     acc = fe.gqa_accumulator(4, 192, 128, batch=2, seqlen=200, deterministic=True, device="cpu")
     assert acc.dk_accum.shape == (2, 4, 3, 18432) and acc.block_n == 96 and "semaphores=int32[49]" in repr(acc)
+    assert acc.dv_accum.shape == (2, 4, 3, 12288) and (acc.dv_accum == 0).all()  # two of hdim 192's three slabs
     assert acc.deterministic and (acc.semaphores == 0).all() and (acc.dk_accum == 0).all()
     assert fe.gqa_accumulator(1, 64, 256, batch=1, seqlen=200, device="meta").dk_accum.shape == (1, 1, 3, 20480)
     assert fe.gqa_accumulator(1, 64, 256, batch=1, seqlen=200, device="meta", arch=80).dk_accum.shape == \
         (1, 1, 4, 16384)
     assert fe.gqa_accumulator(torch.tensor(3), 64, batch=1, seqlen=8, device="meta").dk_accum.shape[1] == 3
     acc = fe.gqa_accumulator(1, 80, batch=1, seqlen=5, device="meta")
-    assert acc.config.head_dim == 96 and acc.tile_elems == 128 * 96 and acc.head_dim == 80
+    assert acc.config.head_dim == 96 and acc.dk_accum.shape[3] == 128 * 96 and acc.head_dim == 80
     # varlen: cu_seqlens (its device by default) or batch
     cs = torch.tensor([0, 100, 100, 700], dtype=I32)
     acc = fe.gqa_accumulator(2, 64, cu_seqlens=cs, total_tokens=710, deterministic=True)
@@ -165,6 +167,21 @@ def test_accumulator_allocation():
     assert fe.gqa_accumulator(1, 128, batch=1, seqlen=10, device="meta", arch=90).arch == 90
 
 
+@pytest.mark.parametrize("d,dv,arch,elems", [
+    (192, 128, 90, (18432, 12288)), (128, 192, 90, (12288, 18432)), (192, 64, 90, (18432, 6144)),
+    (136, 72, 90, (18432, 12288)), (256, 128, 90, (20480, 20480)), (128, 64, 90, (16384, 16384)),
+    (192, 128, 80, (96 * 192, 96 * 192)),
+])
+def test_accumulator_tiles_hold_the_slabs_of_their_head_dim(d, dv, arch, elems):
+    # hdim 192's sm_90 tile is three warpgroup slabs of 64 columns (6144 floats each): a narrower accumulator keeps
+    # the slabs covering its head dim; hdim 256's slabs and the others' span every column, as sm_80's one slab does
+    acc = fe.gqa_accumulator(2, d, dv, batch=1, seqlen=100, device="meta", arch=arch)
+    assert (acc.dk_accum.shape[3], acc.dv_accum.shape[3]) == elems
+    cfg, slabs = acc.config, acc.config.num_threads // 128 if arch == 90 else 1
+    split = (cfg.head_dim, arch) == (192, 90)
+    assert (cfg.slab_cols, cfg.slab_elems) == ((64, 6144) if split else (0, cfg.accum_tile_elems // slabs))
+
+
 @needs_C
 def test_accumulator_layout_is_the_extension_s():
     for args in ((2, 128, 128, 3, 300, False, 0), (2, 192, 128, 2, 200, False, 80), (3, 64, 64, 4, 710, True, 90)):
@@ -172,9 +189,9 @@ def test_accumulator_layout_is_the_extension_s():
         h_k, d, dv, batch, rows, varlen, arch = args
         acc = fe.gqa_accumulator(h_k, d, dv, batch=batch, **({"total_tokens": rows} if varlen else {"seqlen": rows}),
                                  deterministic=True, device="cpu", arch=arch)
-        assert tuple(layout["shape"]) == tuple(acc.dk_accum.shape)
+        assert tuple(map(tuple, layout["shapes"])) == (tuple(acc.dk_accum.shape), tuple(acc.dv_accum.shape))
         assert layout["semaphore_numel"] == acc.semaphores.numel()
-        assert (layout["arch"], layout["block_n"], layout["tile_elems"]) == (acc.arch, acc.block_n, acc.tile_elems)
+        assert (layout["arch"], layout["block_n"]) == (acc.arch, acc.block_n)
 
 
 def test_accumulator_reset_and_pytree():

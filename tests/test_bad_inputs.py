@@ -263,7 +263,8 @@ ALIGN, CONTIG = r"data_ptr: expected a 16-byte aligned address, got 0x[0-9a-f]+ 
 OVER, CPU = r"memory: expected no overlap with {}, got bytes", r"device: expected a CUDA tensor, got a tensor on cpu"
 DEV1 = r"device: expected cuda:0 \(the device of {}\), got cuda:1"
 # the GQA accumulator
-ACC = (r"shape: expected {} \(the accumulator of {}, {} KV heads, head dims \({d}, {d}\) on the sm_{a} path: allocate "
+ACC = (r"shape: expected {} \(the accumulator of {}, {} KV heads and head dim {d} in the tile of head dim {c} on the "
+       r"sm_{a} path: allocate "
        r"it with flash_epilogue\.gqa_accumulator\), got {}")
 OF_B = "batch 2, seqlen 40"
 HEADS = (r"heads: expected a positive multiple of the {} KV heads \({}\): every KV head serves h_q / h_k query heads, "
@@ -481,10 +482,10 @@ ROWS = [
       acc=new(lambda d: accumulator(d, h_k=3))),
     # an accumulator sized for another problem: named by its field (the wrapper) or its shape (the op)
     R("gqa_accumulate", r"(acc\.head_dim: expected 64 \(dk_partial\.shape\[-1\]\), got 128|dk_accum: "
-      + ACC.format(sh(2, 2, 1, 8192), OF_B, 2, sh(2, 2, 1, 16384), d=64, a=90) + ")",
+      + ACC.format(sh(2, 2, 1, 8192), OF_B, 2, sh(2, 2, 1, 16384), d=64, c=64, a=90) + ")",
       acc=new(lambda d: accumulator(d, hd=128))),
     R("gqa_accumulate", r"(acc\.rows: expected 40 \(dk_partial\.shape\[1\], the seqlen\), got 300|dk_accum: "
-      + ACC.format(sh(2, 2, 1, 8192), OF_B, 2, sh(2, 2, 3, 8192), d=64, a=90) + ")",
+      + ACC.format(sh(2, 2, 1, 8192), OF_B, 2, sh(2, 2, 3, 8192), d=64, c=64, a=90) + ")",
       acc=new(lambda d: accumulator(d, seqlen=300))),
     R("gqa_accumulate", SEMS.format("deterministic=True"), acc=new(lambda d: accumulator(d, False)),
       deterministic=True),
@@ -520,13 +521,14 @@ ROWS = [
       **{k: on(lambda t: t[:, :, :3]) for k in PARTIALS}),
     R("gqa_accumulate_op", r"dk_accum: heads: expected >= 1 \(dk_accum\.shape\[1\], the number of KV heads\), got 0",
       dk_accum=on(lambda t: t[:, :0]), dv_accum=on(lambda t: t[:, :0])),
-    R("gqa_accumulate_op", "dv_accum: " + ACC.format(sh(2, 2, 1, 8192), OF_B, 2, sh(2, 2, 2, 8192), d=64, a=90),
+    R("gqa_accumulate_op", "dv_accum: " + ACC.format(sh(2, 2, 1, 8192), OF_B, 2, sh(2, 2, 2, 8192), d=64, c=64, a=90),
       dv_accum=new(lambda d: z(d, B, H_K, 2, 8192))),
-    R("gqa_accumulate_op", "dk_accum: " + ACC.format(sh(2, 2, 1, 16384), OF_B, 2, sh(2, 2, 1, 20480), d=256, a=80),
+    R("gqa_accumulate_op", "dk_accum: " + ACC.format(sh(2, 2, 1, 16384), OF_B, 2, sh(2, 2, 1, 20480),
+                                                     d=256, c=256, a=80),
       _arch=80, dk_partial=new(lambda d: z(d, B, S, H_Q, 256)), dv_partial=new(lambda d: z(d, B, S, H_Q, 256)),
       dk_accum=new(lambda d: accumulator(d, hd=256).dk_accum), dv_accum=new(lambda d: accumulator(d, hd=256).dv_accum)),
     R("gqa_accumulate_varlen_op", "dk_accum: " + ACC.format(sh(1, 2, 3, 8192), "3 sequences of 80 total tokens", 2,
-                                                            sh(1, 2, 2, 8192), d=64, a=90),
+                                                            sh(1, 2, 2, 8192), d=64, c=64, a=90),
       cu_seqlens=new(lambda d: i32(d, 0, 30, 50, 80))),
     R("gqa_accumulate_op", "dv_partial: " + LAST.format(sh(20480, 512, 128, 2)), dv_partial=on(widened)),
     R("gqa_accumulate_op", "dk_partial: " + PITCH.format(2, 4, 66, sh(2, 40, 4, 64), sh(10560, 264, 66, 1)),
@@ -548,7 +550,7 @@ ROWS = [
     R("gqa_accumulate_op", r"semaphores: stride\(0\): expected 1 \(contiguous\), got 2",
       semaphores=new(lambda d: torch.zeros(20, dtype=I32, device=d)[::2])),
     *[R("gqa_accumulate_op", r"semaphores: numel: expected >= 9 \(2 \* batch_extent \* num_tiles \* heads_kv \+ 1 for "
-        r"accumulators of shape \(2, 2, 1, 8192\)\), got 8", semaphores=on(lambda t: t[:8]), deterministic=det)
+        r"dk_accum of shape \(2, 2, 1, 8192\)\), got 8", semaphores=on(lambda t: t[:8]), deterministic=det)
       for det in (True, False)],
     R("gqa_accumulate_op", "dv_accum: " + OVER.format("dk_accum"), dv_accum=alias("dk_accum")),
     R("gqa_accumulate_op", "semaphores: " + OVER.format("dk_accum"), semaphores=int32_view("dk_accum", 9)),
@@ -589,7 +591,7 @@ ROWS = [
     R("gqa_postprocess_op", r"dv: shape: expected \(2, 40, 2, '\*'\) \(dk's shape but the last dim\), got "
       r"\(2, 40, 1, 64\)", dv=on(lambda t: t[:, :, :1])),
     R("gqa_postprocess_op", "dv: " + HD + "12", dv=on(lambda t: t[..., :12])),
-    R("gqa_postprocess_op", "dk_accum: " + ACC.format(sh(2, 1, 1, 8192), OF_B, 1, sh(2, 2, 1, 8192), d=64, a=90),
+    R("gqa_postprocess_op", "dk_accum: " + ACC.format(sh(2, 1, 1, 8192), OF_B, 1, sh(2, 2, 1, 8192), d=64, c=64, a=90),
       dk=on(lambda t: t[:, :, :1]), dv=on(lambda t: t[:, :, :1])),
     R("gqa_postprocess_op", "dk: " + PITCH.format(2, 8, 68, B_S_H_D, sh(5440, 136, 68, 1)), dk=padded(4)),
     R("gqa_postprocess_op", "dk_accum: " + CONTIG.format(sh(16384, 8192, 8192, 1), sh(16392, 8196, 8196, 1)),
@@ -618,7 +620,8 @@ ROWS = [
     R("gqa_accum_to_dense_op", "out: " + OVER.format("accum"), out=alias(
         "accum", lambda t: t.reshape(-1)[: B * S * H_K * D].view(B, S, H_K, D))),
     R("gqa_accum_to_dense_op", "accum: " + CPU, accum=on(torch.Tensor.cpu), out=on(torch.Tensor.cpu)),
-    R("gqa_accum_to_dense_op", "accum: " + ACC.format(sh(2, 2, 1, 16384), OF_B, 2, sh(2, 2, 1, 8192), d=128, a=90),
+    R("gqa_accum_to_dense_op", "accum: " + ACC.format(sh(2, 2, 1, 16384), OF_B, 2, sh(2, 2, 1, 8192), d=64, c=128,
+                                                      a=90),
       head_dim=128),
     # ---- gqa_reduce: the wrapper
     R("gqa_reduce", r"num_heads_kv: expected a divisor of the 4 query heads \(dk_partial\.shape\[-2\]\), got 3",
@@ -909,13 +912,33 @@ def test_deterministic_accumulate_past_its_work_items():
     batch, h_q, rows = 16385, 65535, 128
     layout = fe._extension._C.gqa_accum_layout(1, D, D, batch, rows, True, 80, torch.device("cpu"))
     part = torch.zeros(rows, 1, D).expand(rows, h_q, D)
-    acc = [torch.empty(layout["shape"]) for _ in range(2)]
+    acc = [torch.empty(shape) for shape in layout["shapes"]]
     sem, cu = torch.zeros(layout["semaphore_numel"], dtype=I32), torch.zeros(batch + 1, dtype=I32)
     with pytest.raises(ValueError, match=r"flash_epilogue\.gqa_accumulate: dk_partial: shape: expected at most "
                        r"2\^31 - 1 \(row tiles x batch x 2 x h_q\) work items in deterministic mode, got 2147713020"):
         OPS.gqa_accumulate(part, part, *acc, sem, cu_seqlens=cu, deterministic=True, _arch=80)
     with pytest.raises(ValueError, match=r"dk_partial: device: expected a CUDA tensor"):  # atomic mode: no such limit
         OPS.gqa_accumulate(part, part, *acc, None, cu_seqlens=cu, deterministic=False, _arch=80)
+
+
+def test_accumulators_of_two_head_dims_are_checked_each_against_its_own():
+    # (192, 128) on sm_90: dV's tiles hold two of hdim 192's three slabs, so a dV accumulator of whole tiles (or of
+    # dK's shape) is another problem's, in gqa_accumulate, gqa_postprocess and to_dense alike
+    acc = fe.gqa_accumulator(2, 192, 128, batch=2, seqlen=40, device="cpu", arch=90)
+    pk, pv, whole = torch.zeros(2, 40, 4, 192), torch.zeros(2, 40, 4, 128), torch.zeros(acc.dk_accum.shape)
+    want = (r"dv_accum: shape: expected \(2, 2, 1, 12288\) \(the accumulator of batch 2, seqlen 40, 2 KV heads and "
+            r"head dim 128 in the tile of head dim 192 on the sm_90 path: allocate it with "
+            r"flash_epilogue\.gqa_accumulator\), got \(2, 2, 1, 18432\)")
+    with pytest.raises(ValueError, match=r"flash_epilogue\.gqa_accumulate: " + want):
+        OPS.gqa_accumulate(pk, pv, acc.dk_accum, whole, None, deterministic=False, _arch=90)
+    with pytest.raises(ValueError, match=r"flash_epilogue\.gqa_postprocess: " + want):
+        OPS.gqa_postprocess(acc.dk_accum, whole, pk[:, :, :2].to(BF16), pv[:, :, :2].to(BF16), _arch=90)
+    with pytest.raises(ValueError, match=r"flash_epilogue\.gqa_accum_to_dense: accum: shape: expected \(2, 2, 1, "
+                       r"12288\) \(the accumulator of batch 2, seqlen 40, 2 KV heads and head dim 128 in the tile of "
+                       r"head dim 192 on the sm_90 path"):
+        OPS.gqa_accum_to_dense(whole, pv[:, :, :2].clone(), head_dim=192, _arch=90)
+    with pytest.raises(ValueError, match=r"dv_accum: shape: expected \(2, 2, 1, 12288\)"):  # and through the wrapper
+        fe.gqa_accumulate(pk, pv, dataclasses.replace(acc, dv_accum=whole))
 
 
 @pytest.mark.gpu

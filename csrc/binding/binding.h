@@ -19,12 +19,15 @@ using TensorArg = at::Tensor const&;  // the ops' argument types
 using OptArg = std::optional<at::Tensor> const&;
 std::vector<std::string> const& compiled_archs();  // "sm_90a", or "sm_80" and "sm_90a"
 
-// The GQA accumulators: dK's and dV's (batch_extent, heads, num_tiles, tile_elems) floats in the order of the
-// TiledMma's C fragment; the deterministic mode's semaphores: dK's and dV's counter per (tile, KV head), a ticket.
+// The GQA accumulators: dK's and dV's (batch_extent, heads, num_tiles, tile_elems[i]) floats in the order of the
+// TiledMma's C fragment of the config serving max(d, dv), each tile of only the slabs covering its own head dim
+// (CompiledTileConfig::accum_tile_elems_for); the deterministic mode's semaphores: dK's and dV's counter per (tile,
+// KV head), a ticket.
 struct AccumLayout {
-  int arch = 90, block_n = 0;  // the code path and its tile rows
-  int64_t batch_extent = 0, heads = 0, num_tiles = 0, tile_elems = 0;
-  std::vector<int64_t> shape() const { return {batch_extent, heads, num_tiles, tile_elems}; }
+  int arch = 90, block_n = 0, config_head_dim = 0;  // the code path, its tile rows and head dim
+  int64_t batch_extent = 0, heads = 0, num_tiles = 0;
+  int64_t tile_elems[2] = {0, 0};  // dK's, dV's
+  std::vector<int64_t> shape(int tensor) const { return {batch_extent, heads, num_tiles, tile_elems[tensor]}; }
   int64_t semaphore_numel() const { return 2 * batch_extent * num_tiles * heads + 1; }
 };
 

@@ -89,10 +89,12 @@ CompiledTileConfig const& tile_config(int64_t width, int arch) {  // the one ser
 
 // Batched: ceil(rows / block_n) tiles per sequence. Varlen (rows: total tokens): batch_extent 1 and
 // (rows + batch * block_n) // block_n tiles, so that sequence b starts at ((cu_seqlens[b] + b * block_n) // block_n).
+// Both accumulators take the tile of the config serving max(d, dv), dK's of the slabs covering d, dV's dv.
 AccumLayout accum_layout(int arch, bool varlen, int64_t batch, int64_t rows, int64_t heads_kv, int64_t d, int64_t dv) {
   CompiledTileConfig const& c = tile_config(std::max(d, dv), arch);
   int64_t const n = c.block_n, tiles = varlen ? (rows + batch * n) / n : (rows + n - 1) / n;
-  return {arch, c.block_n, varlen ? 1 : batch, heads_kv, tiles, c.accum_tile_elems};
+  auto const elems = [&c](int64_t w) { return int64_t(c.accum_tile_elems_for(static_cast<int>(w))); };
+  return {arch, c.block_n, c.head_dim, varlen ? 1 : batch, heads_kv, tiles, {elems(d), elems(dv)}};
 }
 
 // The path of a GQA call's accumulators, before the device checks: `requested`, else the device's (sm_8x: 80, else 90)
@@ -379,20 +381,22 @@ struct Checker {
     }
     return sm90 && compiled_for("sm_90a") && requested != 80 ? 90 : 80;
   }
-  // seqlens(t), the accumulators' layout on the path of t's device (each of accums of its shape), strides, alignment
+  // seqlens(t), the accumulators' layout on the path of t's device (accums[i] of shape(i): dK's of head dim d,
+  // dV's of dv), strides, alignment
   std::pair<Extents, AccumLayout> accum_side(Named t, Names rows, Names accums, Names aligned, int64_t arch,
                                              int64_t heads_kv, int64_t d, int64_t dv) const {
     Extents const e = seqlens(t);
     AccumLayout const layout = accum_layout(accum_path(t->device(), arch), varlen, e.batch, e.rows, heads_kv, d, dv);
-    std::vector<int64_t> const shape = layout.shape();
-    for (auto const& n : accums) {
+    for (int i = 0; i < static_cast<int>(accums.size()); ++i) {
+      Named const n = accums[i];
+      std::vector<int64_t> const shape = layout.shape(i);
       if (n->sizes() == c10::IntArrayRef(shape)) { continue; }
       std::string const what = varlen ? num(e.batch) + " sequences of " + num(e.rows) + " total tokens"
                                       : "batch " + num(e.batch) + ", seqlen " + num(e.rows);
       fail(n, "shape",
-           num(shape) + " (the accumulator of " + what + ", " + num(heads_kv) + " KV heads, head dims (" + num(d) +
-               ", " + num(dv) + ") on the sm_" + num(layout.arch) +
-               " path: allocate it with flash_epilogue.gqa_accumulator)",
+           num(shape) + " (the accumulator of " + what + ", " + num(heads_kv) + " KV heads and head dim " +
+               num(i ? dv : d) + " in the tile of head dim " + num(layout.config_head_dim) + " on the sm_" +
+               num(layout.arch) + " path: allocate it with flash_epilogue.gqa_accumulator)",
            num(n->sizes()));
     }
     layouts(rows);
@@ -508,8 +512,8 @@ Problem check_gqa_accumulate(TensorArg dk_partial, TensorArg dv_partial, TensorA
   c.index_tensor(sem);
   if (sem.t && sem.t->numel() < counters) {
     c.fail("semaphores: numel",
-           ">= " + num(counters) + " (2 * batch_extent * num_tiles * heads_kv + 1 for accumulators of shape " +
-               num(layout.shape()) + ")",
+           ">= " + num(counters) + " (2 * batch_extent * num_tiles * heads_kv + 1 for dk_accum of shape " +
+               num(layout.shape(0)) + ")",
            num(sem.t->numel()));
   }
   c.no_overlaps({accums[0], accums[1], sem}, {k, v, c.cu, c.used});
@@ -546,7 +550,8 @@ Problem check_gqa_accum_to_dense(TensorArg accum, TensorArg out, int64_t head_di
   c.head_dim("head_dim", head_dim);
   c.head_dim("out", out.size(-1));
   if (out.size(-1) > head_dim) { c.fail("out: head dim", "<= head_dim = " + num(head_dim), num(out.size(-1))); }
-  auto const [e, layout] = c.accum_side(dense, {dense}, {in}, {in, dense}, arch, out.size(-2), head_dim, head_dim);
+  // the accumulator of out's head dim (as dK's) in the tile serving head_dim (as dV's would name it)
+  auto const [e, layout] = c.accum_side(dense, {dense}, {in}, {in, dense}, arch, out.size(-2), out.size(-1), head_dim);
   c.no_overlaps({dense}, {in, c.cu, c.used});
   return c.finish(dense, e, out.size(-2), head_dim, {in, dense, c.cu, c.used}, arch, 0, layout);
 }

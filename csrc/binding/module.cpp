@@ -60,7 +60,8 @@ std::vector<py::dict> tile_configs() {
   for (auto const& t : compiled_tile_configs()) {
     configs.emplace_back("head_dim"_a = t.head_dim, "arch"_a = t.arch, "block_n"_a = t.block_n,
                          "num_threads"_a = t.num_threads, "swap_ab"_a = t.swap_ab, "atom_layout_n"_a = t.atom_layout_n,
-                         "accum_tile_elems"_a = t.accum_tile_elems);
+                         "accum_tile_elems"_a = t.accum_tile_elems, "slab_cols"_a = t.slab_cols,
+                         "slab_elems"_a = t.slab_elems);
   }
   return configs;
 }
@@ -71,9 +72,8 @@ py::dict accum_layout(int64_t num_heads_kv, int64_t head_dim, int64_t head_dim_v
   try {
     l = flash_epilogue::gqa_accum_layout(num_heads_kv, head_dim, head_dim_v, batch, rows, varlen, arch, device);
   } catch (c10::ValueError const& e) { throw py::value_error(e.what_without_backtrace()); }
-  return py::dict("shape"_a = py::make_tuple(l.batch_extent, l.heads, l.num_tiles, l.tile_elems),
-                  "semaphore_numel"_a = l.semaphore_numel(), "arch"_a = l.arch, "block_n"_a = l.block_n,
-                  "tile_elems"_a = l.tile_elems);
+  return py::dict("shapes"_a = py::make_tuple(py::tuple(py::cast(l.shape(0))), py::tuple(py::cast(l.shape(1)))),
+                  "semaphore_numel"_a = l.semaphore_numel(), "arch"_a = l.arch, "block_n"_a = l.block_n);
 }
 
 py::dict build_info() {
@@ -96,8 +96,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("tile_configs", &tile_configs, "the tile table: every compiled (head dim, arch path) and its tile");
   m.def("gqa_accum_layout", &accum_layout, "num_heads_kv"_a, "head_dim"_a, "head_dim_v"_a, "batch"_a, "rows"_a,
         "varlen"_a, "arch"_a, "device"_a,
-        "the GQA accumulators' shape, semaphore count, code path (arch 0: the device's), tile rows and floats per "
-        "tile for a problem; raises ValueError (op gqa_accumulator) for bad arguments");
+        "the GQA accumulators' shapes (dK's, dV's), semaphore count, code path (arch 0: the device's) and tile rows "
+        "for a problem; raises ValueError (op gqa_accumulator) for bad arguments");
   m.def("build_info", &build_info, "the versions and archs this build was made with");
   m.def("_set_debug_sync", &flash_epilogue::set_debug_sync,
         "FLASH_EPILOGUE_DEBUG for the C++ paths (repeat_kv's backward): synchronize after the launch");

@@ -31,8 +31,9 @@ TensorDesc describe(TensorArg t, bool varlen) {
           static_cast<int>(t.size(-1))};
 }
 
-AccumDesc accum_desc(TensorArg t, AccumLayout const& layout) {
-  return {t.data_ptr<float>(), t.stride(1), t.stride(0), static_cast<int>(layout.num_tiles)};
+AccumDesc accum_desc(TensorArg t, AccumLayout const& layout) {  // t: of the checked shape (floats per tile: size(3))
+  return {t.data_ptr<float>(), t.stride(1), t.stride(0), static_cast<int>(layout.num_tiles),
+          static_cast<int>(t.size(3))};
 }
 
 // Of a launch's arguments, those it has of: extents, heads, cu_seqlens/seqused, the outputs dk/dv (dv null: dK only).

@@ -12,8 +12,9 @@ namespace flash_epilogue {
 template <int kHeadDim, int kArch>
 static CompiledTileConfig tile_config() {
   using Config = BwdTileConfig<kHeadDim, arch_tag_of<kArch>>;
-  return {Config::kHeadDim, kArch, Config::kBlockN, Config::kNumThreads, Config::kSwapAB, Config::kAtomLayoutNdKV,
-          GqaTraits<Config, arch_tag_of<kArch>>::kAccumTileElems};
+  using Traits = GqaTraits<Config, arch_tag_of<kArch>>;
+  return {Config::kHeadDim, kArch,           Config::kBlockN,    Config::kNumThreads, Config::kSwapAB,
+          Config::kAtomLayoutNdKV, Traits::kAccumTileElems, Traits::kSlabCols, Traits::kSlabElems};
 }
 
 std::vector<CompiledTileConfig> const& compiled_tile_configs() {

@@ -34,6 +34,22 @@ struct GqaTraits {
   static constexpr int kAccumTileElems = kFragElems * kNumThreads;
   using TileShape_MNK = cute::Shape<cute::_64, cute::Int<Config::kBlockN>, cute::Int<Config::kHeadDim>>;
   using Collective = CollectiveEpilogueBwdGQA<TileShape_MNK, ArchTag, kNumThreads, kAccumTileElems>;
+  // A tile is one slab of kSlabElems floats per warpgroup (sm_90; sm_80: one slab), thread t's in
+  // slab slab_of(t). Where the warpgroups split the columns, one GMMA atom (64 of D) each along D
+  // (swapAB, one warpgroup along N: hdim 192), slab w holds columns [64 w, 64 w + 64) and an
+  // accumulator narrower than the tile keeps only the slabs covering its width (its floats per tile:
+  // CompiledTileConfig::accum_tile_elems_for); kSlabCols is then 64, else 0 (every slab spans all
+  // columns: hdim 256's warpgroups each take two 64-column blocks of D, 128 apart; the others split N).
+  static constexpr int kNumSlabs = Collective::kNumWarpGroups;
+  static constexpr int kSlabElems = Collective::kSlabElems;
+  static constexpr int kSlabCols =
+      ArchTag::kMinComputeCapability >= 90 && Config::kSwapAB && Config::kAtomLayoutNdKV == 1 &&
+              Config::kHeadDim == 64 * kNumSlabs
+          ? 64
+          : 0;
+  CUTLASS_HOST_DEVICE static int slab_of(int thread_idx) {
+    return kNumSlabs > 1 ? thread_idx / cutlass::NumThreadsPerWarpGroup : 0;
+  }
   // Two CTAs per SM (one loads while the other stores) where registers allow without spilling;
   // the 384-thread hdim-192 config keeps one.
   static constexpr int kMinBlocksPerSm = kNumThreads <= 256 ? 2 : 1;
@@ -134,12 +150,18 @@ struct GqaAccumulateKernel {
 };
 
 // The accumulator tiles of one tensor, read into and written from C fragments: (n_block, kv_head, batch).
+// A tile holds its first num_slabs slabs (GqaTraits): a thread of a later slab has only columns past the
+// tensor's width, read as zeros and never written.
 template <class Traits>
 struct AccumTiles {
   float* ptr;
   int64_t head_stride;
   int64_t batch_stride;
   int num_tiles;
+  int tile_elems;  // num_slabs * Traits::kSlabElems
+  int num_slabs;
+
+  CUTLASS_DEVICE bool holds(int thread_idx) const { return Traits::slab_of(thread_idx) < num_slabs; }
 
   // The tile's first float, or -1 for a tile outside [0, num_tiles) (inconsistent sequence metadata).
   template <class SeqInfo>
@@ -147,7 +169,7 @@ struct AccumTiles {
     // 64-bit, as the collective's locate: bad metadata puts the sum past 2^31.
     int64_t const tile = (varlen ? info.offset_padded / Traits::Collective::kBlockN : 0) + n_block;
     if (tile < 0 || tile >= num_tiles) { return -1; }
-    return (varlen ? 0 : bidb) * batch_stride + kv_head * head_stride + tile * Traits::kAccumTileElems;
+    return (varlen ? 0 : bidb) * batch_stride + kv_head * head_stride + tile * tile_elems;
   }
 
   template <class Fragment, class SeqInfo>
@@ -155,7 +177,11 @@ struct AccumTiles {
                            int thread_idx) const {
     int64_t const offset = tile_offset(info, varlen, n_block, kv_head, bidb);
     if (offset < 0) { return false; }
-    Traits::Collective::load_fragment(frag, ptr + offset, thread_idx);
+    if (holds(thread_idx)) {
+      Traits::Collective::load_fragment(frag, ptr + offset, thread_idx);
+    } else {
+      cute::clear(frag);
+    }
     return true;
   }
 };
@@ -167,7 +193,8 @@ struct AccumTiles {
 // tiles). The consumers add the partials to the tile in head order, ((acc + p_0) + p_1) + ..., in fp32
 // (subnormals kept; rows past valid_rows and columns past d keep the accumulator's value, as the
 // per-head adds do), write it over the last partial's stage in fragment order, and one thread
-// bulk-copies it back. Each accumulator tile moves through memory once per call, where the
+// bulk-copies it back (a tile of fewer slabs, AccumTiles, moves only those; the warpgroups of the
+// others keep the ring's turns). Each accumulator tile moves through memory once per call, where the
 // collective's per-query-head bulk adds (GqaAccumulateKernel, the sm_80 path and what an attention
 // kernel calls) move it g times. No other CTA touches the tile, so the sum is deterministic without
 // counters, and bitwise that of the ordered per-head adds (each an fp32 add of the same operands in
@@ -184,8 +211,8 @@ struct GqaAccumulateStreamKernel {
   static constexpr int kNumThreads = Ring::kNumThreads;
   static constexpr int kMinBlocksPerSm = 1;
   static constexpr int kSharedStorageSize = Ring::kSharedStorageSize;
-  static constexpr int kTileBytes = Traits::kAccumTileElems * static_cast<int>(sizeof(float));
-  static_assert(kTileBytes == Ring::kStageBytes, "an accumulator tile fills one stage");
+  static_assert(Traits::kAccumTileElems * sizeof(float) == Ring::kStageBytes,
+                "a whole accumulator tile fills one stage");
   static_assert(Traits::kNumThreads == Ring::kNumConsumerThreads, "the accumulator's fragments are the consumers'");
   using TmaLoad = typename Ring::TmaLoad;
 
@@ -245,7 +272,8 @@ struct GqaAccumulateStreamKernel {
           TileWork const work = decode(params, tile);
           if (work.offset < 0) { continue; }
           TensorParams const& t = params.tensors[work.tensor];
-          ring.load_bytes(t.accum.ptr + work.offset, ring.acquire(load_index++));
+          ring.load_bytes(t.accum.ptr + work.offset, t.accum.tile_elems * int(sizeof(float)),
+                          ring.acquire(load_index++));
           for (int member = 0; member < params.group; ++member) {
             int const stage = ring.acquire(load_index++);
             ring.load_tile(t.tma_load_in, t.shape_in, work.head * params.group + member,
@@ -266,24 +294,29 @@ struct GqaAccumulateStreamKernel {
       TileWork const work = decode(params, tile);
       if (work.offset < 0) { continue; }
       TensorParams const& t = params.tensors[work.tensor];
+      // A warpgroup whose slab the tile lacks (all its columns past the width) only keeps the ring's turns.
+      bool const holds = t.accum.holds(thread_idx);
       int stage = ring.wait(load_index++);
-      Traits::Collective::load_fragment(frag, ring.stage_ptr(stage), thread_idx);
+      if (holds) { Traits::Collective::load_fragment(frag, ring.stage_ptr(stage), thread_idx); }
       ring.release(stage);
       for (int member = 0; member < params.group; ++member) {
         stage = ring.wait(load_index++);
-        Tensor s_in = make_tensor(make_smem_ptr(ring.stage_ptr(stage)), typename Ring::SmemLayoutIn{});
-        load_accum_tile<Config::kSwapAB, kBlockN, kHeadDim, /*kAdd=*/true, /*kKeepOutside=*/true>(
-            frag, thr_mma, s_in, work.valid_rows, get<1>(t.shape_in));
+        if (holds) {
+          Tensor s_in = make_tensor(make_smem_ptr(ring.stage_ptr(stage)), typename Ring::SmemLayoutIn{});
+          load_accum_tile<Config::kSwapAB, kBlockN, kHeadDim, /*kAdd=*/true, /*kKeepOutside=*/true>(
+              frag, thr_mma, s_in, work.valid_rows, get<1>(t.shape_in));
+        }
         if (member + 1 < params.group) { ring.release(stage); }
       }
       // The sum over the last partial's stage, once every consumer has read that partial; the
       // bulk copy reads it once every thread's writes are visible to the async proxy.
       named_barrier_sync(Ring::kNumConsumerThreads, kDefaultEpilogueBarrierId);
-      Traits::Collective::store_fragment(frag, ring.stage_ptr(stage), thread_idx);
+      if (holds) { Traits::Collective::store_fragment(frag, ring.stage_ptr(stage), thread_idx); }
       cutlass::arch::fence_view_async_shared();
       named_barrier_sync(Ring::kNumConsumerThreads, kDefaultEpilogueBarrierId);
       if (thread_idx == 0) {
-        SM90_BULK_COPY_S2G::copy(ring.stage_ptr(stage), t.accum.ptr + work.offset, kTileBytes);
+        SM90_BULK_COPY_S2G::copy(ring.stage_ptr(stage), t.accum.ptr + work.offset,
+                                 t.accum.tile_elems * int(sizeof(float)));
         tma_store_arrive();
         tma_store_wait<0>();  // the copy has read the stage (its warp releases it after this)
       }

@@ -16,18 +16,25 @@ namespace flash_epilogue {
 
 namespace detail {
 
+// The kernels' view of an accumulator `width` columns wide (each of its tiles the slabs covering them),
+// or why its floats per tile are not that (the binding sizes them the same way).
 template <class Traits>
-AccumTiles<Traits> tiles_of(AccumDesc const& a) {
-  return {a.ptr, a.head_stride, a.batch_stride, a.num_tiles};
+char const* tiles_of(AccumDesc const& a, int width, AccumTiles<Traits>& tiles) {
+  int const slabs = accum_slabs(width, Traits::kSlabCols, Traits::kNumSlabs);
+  if (slabs < 1 || slabs > Traits::kNumSlabs || a.tile_elems != slabs * Traits::kSlabElems) {
+    return "internal: an accumulator's floats per tile do not match its head dim";
+  }
+  tiles = {a.ptr, a.head_stride, a.batch_stride, a.num_tiles, a.tile_elems, slabs};
+  return nullptr;
 }
 
 template <class Element, int kHeadDim, class ArchTag, bool kVarlen>
 char const* launch_gqa_postprocess_variant(GqaPostprocessLaunchArgs const& args, cudaStream_t stream) {
   using Config = BwdTileConfig<kHeadDim, ArchTag>;
   using Kernel = GqaPostprocessKernel<Config, Element, ArchTag, kVarlen>;
-  typename Kernel::Params params{{{{}, tiles_of<typename Kernel::Traits>(args.dk_accum), args.scale_dk},
-                                  {{}, tiles_of<typename Kernel::Traits>(args.dv_accum), args.scale_dv}},
-                                 args.num_heads_kv, args.batch};
+  typename Kernel::Params params{{{{}, {}, args.scale_dk}, {{}, {}, args.scale_dv}}, args.num_heads_kv, args.batch};
+  if (char const* why = tiles_of(args.dk_accum, args.dk.head_dim, params.tensors[0].accum)) { return why; }
+  if (char const* why = tiles_of(args.dv_accum, args.dv.head_dim, params.tensors[1].accum)) { return why; }
   return launch_output_tiles<Kernel>(args, 2, args.num_heads_kv, params, stream);
 }
 
@@ -80,20 +87,23 @@ char const* launch_gqa_accumulate_streamed(GqaAccumulateLaunchArgs const& args, 
   if (num_tiles == 0) { return nullptr; }
   // Each is a distinct accumulator tile of at least 16 KB: so many cannot be allocated.
   if (num_tiles > kMaxStreamedTiles) { return "more than 2^31 - 2^16 accumulator tiles"; }
-  auto tensor = [&](TensorDesc const& partial, AccumDesc const& accum) {
-    ShapeRowsHeadBatch const shape = shape_of(partial, args.rows, args.num_heads_q, batch_extent);
-    return typename Kernel::TensorParams{
-        tiles_of<typename Kernel::Traits>(accum),
-        Ring::make_tma_load(static_cast<float const*>(partial.ptr), shape, stride_of(partial)), shape};
-  };
-  typename Kernel::Params const params{{tensor(args.dk_partial, args.dk_accum), tensor(args.dv_partial, args.dv_accum)},
-                                       args.num_heads_kv,
-                                       args.num_heads_q / args.num_heads_kv,
-                                       args.batch,
-                                       static_cast<int>(n_tiles),
-                                       static_cast<int>(num_tiles),
-                                       args.cu_seqlens,
-                                       args.seqused};
+  typename Kernel::Params params{{},
+                                 args.num_heads_kv,
+                                 args.num_heads_q / args.num_heads_kv,
+                                 args.batch,
+                                 static_cast<int>(n_tiles),
+                                 static_cast<int>(num_tiles),
+                                 args.cu_seqlens,
+                                 args.seqused};
+  TensorDesc const* partials[2] = {&args.dk_partial, &args.dv_partial};
+  AccumDesc const* accums[2] = {&args.dk_accum, &args.dv_accum};
+  for (int i = 0; i < 2; ++i) {
+    typename Kernel::TensorParams& t = params.tensors[i];
+    if (char const* why = tiles_of(*accums[i], partials[i]->head_dim, t.accum)) { return why; }
+    t.shape_in = shape_of(*partials[i], args.rows, args.num_heads_q, batch_extent);
+    t.tma_load_in =
+        Ring::make_tma_load(static_cast<float const*>(partials[i]->ptr), t.shape_in, stride_of(*partials[i]));
+  }
   return launch_kernel<Kernel>(dim3(persistent_grid<Kernel>(num_tiles)), params, stream);
 }
 
@@ -121,6 +131,11 @@ char const* launch_gqa_accumulate_per_head(GqaAccumulateLaunchArgs const& args, 
     a.num_semaphores = num_semaphores;
     return a;
   };
+  for (AccumDesc const* accum : {&args.dk_accum, &args.dv_accum}) {
+    if (accum->tile_elems != Collective::kAccumTileElems) {
+      return "the per-query-head adds take accumulators of whole tiles (kAccumTileElems floats each)";
+    }
+  }
   int64_t const counters = Collective::semaphore_count(coll_args(args.dk_accum, nullptr, 0));
   auto const dk_args = coll_args(args.dk_accum, args.semaphores, counters);
   auto const dv_args = coll_args(args.dv_accum, args.semaphores ? args.semaphores + counters : nullptr, counters);
@@ -176,10 +191,11 @@ char const* launch_gqa_accum_to_dense(GqaDenseLaunchArgs const& args, cudaStream
   using Kernel = GqaDenseKernel<Config, ArchTag>;
   bool const varlen = args.cu_seqlens != nullptr;
   int const batch_extent = varlen ? 1 : args.batch;
-  typename Kernel::Params params{detail::tiles_of<typename Kernel::Traits>(args.accum),
+  typename Kernel::Params params{{},
                                  static_cast<float*>(args.out.ptr),
                                  shape_of(args.out, args.rows, args.num_heads_kv, batch_extent),
                                  stride_of(args.out), args.batch, args.cu_seqlens, args.seqused};
+  if (char const* why = detail::tiles_of(args.accum, args.out.head_dim, params.accum)) { return why; }
   return launch_kernel<Kernel>(row_tile_grid<Config::kBlockN>(args.rows, args.num_heads_kv, args.batch, varlen),
                                 params, stream);
 }

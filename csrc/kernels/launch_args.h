@@ -50,12 +50,14 @@ struct StoreZeroLaunchArgs {
   int row_end = 0;
 };
 
-// GQA accumulators: fp32, contiguous (batch_extent, h_k, num_tiles, tile_elems).
+// GQA accumulators: fp32, contiguous (batch_extent, h_k, num_tiles, tile_elems); tile_elems as
+// CompiledTileConfig::accum_tile_elems_for sizes it for the tensor's head dim.
 struct AccumDesc {
   float* ptr = nullptr;
   int64_t head_stride = 0;   // floats
   int64_t batch_stride = 0;  // floats
   int num_tiles = 0;
+  int tile_elems = 0;        // floats per tile
 };
 
 struct GqaAccumulateLaunchArgs {
@@ -118,10 +120,21 @@ char const* launch_gqa_postprocess(GqaPostprocessLaunchArgs const& args, cudaStr
 template <OutputDType kDType, int kHeadDim, int kArch>
 char const* launch_gqa_reduce(GqaReduceLaunchArgs const& args, cudaStream_t stream);
 
+// The slabs an accumulator tile `width` columns wide holds: those covering its columns where slabs
+// split them (slab_cols > 0; dV of 128 at hdim 192: two of three), else all num_slabs.
+constexpr int accum_slabs(int width, int slab_cols, int num_slabs) {
+  return slab_cols ? (width + slab_cols - 1) / slab_cols : num_slabs;
+}
+
 // One compiled (head dim, arch path): FA3's dK/dV tile (BwdTileConfig) and the GQA accumulator's
-// floats per tile. accum_tile_elems >= block_n * head_dim (the TiledMma may pad).
+// floats per tile. accum_tile_elems >= block_n * head_dim (the TiledMma may pad). slab_cols (GqaTraits):
+// where the warpgroups' slabs of slab_elems floats split the columns (slab w: [w * slab_cols, (w + 1) *
+// slab_cols)), the columns of each; else 0.
 struct CompiledTileConfig {
-  int head_dim, arch, block_n, num_threads; bool swap_ab; int atom_layout_n, accum_tile_elems;
+  int head_dim, arch, block_n, num_threads; bool swap_ab; int atom_layout_n, accum_tile_elems, slab_cols, slab_elems;
+  int accum_tile_elems_for(int width) const {
+    return accum_slabs(width, slab_cols, accum_tile_elems / slab_elems) * slab_elems;
+  }
 };
 
 // every compiled (head dim, arch path): head dims ascending, for each the 90 path then the 80 path

@@ -144,10 +144,11 @@ struct StreamRing {
     copy(tma.with(full[stage]), cta_tma.partition_S(g_in), cta_tma.partition_D(s_in));
   }
 
-  // Producer: one 1-D bulk copy of a whole stage's bytes (16-byte aligned) from global memory.
-  CUTLASS_DEVICE void load_bytes(void const* src, int stage) const {
-    Barrier::arrive_and_expect_tx(&full[stage], kStageBytes);
-    cute::SM90_BULK_COPY_G2S::copy(src, &full[stage], stage_ptr(stage), kStageBytes);
+  // Producer: one 1-D bulk copy of `bytes` (a multiple of 16, at most a stage's) from 16-byte aligned
+  // global memory to the start of the stage.
+  CUTLASS_DEVICE void load_bytes(void const* src, int bytes, int stage) const {
+    Barrier::arrive_and_expect_tx(&full[stage], bytes);
+    cute::SM90_BULK_COPY_G2S::copy(src, &full[stage], stage_ptr(stage), bytes);
   }
 
   // Consumers: wait until load `load_index` has landed; its stage.

@@ -20,7 +20,7 @@ fe::TensorDesc describe(at::Tensor const& t, bool varlen) {
 
 // accumulators as flash_epilogue.gqa_accumulator makes them: (batch extent, h_k, tiles, tile floats)
 fe::AccumDesc accum(at::Tensor const& t) {
-  return {t.data_ptr<float>(), t.stride(1), t.stride(0), static_cast<int>(t.size(2))};
+  return {t.data_ptr<float>(), t.stride(1), t.stride(0), static_cast<int>(t.size(2)), static_cast<int>(t.size(3))};
 }
 
 void accumulate_per_head(at::Tensor dk_partial, at::Tensor dv_partial, at::Tensor dk_accum, at::Tensor dv_accum,
