@@ -69,7 +69,11 @@ def check_accumulate(d, dv, arch, h_k, g, layout, deterministic, seed, chunks=3)
     alloc, seq, seq_used, lead = problem(layout, n)
     gen = generator(seed)
     acc = fe.gqa_accumulator(h_k, d, dv, deterministic=deterministic, device=DEV, arch=arch, **alloc)
-    assert acc.dk_accum.shape == acc.dv_accum.shape and acc.dk_accum.is_contiguous()
+    # the same tiles; each holds the slabs of its own head dim (fewer for the narrower on hdim 192's sm_90 tile)
+    assert acc.dk_accum.shape[:3] == acc.dv_accum.shape[:3] and acc.dk_accum.is_contiguous()
+    cfg = acc.config
+    elems = [-(-w // cfg.slab_cols) * cfg.slab_elems if cfg.slab_cols else cfg.accum_tile_elems for w in (d, dv)]
+    assert [acc.dk_accum.shape[3], acc.dv_accum.shape[3]] == elems
     ref = [torch.zeros(lead + (h_k, w), device=DEV) for w in (d, dv)]
     ref64 = [torch.zeros(lead + (h_k, w), dtype=torch.float64, device=DEV) for w in (d, dv)]
     mag = [torch.zeros(lead + (h_k, w), dtype=torch.float64, device=DEV) for w in (d, dv)]
