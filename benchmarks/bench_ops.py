@@ -295,7 +295,7 @@ def run_problem(args, op: Op, shape: Shape, l2: int, ctx: dict) -> None:
     insts = [op.build(shape, "cuda") for _ in range(n_rot)]
     # every check starts from this copy of the initial state: timing loops write into insts[0]
     pristine, ref, line = op.fresh(insts[0]), None, []
-    repeats = args.store_repeats if op.name in ("store", "store_varlen") else 1
+    repeats = args.repeats
     for impl in [i for i in IMPLS if i in args.impls and i in op.impls]:
         if impl.startswith("torch_compile") and ctx["compile_spent"] > args.compile_budget:
             ctx["skipped"].append({"op": op.name, "name": shape.name, "impl": impl, "why": "compile budget spent"})
@@ -386,7 +386,7 @@ def run_gpu(args, ops: list[Op], shapes: list[Shape]) -> dict:
                                    "l2_bytes", "clocks")},
             "copy_TBps_end": copy_end, "api": "op", "quick": args.quick,
             "method": {"timer": "triton.testing.do_bench(return_mode='median')", "warmup_ms": args.warmup,
-                       "rep_ms": args.rep, "store_repeats": args.store_repeats,
+                       "rep_ms": args.rep, "repeats": args.repeats,
                        "bytes": "minimum traffic: inputs read once, outputs written once; accumulate: + accumulator "
                                 "read and write (dense fp32); store_zero: valid rows written",
                        "rotation": "buffer copies cycled so a problem's set is >= 3x L2",
@@ -506,7 +506,8 @@ def main(argv=None) -> int:
     p.add_argument("--ops", default=",".join(OPS), help="comma-separated subset of: " + ", ".join(OPS))
     p.add_argument("--impls", default=",".join(IMPLS), help="comma-separated subset of: " + ", ".join(IMPLS))
     p.add_argument("--quick", action="store_true", help="3 shapes, one run each: a smoke run")
-    p.add_argument("--store-repeats", type=int, default=None, help="do_bench runs per store row (default 3; quick 1)")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="do_bench runs per row, the row's time their median (default 3; quick 1)")
     p.add_argument("--warmup", type=float, default=25, help="do_bench warmup, ms")
     p.add_argument("--rep", type=float, default=100, help="do_bench rep, ms")
     p.add_argument("--no-layer", dest="layer", action="store_false",
@@ -519,7 +520,7 @@ def main(argv=None) -> int:
     p.add_argument("--readme-table", action="store_true",
                    help="with --from-json: print only the README's performance table (markdown), write nothing")
     args = p.parse_args(argv)
-    args.commit, args.store_repeats = args.commit or default_commit(), args.store_repeats or (1 if args.quick else 3)
+    args.commit, args.repeats = args.commit or default_commit(), args.repeats or (1 if args.quick else 3)
     args.ops, args.impls = ([x.strip() for x in v.split(",") if x.strip()] for v in (args.ops, args.impls))
     for what, given, allowed in (("--ops", args.ops, OPS), ("--impls", args.impls, IMPLS)):
         for x in set(given) - set(allowed):
