@@ -50,7 +50,7 @@ def _compile(src: str, out: Path, gencode: str) -> None:
                     reason="no cuobjdump (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
 def test_sm80_path_has_no_breakpoint(tmp_path):
     cubin = tmp_path / "store_sm80.cubin"
-    _compile("csrc/instantiations/store_bf16_hdim128_sm80.cu", cubin, "arch=compute_80,code=sm_80")
+    _compile("csrc/instantiations/store_hdim128_sm80.cu", cubin, "arch=compute_80,code=sm_80")
     tool = _cuobjdump()
     env = dict(os.environ, PATH=f"{Path(tool).parent}{os.pathsep}{os.environ.get('PATH', '')}")  # it runs nvdisasm
     sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, check=True, env=env).stdout
@@ -61,5 +61,5 @@ def test_sm80_path_has_no_breakpoint(tmp_path):
 
 @pytest.mark.skipif(_nvcc() is None, reason="no nvcc")
 def test_sm90_kernels_compile_into_an_sm80_binary(tmp_path):
-    _compile("csrc/instantiations/store_zero_bf16_hdim64_sm90.cu", tmp_path / "zero_sm90_for_sm80.cubin",
+    _compile("csrc/instantiations/store_zero_hdim64_sm90.cu", tmp_path / "zero_sm90_for_sm80.cubin",
              "arch=compute_80,code=sm_80")
