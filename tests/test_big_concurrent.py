@@ -14,7 +14,8 @@ Concurrent: two streams each running deterministic gqa_accumulate into their own
 (reading the same partials), interleaved launch by launch, repeatedly: bitwise equal to the
 sequential reference every time; store/store_zero on one stream against gqa_reduce and
 non-deterministic accumulate + postprocess on another; the persistent store beside gqa_reduce or
-another store, 300 rounds; four host threads with a stream each.
+another store, 300 rounds; the persistent drivers on big problems on two streams and in a replayed
+CUDA graph; four host threads with a stream each.
 Fresh threads: every op from host threads that never made a CUDA call (in a child process).
 """
 from __future__ import annotations
@@ -26,7 +27,7 @@ import pytest
 import torch
 
 import flash_epilogue as fe
-from conftest import CANARY_BITS, bits, canary, rand
+from conftest import CANARY_BITS, bits, canary, cuda_graph, rand
 from flash_epilogue.reference import (
     gqa_accumulate_reference,
     gqa_reduce_reference,
@@ -511,6 +512,58 @@ def test_two_streams_mixed_ops():
         summed = gqa_reduce_sequential_fp32(parts[i], h)
         assert torch.equal(bits(outs_post[i][0]), bits(summed.to(torch.bfloat16))), f"postprocess dk round {i}"
         assert torch.equal(bits(outs_post[i][1]), bits((summed * 2.0).to(torch.bfloat16))), f"postprocess dv round {i}"
+
+
+def test_persistent_drivers_on_two_streams_and_in_a_graph():
+    # The persistent sm_90 drivers (store, gqa_reduce, gqa_accumulate) on problems of 15-31 tiles per SM: two
+    # streams at once, launches interleaved; then the three in one CUDA graph, replayed on new inputs. Every
+    # output bitwise against the reference, every time.
+    gen = torch.Generator(device=DEV).manual_seed(3)
+    b, s, h, d = 4, 8192, 8, 128
+    ak, av = rand((b, s, h, d), gen), rand((b, s, h, d), gen)
+    red = rand((b, s // 2, 4 * h, d), gen, dtype=torch.bfloat16)
+    pk, pv = rand((b // 2, s, 4 * h, d), gen), rand((b // 2, s, 4 * h, d), gen)
+    accs = [fe.gqa_accumulator(h, d, batch=b // 2, seqlen=s, device=DEV) for _ in range(2)]
+
+    def step(acc, outs):
+        fe.store(ak, av, outs[0], outs[1])
+        fe.gqa_reduce(red, num_heads_kv=h, out=outs[2])
+        acc.reset()
+        fe.gqa_accumulate(pk, pv, acc)
+        return acc.to_dense()
+
+    def check(outs, dense):
+        assert torch.equal(bits(outs[0]), bits(ak.to(torch.bfloat16)))
+        assert torch.equal(bits(outs[1]), bits(av.to(torch.bfloat16)))
+        want = gqa_reduce_reference(red, h, out_dtype=torch.bfloat16, sequential=True)
+        assert torch.equal(bits(outs[2]), bits(want))
+        for x, p in zip(dense, (pk, pv)):
+            assert torch.equal(bits(x), bits(gqa_reduce_sequential_fp32(p, h)))
+
+    def outputs():
+        return [canary((b, s, h, d)), canary((b, s, h, d)), canary((b, s // 2, h, d))]
+
+    outs = [outputs(), outputs()]
+    streams = torch.cuda.Stream(), torch.cuda.Stream()
+    for st in streams:
+        st.wait_stream(torch.cuda.current_stream())
+    for _ in range(3):
+        dense = [None, None]
+        for i in (0, 1):
+            with torch.cuda.stream(streams[i]):
+                dense[i] = step(accs[i], outs[i])
+        for st in streams:
+            torch.cuda.current_stream().wait_stream(st)
+        for i in (0, 1):
+            check(outs[i], dense[i])
+
+    graph, dense = cuda_graph(lambda: step(accs[0], outs[0]))
+    for _ in range(3):
+        for t in (ak, av, pk, pv):
+            t.copy_(rand(t.shape, gen))
+        red.copy_(rand(red.shape, gen, dtype=torch.bfloat16))
+        graph.replay()
+        check(outs[0], dense)
 
 
 def test_persistent_store_beside_another_kernel():
