@@ -27,6 +27,9 @@ def host_calls(b: int, s: int, h: int, d: int) -> dict:
     dk, dv = (torch.zeros(b, s, h, d, dtype=OUT, device="cuda") for _ in range(2))
     acc = fe.gqa_accumulator(h, d, batch=b, seqlen=s, device="cuda")
     k, v, arch = acc.dk_accum, acc.dv_accum, acc.arch
+    x = torch.randn(b, h, s, d, dtype=OUT, device="cuda", requires_grad=True)  # repeat_kv: (b, h_k, s, d)
+    y, expanded = fe.repeat_kv(x, GROUP), x[:, :, None].expand(b, h, GROUP, s, d).reshape(b, GROUP * h, s, d)
+    g = torch.randn_like(y)
     return {
         "store": {"wrapper": lambda: fe.store(ak, av, dk, dv), "torch.ops": lambda: ops.store(ak, av, dk, dv),
                   "torch .to x2": lambda: (ak.to(OUT), av.to(OUT))},
@@ -37,6 +40,9 @@ def host_calls(b: int, s: int, h: int, d: int) -> dict:
                             "torch.ops": lambda: ops.gqa_postprocess(k, v, dk, dv, scale_dk=0.125, _arch=arch)},
         "gqa_reduce": {"wrapper": lambda: fe.gqa_reduce(pk, pv, num_heads_kv=h, out=(dk, dv)),
                        "torch.ops": lambda: ops.gqa_reduce(pk, pv, dk, dv)},
+        # the backward alone (the graph kept), and transformers' expand + reshape for scale
+        "repeat_kv bwd": {"wrapper": lambda: torch.autograd.grad(y, x, g, retain_graph=True),
+                          "expand+reshape": lambda: torch.autograd.grad(expanded, x, g, retain_graph=True)},
     }
 
 

@@ -122,18 +122,21 @@ pytree.register_pytree_node(GQAAccumulator, _flatten, _unflatten, flatten_with_k
 
 def gqa_accumulator(num_heads_kv: int, head_dim: int, head_dim_v: int | None = None, *,
                     batch: int | None = None, seqlen: int | None = None, cu_seqlens: torch.Tensor | None = None,
-                    total_tokens: int | None = None, deterministic: bool = False,
+                    total_tokens: int | None = None, deterministic: bool | None = None,
                     device: str | int | torch.device | None = None, arch: int = 0) -> GQAAccumulator:
     """A zeroed :class:`GQAAccumulator` for dK (``head_dim``) and dV (``head_dim_v``, default ``head_dim``) of
     ``num_heads_kv`` KV heads. Batched: ``batch`` and ``seqlen``; varlen: ``total_tokens`` (the partials' rows) and
-    ``cu_seqlens`` (only its size is read) or ``batch``. ``deterministic=True`` adds the semaphores. ``device``: default
+    ``cu_seqlens`` (only its size is read) or ``batch``. ``deterministic=True`` adds the semaphores; default:
+    ``torch.are_deterministic_algorithms_enabled()``. ``device``: default
     cu_seqlens', else the current CUDA device. ``arch``: 0 (the device's path) or 80 (the sm_80 layout, for tests)."""
     _C = _extension.require(_OP)
     num_heads_kv = as_count(_OP, "num_heads_kv", num_heads_kv, "a positive int", 1)
     head_dim = as_int(_OP, "head_dim", head_dim)
     head_dim_v = head_dim if head_dim_v is None else as_int(_OP, "head_dim_v", head_dim_v)
+    if deterministic is None:
+        deterministic = torch.are_deterministic_algorithms_enabled()
     if not isinstance(deterministic, bool):
-        fail(_OP, "deterministic", "a bool", type(deterministic).__name__, FlashEpilogueTypeError)
+        fail(_OP, "deterministic", "None or a bool", type(deterministic).__name__, FlashEpilogueTypeError)
     arch = as_int(_OP, "arch", arch)
     varlen = cu_seqlens is not None or total_tokens is not None
     if varlen:

@@ -2,6 +2,7 @@
 the Python scalars, checks what the op does not see (the GQAAccumulator, gqa_reduce's out, store_zero's index lists)
 and raises the op's error as the package's; under torch.compile it calls the op directly (checked when it runs)."""
 import operator
+import warnings
 from typing import Sequence
 
 import torch
@@ -139,22 +140,33 @@ def gqa_accumulate(dk_partial: torch.Tensor, dv_partial: torch.Tensor, acc: GQAA
     """In place: add fp32 per-query-head partials (batch, seqlen, h_q, d) / (..., dv), or varlen with ``cu_seqlens``,
     into ``acc``; query head j goes to KV head j // (h_q / h_k), valid rows only. Callable many times (each call
     carrying whole groups). ``deterministic``: bitwise reproducible, needs ``acc`` allocated with it; default: as
-    ``acc`` was allocated, or ``torch.are_deterministic_algorithms_enabled()``."""
+    ``acc`` was allocated, else ``torch.are_deterministic_algorithms_enabled()``. Under
+    ``torch.use_deterministic_algorithms(True)`` the non-deterministic mode raises torch's RuntimeError; with
+    ``warn_only=True`` it warns (and is the default for an accumulator without semaphores)."""
     op = "gqa_accumulate"
     _check_acc(op, acc, dk_partial, dv_partial, cu_seqlens, "dk_partial", "dv_partial")
     if deterministic is not None and type(deterministic) is not bool:
         fail(op, "deterministic", "a bool", type(deterministic).__name__, FlashEpilogueTypeError)
-    why = "deterministic=True" if deterministic else "torch.are_deterministic_algorithms_enabled() is True"
-    if deterministic is None:  # an accumulator allocated for deterministic mode asks for it; so does torch's switch
-        deterministic = acc.semaphores is not None or torch.are_deterministic_algorithms_enabled()
+    if deterministic is None:  # as the accumulator was allocated; torch's switch asks for it too (with warn_only an
+        # accumulator without semaphores runs the atomic mode, and the op warns)
+        deterministic = acc.semaphores is not None or (torch.are_deterministic_algorithms_enabled() and
+                                                       not torch.is_deterministic_algorithms_warn_only_enabled())
+        why, instead = "torch.are_deterministic_algorithms_enabled() is True", "its default under that switch"
+    else:
+        why, instead = "deterministic=True", "or pass deterministic=False"
     if deterministic and acc.semaphores is None:
         fail(op, "acc.semaphores", f"an int32 workspace because {why}: allocate the accumulator with "
-             "flash_epilogue.gqa_accumulator(..., deterministic=True) (or pass deterministic=False)",
+             f"flash_epilogue.gqa_accumulator(..., deterministic=True) ({instead})",
              "None (allocated with deterministic=False)")
     semaphores = acc.semaphores if deterministic else None
     if torch.compiler.is_compiling():
         return _ops.gqa_accumulate(dk_partial, dv_partial, acc.dk_accum, acc.dv_accum, semaphores,
                                    cu_seqlens=cu_seqlens, seqused=seqused, deterministic=deterministic, _arch=acc.arch)
+    if not deterministic and torch.are_deterministic_algorithms_enabled() and \
+            torch.is_deterministic_algorithms_warn_only_enabled():  # without warn_only the op raises torch's error
+        warnings.warn("flash_epilogue.gqa_accumulate(deterministic=False) does not have a deterministic "
+                      "implementation, but you set 'torch.use_deterministic_algorithms(True, warn_only=True)'",
+                      stacklevel=2)
     if check_inputs or (check_inputs is None and _checks.CHECK_INPUTS):
         _checks.check_contents(op, dk_partial, cu_seqlens, seqused)
     try:
@@ -260,10 +272,24 @@ def gqa_reduce(dk_partial: torch.Tensor, dv_partial: torch.Tensor | None = None,
     return dk if dv_partial is None else (dk, dv)
 
 
-def _no_outputs(*args, **kwargs) -> None:
-    """The fake kernel of the ops that only write their arguments: no output, no checks (the op checks at run time)."""
+def _fake_of(name: str):
+    """The fake kernel of an op that only writes its arguments: no output, and the one check the op cannot make. Meta
+    tensors dispatch here, also one among CUDA or CPU tensors: that call is refused as the op refuses a CPU tensor
+    among CUDA ones, expecting the first CUDA tensor's device, else the first non-meta tensor's. The rest the op checks
+    when it runs."""
+    names = [a.name for a in getattr(_ops, name).default._schema.arguments]
+
+    def fake(*args, **kwargs) -> None:
+        tensors = [(n, t) for n, t in (*zip(names, args), *kwargs.items()) if isinstance(t, torch.Tensor)]
+        ref = next((nt for nt in tensors if nt[1].is_cuda), None) or next((nt for nt in tensors if not nt[1].is_meta),
+                                                                           None)
+        for n, t in tensors if ref is not None else ():
+            if t.device != ref[1].device:
+                fail(name, f"{n}: device", f"{ref[1].device} (the device of {ref[0]})", t.device)
+
+    return fake
 
 
 if _extension._C is not None:
     for _name in ("store", "store_zero", "gqa_accumulate", "gqa_postprocess", "gqa_accum_to_dense", "gqa_reduce"):
-        torch.library.register_fake(f"flash_epilogue::{_name}")(_no_outputs)
+        torch.library.register_fake(f"flash_epilogue::{_name}")(_fake_of(_name))

@@ -1,7 +1,9 @@
 """repeat_kv: the KV-head expand of GQA attention, whose backward is the deterministic group reduce.
 
-Both directions are ops of the C++ extension with their autograd in C++ (double backward included); their fake
-kernels (output metadata only) are here, so that they trace under torch.compile(fullgraph=True) and export.
+Both directions are ops of the C++ extension with their autograd in C++: reverse mode (double backward included) and
+forward mode, torch.func's grad, vjp and jvp among them. Their fake kernels (output metadata only) and vmap rules (the
+vmapped dim folded into the batch dim: one launch) are here, so that they trace under torch.compile(fullgraph=True)
+and export and batch under torch.func.vmap.
 """
 import torch
 
@@ -49,3 +51,18 @@ if _extension._C is not None:
         shape[dim % 4] //= n_rep
         perm = list(layout) + [3]
         return grad.new_empty([shape[i] for i in perm]).permute([perm.index(i) for i in range(4)])
+
+    def _folded(in_dims, x, run):
+        """run(x with its vmapped dim folded into its batch dim), unfolded: a vmap rule of a per-head-group op (torch
+        calls it only when x is batched, its one tensor)."""
+        x = x.movedim(in_dims[0], 0)
+        out = run(x.flatten(0, 1))
+        return out.unflatten(0, (x.shape[0], x.shape[1])), 0
+
+    @torch.library.register_vmap("flash_epilogue::repeat_kv")
+    def _repeat_kv_vmap(info, in_dims, x, n_rep, dim):
+        return _folded(in_dims, x, lambda t: torch.ops.flash_epilogue.repeat_kv(t, n_rep, dim))
+
+    @torch.library.register_vmap("flash_epilogue::repeat_kv_backward")
+    def _repeat_kv_backward_vmap(info, in_dims, grad, n_rep, dim, layout):
+        return _folded(in_dims, grad, lambda t: torch.ops.flash_epilogue.repeat_kv_backward(t, n_rep, dim, layout))

@@ -454,7 +454,7 @@ ROWS = [
     R("gqa_accumulator", r"head_dim: (head dim: )?expected a multiple of 8 in \[8, 256\], got 260", head_dim=260),
     R("gqa_accumulator", r"head_dim_v: (head dim: )?expected a multiple of 8 in \[8, 256\], got 60", head_dim_v=60),
     R("gqa_accumulator", r"arch: expected 0 \(the device's path\), 80 or 90, got 86", arch=86),
-    R("gqa_accumulator", r"deterministic: expected a bool, got int", PY, deterministic=1),
+    R("gqa_accumulator", r"deterministic: expected None or a bool, got int", PY, deterministic=1),
     R("gqa_accumulator", r"seqlen: expected an int >= 0 \(or cu_seqlens and total_tokens for the varlen layout\), "
       r"got None", seqlen=None),
     R("gqa_accumulator", r"batch: expected an int >= 0, got None", batch=None),

@@ -204,9 +204,12 @@ def test_gqa_deterministic_follows_torch_setting(arch):
     torch.use_deterministic_algorithms(True)
     try:
         fe.gqa_accumulate(pk, pv, acc, **seq)  # deterministic by default now (`plain` raises: test_bad_inputs)
-        fe.gqa_accumulate(pk, pv, plain, deterministic=False, **seq)  # an explicit choice wins
+        # the atomic mode asked for explicitly is torch's alert (test_determinism: with warn_only, a warning)
+        with pytest.raises(RuntimeError, match=r"gqa_accumulate\(deterministic=False\) does not have a deterministic"):
+            fe.gqa_accumulate(pk, pv, plain, deterministic=False, **seq)
     finally:
         torch.use_deterministic_algorithms(before)
+    assert not plain.dk_accum.any() and not plain.dv_accum.any()
     ref = [torch.zeros(lead + (2, 128), device=DEV) for _ in range(2)]
     gqa_accumulate_reference(pk, pv, *ref, num_heads_kv=2, **seq)
     for got, want in zip(acc.to_dense(**seq), ref):

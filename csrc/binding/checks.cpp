@@ -350,13 +350,13 @@ struct Checker {
     }
     arch_value(arch);
   }
-  at::Device devices(Names ts) const {  // all CUDA tensors, then all on one device
-    for (auto const& n : ts) {
-      if (n.t && !n->is_cuda()) { fail(n, "device", "a CUDA tensor", "a tensor on " + n->device().str()); }
-    }
+  // One CUDA device for every tensor, the first CUDA tensor's: a tensor elsewhere (CPU, another GPU) names both devices.
+  // (Meta tensors among CUDA ones reach the fake kernels, which refuse them the same way.)
+  at::Device devices(Names ts) const {
     Named const* ref = nullptr;
+    for (auto const& n : ts) { ref = ref || !n.t || !n->is_cuda() ? ref : &n; }
     for (auto const& n : ts) {
-      ref = ref || !n.t ? ref : &n;
+      if (n.t && ref == nullptr) { fail(n, "device", "a CUDA tensor", "a tensor on " + n->device().str()); }
       if (n.t && n->device() != (*ref)->device()) {
         fail(n, "device", (*ref)->device().str() + " (the device of " + ref->name + ")", n->device().str());
       }

@@ -3,6 +3,7 @@
 
 #include "binding.h"
 
+#include <ATen/Context.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -119,6 +120,12 @@ void gqa_accumulate(TensorArg dk_partial, TensorArg dv_partial, TensorArg dk_acc
                     OptArg semaphores, OptArg cu_seqlens, OptArg seqused, bool deterministic, int64_t arch) {
   Problem const p = check_gqa_accumulate(dk_partial, dv_partial, dk_accum, dv_accum, semaphores, cu_seqlens, seqused,
                                          deterministic, arch);
+  // the atomic adds' order varies from run to run: under torch.use_deterministic_algorithms(True), torch's error
+  // (with warn_only=True the Python wrapper warns: a C++ warning of a torch.ops call would only reach stderr)
+  at::Context& ctx = at::globalContext();
+  if (!deterministic && ctx.deterministicAlgorithms() && !ctx.deterministicAlgorithmsWarnOnly()) {
+    ctx.alertNotDeterministic("flash_epilogue.gqa_accumulate(deterministic=False)");
+  }
   if (dk_partial.numel() == 0 || dk_accum.numel() == 0) { return; }
   auto args = args_for<GqaAccumulateLaunchArgs>(p, cu_seqlens, seqused);
   args.dk_accum = accum_desc(dk_accum, p.accum);

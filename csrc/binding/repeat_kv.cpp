@@ -8,12 +8,16 @@
 #include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/strides.h>
-#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/edge.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <memory>
+#include <string>
 #include <vector>
 
 #include "binding.h"
@@ -68,37 +72,46 @@ at::Tensor call_repeat_kv_backward(TensorArg grad, int64_t n_rep, int64_t dim, c
   return op.call(grad, n_rep, dim, layout);
 }
 
-using torch::autograd::AutogradContext;
+// The autograd of both ops as torch's generated kernels have it: a graph node of our own (torch.func's grad and vjp
+// take those, where they refuse a C++ torch::autograd::Function) and the forward-mode tangent set on the output
+// (torch.autograd.forward_ad, torch.func.jvp). Each op is linear and the other's adjoint, so each derivative is a call
+// of the other op (or of the op itself, for the tangent), through the dispatcher: differentiable again.
+using torch::autograd::Node;
 using torch::autograd::variable_list;
 
-struct RepeatKvFunction : torch::autograd::Function<RepeatKvFunction> {  // backward: repeat_kv_backward, x's layout
-  static at::Tensor forward(AutogradContext* ctx, TensorArg x, int64_t n_rep, int64_t dim) {
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    at::Tensor out = call_repeat_kv(x, n_rep, dim);  // checks x's rank before layout_of reads three strides
-    std::array<int64_t, 3> const layout = layout_of(x);
-    ctx->saved_data["args"] = std::vector<int64_t>{n_rep, dim, layout[0], layout[1], layout[2]};
-    return out;
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    std::vector<int64_t> const a = ctx->saved_data["args"].toIntVector();  // n_rep, dim, layout
-    return {call_repeat_kv_backward(grads[0], a[0], a[1], c10::IntArrayRef(a).slice(2)), at::Tensor(), at::Tensor()};
+// A new node in torch's node handle: std::shared_ptr<Node> with its iterative deleter in older torch, intrusive_ptr in
+// newer. deleteNode is found by argument-dependent lookup, in the overload only the former instantiates.
+template <class T>
+std::shared_ptr<T> new_node(std::shared_ptr<Node>*) {
+  return std::shared_ptr<T>(new T(), [](T* n) { deleteNode(n); });
+}
+template <class T>
+c10::intrusive_ptr<T> new_node(c10::intrusive_ptr<Node>*) {
+  return c10::make_intrusive<T>();
+}
+template <class T>
+auto new_node() {
+  return new_node<T>(static_cast<decltype(torch::autograd::Edge::function)*>(nullptr));
+}
+
+struct RepeatKvBackward : Node {  // of repeat_kv(x): x's gradient in x's layout
+  int64_t n_rep = 0, dim = 0;
+  std::array<int64_t, 3> layout{};
+  std::string name() const override { return "RepeatKvBackward"; }
+  variable_list apply(variable_list&& grads) override {
+    if (!grads[0].defined() || !should_compute_output(0)) { return {at::Tensor()}; }
+    return {call_repeat_kv_backward(grads[0], n_rep, dim, layout)};
   }
 };
 
-struct RepeatKvBackwardFunction : torch::autograd::Function<RepeatKvBackwardFunction> {  // linear: adjoint repeat_kv
-  static at::Tensor forward(AutogradContext* ctx, TensorArg grad, int64_t n_rep, int64_t dim, c10::IntArrayRef layout) {
-    ctx->saved_data["args"] = std::vector<int64_t>{n_rep, dim};
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    return call_repeat_kv_backward(grad, n_rep, dim, layout);
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    std::vector<int64_t> const a = ctx->saved_data["args"].toIntVector();  // n_rep, dim
-    return {call_repeat_kv(grads[0], a[0], a[1]), at::Tensor(), at::Tensor(), at::Tensor()};
+struct RepeatKvBackwardBackward : Node {  // of repeat_kv_backward(grad): its adjoint, repeat_kv
+  int64_t n_rep = 0, dim = 0;
+  std::string name() const override { return "RepeatKvBackwardBackward"; }
+  variable_list apply(variable_list&& grads) override {
+    if (!grads[0].defined() || !should_compute_output(0)) { return {at::Tensor()}; }
+    return {call_repeat_kv(grads[0], n_rep, dim)};
   }
 };
-
-// Without a gradient to record (grad mode off, as in a first-order backward) no autograd node, as generated kernels.
-bool records_grad(TensorArg t) { return at::GradMode::is_enabled() && t.requires_grad(); }
 
 // x repeated n_rep times along dim, a new contiguous tensor (one copy, as an expand + reshape makes).
 at::Tensor repeat_kv(TensorArg x, int64_t n_rep, int64_t dim) {
@@ -133,16 +146,46 @@ at::Tensor repeat_kv_backward(TensorArg grad, int64_t n_rep, int64_t dim, c10::I
   return out;
 }
 
+// The Autograd kernels: the op below autograd, then the output's grad_fn where the input's gradient is recorded
+// (grad mode on and it requires grad), then its tangent where the input has one (whatever the grad mode).
 at::Tensor repeat_kv_autograd(TensorArg x, int64_t n_rep, int64_t dim) {
-  if (records_grad(x)) { return RepeatKvFunction::apply(x, n_rep, dim); }
-  at::AutoDispatchBelowADInplaceOrView below_autograd;
-  return call_repeat_kv(x, n_rep, dim);
+  at::Tensor out;
+  {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    out = call_repeat_kv(x, n_rep, dim);  // checks x's rank before layout_of reads three strides
+  }
+  if (torch::autograd::compute_requires_grad(x)) {
+    auto node = new_node<RepeatKvBackward>();
+    node->n_rep = n_rep;
+    node->dim = dim;
+    node->layout = layout_of(x);
+    node->set_next_edges(torch::autograd::collect_next_edges(x));
+    torch::autograd::set_history(out, node);
+  }
+  if (torch::autograd::isFwGradDefined(x)) {
+    out._set_fw_grad(call_repeat_kv(x._fw_grad(/*level=*/0), n_rep, dim), /*level=*/0, /*is_inplace_op=*/false);
+  }
+  return out;
 }
 
 at::Tensor repeat_kv_backward_autograd(TensorArg grad, int64_t n_rep, int64_t dim, c10::IntArrayRef layout) {
-  if (records_grad(grad)) { return RepeatKvBackwardFunction::apply(grad, n_rep, dim, layout); }
-  at::AutoDispatchBelowADInplaceOrView below_autograd;
-  return call_repeat_kv_backward(grad, n_rep, dim, layout);
+  at::Tensor out;
+  {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    out = call_repeat_kv_backward(grad, n_rep, dim, layout);
+  }
+  if (torch::autograd::compute_requires_grad(grad)) {
+    auto node = new_node<RepeatKvBackwardBackward>();
+    node->n_rep = n_rep;
+    node->dim = dim;
+    node->set_next_edges(torch::autograd::collect_next_edges(grad));
+    torch::autograd::set_history(out, node);
+  }
+  if (torch::autograd::isFwGradDefined(grad)) {
+    out._set_fw_grad(call_repeat_kv_backward(grad._fw_grad(/*level=*/0), n_rep, dim, layout), /*level=*/0,
+                     /*is_inplace_op=*/false);
+  }
+  return out;
 }
 
 // One kernel for every backend (the Python fake kernels serve Meta and FakeTensor), autograd in C++.

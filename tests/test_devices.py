@@ -1,0 +1,106 @@
+"""Devices: every op refuses a tensor argument on another device than the others' (a meta tensor among CUDA or CPU
+tensors, a CPU tensor among CUDA ones), whichever argument it is, naming the argument and both devices, and writes
+nothing. The expected device is the first CUDA tensor's (in the schema's order), else the first tensor's. A call whose
+tensors are all meta runs the fake kernel: no error, nothing computed (torch's convention). Another GPU's tensor:
+test_bad_inputs (two GPUs).
+
+On the CPU (CI) the problem's tensors are CPU ones and the odd one out is meta; on the GPU, meta and CPU.
+"""
+import pytest
+import torch
+
+import flash_epilogue as fe
+from conftest import same
+from test_ecosystem import make_problem
+
+pytestmark = pytest.mark.skipif(not fe.kernels_available(), reason=f"no extension: {fe.UNAVAILABLE_REASON}")
+OPS = torch.ops.flash_epilogue
+
+
+def calls(t, acc, sizes):
+    """(op, args, kwargs) of every op through torch.ops.flash_epilogue on test_ecosystem's problem: each tensor
+    argument of each schema given at least once."""
+    return [
+        ("store", (t["ak"], t["av"], t["dk"], t["dv"]), {"seqused": t["used"]}),
+        ("store", (t["vak"], t["vav"], t["vdk"], t["vdv"]), {"cu_seqlens": t["cu"], "seqused": t["vused"]}),
+        ("store_zero", (t["vdk"], t["vdv"]), {"cu_seqlens": t["cu"], "seqused": t["vused"], "batch_idx": t["bidx"],
+                                              "head_idx": t["hidx"]}),
+        ("gqa_accumulate", (t["pk"], t["pv"], acc.dk_accum, acc.dv_accum, acc.semaphores),
+         {"seqused": t["used"], "deterministic": True}),
+        ("gqa_postprocess", (acc.dk_accum, acc.dv_accum, t["ok"], t["ov"]), {"seqused": t["used"]}),
+        ("gqa_accum_to_dense", (acc.dk_accum, t["dense"]), {"head_dim": max(sizes["d"], sizes["dv"])}),
+        ("gqa_reduce", (t["rpk"], t["rpv"], t["rk"], t["rv"]), {"cu_seqlens": t["cu"], "seqused": t["vused"]}),
+    ]
+
+
+def tensor_args(op, args, kwargs):
+    """[(schema name, position or kwarg name)] of the tensor arguments of a call."""
+    names = [a.name for a in getattr(OPS, op).default._schema.arguments]
+    found = [(names[i], i) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+    return found + [(k, k) for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
+
+
+def on(device, t):
+    """t's metadata (meta) or contents (cpu) on `device`."""
+    if device == "meta":
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+    return t.to(device)
+
+
+def swapped(args, kwargs, where, value):
+    args, kwargs = list(args), dict(kwargs)
+    if isinstance(where, int):
+        args[where] = value
+    else:
+        kwargs[where] = value
+    return args, kwargs
+
+
+def problem_device():
+    return "cuda" if fe.kernels_available() and torch.cuda.is_available() and \
+        torch.cuda.get_device_capability() == (9, 0) else "cpu"
+
+
+@pytest.mark.parametrize("other", ["meta", "cpu"])
+def test_a_tensor_on_another_device_is_refused_naming_both(other):
+    device = problem_device()
+    if device == other:
+        pytest.skip("needs an sm_90 GPU: the problem is on the CPU here")
+    t, acc, sizes = make_problem(device)
+    everything = [*t.values(), acc.dk_accum, acc.dv_accum, acc.semaphores]
+    before = [x.clone() for x in everything]
+    for op, args, kwargs in calls(t, acc, sizes):
+        tensors = tensor_args(op, args, kwargs)
+        for name, where in tensors:
+            ref = next(n for n, _ in tensors if n != name)  # the expected device: the first other tensor's
+            a, kw = swapped(args, kwargs, where, on(other, args[where] if isinstance(where, int) else kwargs[where]))
+            want = rf"flash_epilogue\.{op}: {name}: device: expected {device}(:0)? \(the device of {ref}\), got {other}"
+            with pytest.raises(ValueError, match=want):
+                getattr(OPS, op)(*a, **kw)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    for x, y in zip(everything, before):
+        assert same(x, y)  # nothing written
+
+
+def test_the_wrappers_raise_the_package_error():
+    device = problem_device()
+    t, acc, _ = make_problem(device)
+    dv = on("meta", t["dv"])
+    with pytest.raises(fe.FlashEpilogueInputError, match=rf"flash_epilogue\.store: dv: device: expected {device}"
+                       rf"(:0)? \(the device of dk_accum\), got meta"):
+        fe.store(t["ak"], t["av"], t["dk"], dv)
+    with pytest.raises(fe.FlashEpilogueInputError, match=r"flash_epilogue\.gqa_reduce: dk_partial: device: expected "
+                       rf"{device}(:0)? \(the device of dv_partial\), got meta"):
+        fe.gqa_reduce(on("meta", t["rpk"]), t["rpv"], num_heads_kv=2)
+
+
+def test_all_meta_calls_run_the_fake_kernels():
+    t, acc, sizes = make_problem("cpu")
+    for op, args, kwargs in calls(t, acc, sizes):
+        args = [on("meta", a) if isinstance(a, torch.Tensor) else a for a in args]
+        kwargs = {k: on("meta", v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+        assert getattr(OPS, op)(*args, **kwargs) is None
+    x = torch.empty(2, 2, 8, 64, device="meta")
+    assert fe.repeat_kv(x, 3).shape == (2, 6, 8, 64) and fe.repeat_kv(x, 3).device.type == "meta"
+    assert fe.gqa_reduce(on("meta", t["rpk"]), num_heads_kv=2).device.type == "meta"
