@@ -350,7 +350,7 @@ struct Checker {
     }
     arch_value(arch);
   }
-  // One CUDA device for every tensor, the first CUDA tensor's: a tensor elsewhere (CPU, another GPU) names both devices.
+  // One CUDA device for every tensor, the first CUDA tensor's: one elsewhere (CPU, another GPU) names both devices.
   // (Meta tensors among CUDA ones reach the fake kernels, which refuse them the same way.)
   at::Device devices(Names ts) const {
     Named const* ref = nullptr;
