@@ -32,7 +32,7 @@ def eager_zero(dk, dv, seqused):
 def eager_zero_varlen(dk, dv, cu_seqlens, seqused):
     pos = torch.arange(dk.shape[0], device=dk.device, dtype=torch.int32)
     # the last sequence starting at or before pos, searched in the whole cu_seqlens: torch.compile
-    # (2.11) searches a cu_seqlens[1:] view as if it started at cu_seqlens[0] (NOTES.md, "Method")
+    # (2.11) searches a cu_seqlens[1:] view as if it started at cu_seqlens[0] (docs/performance.md, method)
     seq = (torch.searchsorted(cu_seqlens, pos, right=True) - 1).clamp_(min=0, max=seqused.shape[0] - 1)
     mask = (((pos - cu_seqlens[seq]) < seqused[seq]) & (pos < cu_seqlens[1:][seq]))[:, None, None]
     dk.masked_fill_(mask, 0)

@@ -41,7 +41,7 @@ SCALE_DK, SCALE_DV = 0.125, 1.0  # gqa_postprocess
 HOST_FE, HOST_TO = "flash_epilogue.store (wrapper, check_inputs=False)", "torch .to x2 (dK, dV)"
 
 
-LAYER = dict(b=4, hq=32, hk=8, s=4096, d=128)  # the attention layer where users meet repeat_kv (issue 21)
+LAYER = dict(b=4, hq=32, hk=8, s=4096, d=128)  # the attention layer where users meet repeat_kv
 
 
 def attention_layer_ms(warmup: int, rep: int) -> dict:
@@ -401,7 +401,7 @@ def _index(rows):
 
 
 def targets(result: dict) -> list[dict]:
-    """The performance issue's targets (issue 21), each a ratio measured in this run against the peers
+    """The performance targets, each a ratio measured in this run against the peers
     of its row: torch eager, torch.compile static and dynamic, plain Triton."""
     idx, out = _index(result["rows"]), []
     peers = ("torch_eager", "torch_compile", "torch_compile_dynamic", "triton")

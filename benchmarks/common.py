@@ -1,6 +1,6 @@
 """What every benchmark here shares: the shapes, the timers, the traffic rules and the writers.
 
-Rules (benchmarks/NOTES.md, "Method"): GPU time is the median of triton.testing.do_bench (it clears
+Rules (docs/performance.md, method): GPU time is the median of triton.testing.do_bench (it clears
 L2 before each call); a problem whose buffers are smaller than 3x L2 cycles through copies of them;
 bytes are the minimum traffic (every input read once, every output written once); the ceiling is a
 1 GiB device-to-device copy; host time is microseconds per call in a plain Python loop.
@@ -81,7 +81,7 @@ def batched(b, s, hk, g, d, dv=None, prefix="") -> Shape:
 
 
 def all_shapes(quick: bool = False) -> list[Shape]:
-    """The issue's shapes, a 32k-token varlen batch (random lengths up to 4096, fixed seed) and a tiny one."""
+    """The benchmark shapes, a 32k-token varlen batch (random lengths up to 4096, fixed seed) and a tiny one."""
     rng, lengths = random.Random(0), []
     while sum(lengths) < 32768:
         lengths.append(min(rng.randint(1, 4096), 32768 - sum(lengths)))

@@ -9,7 +9,7 @@
     dk_bf16 = fe.gqa_reduce(dk_partial, num_heads_kv=h_k)          # or all at once
     k = fe.repeat_kv(k, n_rep)   # autograd: (b, h_k, s, d) -> (b, h_k * n_rep, s, d), the group reduce as backward
 
-The C++ collectives are a header library: see `get_include()`. The README documents the semantics.
+The C++ collectives are a header library: see `get_include()`. docs/semantics.md documents the semantics.
 """
 __version__ = "0.1.0"
 

@@ -3,6 +3,7 @@ head dim, as FA3 picks it (it fixes the GQA accumulator's order); other head dim
 from dataclasses import dataclass, fields
 
 from . import _extension
+from .errors import fail
 
 
 @dataclass(frozen=True)
@@ -23,15 +24,22 @@ _TABLE = {(c["arch"], c["head_dim"]): TileConfig(**{f.name: c[f.name] for f in f
           for c in getattr(_extension._C, "tile_configs", tuple)()}
 
 COMPILED_HEAD_DIMS: tuple[int, ...] = tuple(sorted({hd for _, hd in _TABLE}))
+# every tile head dim of a full build (a build may leave some out: FLASH_EPILOGUE_HEAD_DIMS)
+_TILE_HEAD_DIMS: tuple[int, ...] = tuple(_extension._C.build_info().get("tile_head_dims", COMPILED_HEAD_DIMS)) \
+    if _TABLE else ()
 
 
 def tile_config(d: int, dv: int | None = None, arch: int = 90) -> TileConfig:
-    """The config that serves head dims (d, dv) on `arch` (90, or 80 for the sm_80 path): the smallest compiled head
-    dim >= max(d, dv)."""
+    """The config that serves head dims (d, dv) on `arch` (90, or 80 for the sm_80 path): the smallest tile head dim
+    >= max(d, dv), as FA3 picks it; an error naming FLASH_EPILOGUE_HEAD_DIMS where this build left it out."""
     if not _TABLE:
         raise _extension.unavailable("tile_config")
     width = max(d, d if dv is None else dv)
-    for hd in COMPILED_HEAD_DIMS:
+    for hd in _TILE_HEAD_DIMS:
         if width <= hd:
+            if (80 if arch == 80 else 90, hd) not in _TABLE:
+                fail("tile_config", "head dim", f"a head dim this build has kernels for: {width} runs on the tile "
+                     f"of head dim {hd}, which this build leaves out (FLASH_EPILOGUE_HEAD_DIMS="
+                     f"{';'.join(map(str, COMPILED_HEAD_DIMS))}); rebuild with it in FLASH_EPILOGUE_HEAD_DIMS", width)
             return _TABLE[(80 if arch == 80 else 90, hd)]
-    raise ValueError(f"head dim {width} exceeds the largest compiled head dim {COMPILED_HEAD_DIMS[-1]}")
+    raise ValueError(f"head dim {width} exceeds the largest compiled head dim {_TILE_HEAD_DIMS[-1]}")

@@ -19,11 +19,9 @@ def _load():
     if os.environ.get("FLASH_EPILOGUE_DISABLE_KERNELS", "0") not in ("", "0"):
         return None, "disabled by FLASH_EPILOGUE_DISABLE_KERNELS"
     if _build_info is None:
-        return None, ("flash_epilogue was not built: run `pip install --no-build-isolation .` (or `-e .`) "
-                      "in the repository")
-    if not _build_info.CUDA_KERNELS:
-        return None, ("this install was built with FLASH_EPILOGUE_SKIP_CUDA_BUILD=1 (reference only); "
-                      "reinstall without it: `pip install --no-build-isolation .`")
+        return None, ("flash_epilogue has no built extension (a pure-Python install, FLASH_EPILOGUE_SKIP_CUDA_BUILD=1, "
+                      "or a source checkout never built): build it with `pip install --no-build-isolation .` "
+                      "(or `-e .`) in the repository")
     built, running = _build_info.TORCH_VERSION, torch.__version__
     if built != running:
         return None, (f"flash_epilogue was built against torch {built} but torch {running} is running; "

@@ -4,6 +4,10 @@ Both directions are ops of the C++ extension with their autograd in C++: reverse
 forward mode, torch.func's grad, vjp and jvp among them. Their fake kernels (output metadata only) and vmap rules (the
 vmapped dim folded into the batch dim: one launch) are here, so that they trace under torch.compile(fullgraph=True)
 and export and batch under torch.func.vmap.
+
+Without the extension (a pure-Python install) the same arithmetic runs in plain torch, as an autograd.Function with
+the same modes: the forward an expand + copy, the backward the head-order fp32 sum (the kernels' bits) in x's
+layout.
 """
 import torch
 
@@ -21,7 +25,6 @@ def repeat_kv(x: torch.Tensor, n_rep: int, dim: int = 1) -> torch.Tensor:
     transformers' Llama ``repeat_kv``), or (batch, seqlen, kv_heads, head_dim) with ``dim=2``. Backward: each group
     of n_rep heads of the gradient summed in fp32 (fp64 for fp64) in head order, rounded once to x's dtype (bitwise
     reproducible); one :func:`flash_epilogue.gqa_reduce` launch where the kernels support it."""
-    _extension.require(_OP)
     if not isinstance(x, torch.Tensor):
         fail(_OP, "x", "a torch.Tensor", type(x).__name__, FlashEpilogueTypeError)
     if x.dim() != 4:
@@ -34,7 +37,98 @@ def repeat_kv(x: torch.Tensor, n_rep: int, dim: int = 1) -> torch.Tensor:
     dim = as_int(_OP, "dim", dim, dim_expected)
     if dim not in (1, 2, -3, -2):
         fail(_OP, "dim", dim_expected, dim)
-    return x if n == 1 else torch.ops.flash_epilogue.repeat_kv(x, n, dim % 4)
+    if n == 1:
+        return x
+    if _extension._C is None:
+        return (_RepeatKvCompiled if torch.compiler.is_compiling() else _RepeatKv).apply(x, n, dim % 4)
+    return torch.ops.flash_epilogue.repeat_kv(x, n, dim % 4)
+
+
+def _expanded(x, n_rep: int, dim: int) -> torch.Tensor:
+    shape = list(x.shape)
+    shape.insert(dim + 1, n_rep)
+    out = x.unsqueeze(dim + 1).expand(shape)
+    return out.reshape(shape[: dim] + [shape[dim] * n_rep] + shape[dim + 2:]).contiguous()
+
+
+def _layout_of(x) -> list[int]:
+    """The order of x's first three dims in memory, outermost first (ties keep the logical order); an insertion sort
+    by comparisons, which torch.compile traces on symbolic strides too."""
+    order = [0]
+    for i in (1, 2):
+        j = len(order)
+        while j > 0 and x.stride(order[j - 1]) < x.stride(i):
+            j -= 1
+        order.insert(j, i)
+    return order
+
+
+def _group_sum(grad, n_rep: int, dim: int, layout) -> torch.Tensor:
+    """x's gradient: per KV head 0 + g_0 + ... + g_{n-1} in fp32 (or grad's wider dtype), rounded once into a tensor
+    of x's layout; reference.group_sum_reference's arithmetic in the ATen calls the op's CPU path makes (and that
+    torch.compile traces)."""
+    out = _gradient_like(grad, n_rep, dim, layout)
+    grouped = grad.unflatten(dim, (-1, n_rep))
+    acc = torch.zeros(out.shape, dtype=torch.promote_types(grad.dtype, torch.float32), device=grad.device)
+    for j in range(n_rep):
+        acc = acc + grouped.select(dim + 1, j)
+    return out.copy_(acc)
+
+
+def _gradient_like(grad, n_rep: int, dim: int, layout) -> torch.Tensor:
+    """An empty gradient of x: grad's shape with the heads in dim divided by n_rep, its dims dense in the order
+    layout + [3] (what the op allocates)."""
+    shape = list(grad.shape)
+    shape[dim % 4] //= n_rep
+    perm = [int(i) for i in layout] + [3]
+    return grad.new_empty([shape[i] for i in perm]).permute([perm.index(i) for i in range(4)])
+
+
+def _functions(with_jvp: bool):
+    """The plain-torch pair (repeat, group sum), each the other's adjoint, for eager calls; under torch.compile
+    (with_jvp False: dynamo traces neither a Function's jvp nor a Function applied in a backward) the repeat alone,
+    its backward the group sum itself."""
+
+    class RepeatKv(torch.autograd.Function):
+        generate_vmap_rule = True
+
+        @staticmethod
+        def forward(x, n_rep, dim):
+            return _expanded(x, n_rep, dim)
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            # the layout as a string: one pytree leaf for torch.func's generated vmap rule (a list would be three)
+            ctx.n_rep, ctx.dim, ctx.layout = inputs[1], inputs[2], "".join(map(str, _layout_of(inputs[0])))
+
+        @staticmethod
+        def backward(ctx, grad):
+            if not with_jvp:
+                return GroupSum.forward(grad, ctx.n_rep, ctx.dim, ctx.layout), None, None
+            return GroupSum.apply(grad, ctx.n_rep, ctx.dim, ctx.layout), None, None
+
+    class GroupSum(torch.autograd.Function):
+        generate_vmap_rule = True
+
+        @staticmethod
+        def forward(grad, n_rep, dim, layout):
+            return _group_sum(grad, n_rep, dim, layout)
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            ctx.n_rep, ctx.dim, ctx.layout = inputs[1], inputs[2], inputs[3]
+
+        @staticmethod
+        def backward(ctx, grad):
+            return RepeatKv.apply(grad, ctx.n_rep, ctx.dim), None, None, None
+
+    if with_jvp:
+        RepeatKv.jvp = staticmethod(lambda ctx, x_t, *_: _expanded(x_t, ctx.n_rep, ctx.dim))
+        GroupSum.jvp = staticmethod(lambda ctx, g_t, *_: GroupSum.forward(g_t, ctx.n_rep, ctx.dim, ctx.layout))
+    return RepeatKv
+
+
+_RepeatKv, _RepeatKvCompiled = _functions(with_jvp=True), _functions(with_jvp=False)
 
 
 if _extension._C is not None:
@@ -46,11 +140,7 @@ if _extension._C is not None:
 
     @torch.library.register_fake("flash_epilogue::repeat_kv_backward")
     def _repeat_kv_backward_fake(grad, n_rep, dim, layout):
-        """x's gradient as the op allocates it: the reduced shape, its dims in memory in the order layout + [3]."""
-        shape = list(grad.shape)
-        shape[dim % 4] //= n_rep
-        perm = list(layout) + [3]
-        return grad.new_empty([shape[i] for i in perm]).permute([perm.index(i) for i in range(4)])
+        return _gradient_like(grad, n_rep, dim, layout)
 
     def _folded(in_dims, x, run):
         """run(x with its vmapped dim folded into its batch dim), unfolded: a vmap rule of a per-head-group op (torch

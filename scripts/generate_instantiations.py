@@ -6,7 +6,7 @@ that header launches, so ninja builds them in parallel.
     python scripts/generate_instantiations.py --check    # exit 1 if they are stale (CI)
 
 Why so few files: most of a file's compile time is its parse and instantiation of the CuTe headers, which
-the functions in it share (measured: benchmarks/NOTES.md, "Build").
+the functions in it share (measured: docs/design.md, "Build").
 """
 from __future__ import annotations
 

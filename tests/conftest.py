@@ -43,6 +43,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not HAVE_SM90:
             item.add_marker(pytest.mark.skip(reason=WHY_NOT))
+        elif "ops" in item.keywords and not fe.kernels_available():
+            item.add_marker(pytest.mark.skip(reason=f"needs the ops of flash_epilogue._C: {fe.UNAVAILABLE_REASON}"))
 
 
 @pytest.fixture(autouse=True)

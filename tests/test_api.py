@@ -58,12 +58,12 @@ def test_instantiation_generator_has_the_extension_s_head_dims():
     assert tuple(_generator().HEAD_DIMS) == tuple(sorted({r["head_dim"] for r in C.tile_configs()}))
 
 
-def test_readme_performance_table_is_the_committed_run():
-    # the README's table is `bench_ops.py --from-json benchmarks/results/h200.json --readme-table`, so the
-    # figures and the results file the README cites cannot drift apart
+def test_performance_table_is_the_committed_run():
+    # docs/performance.md's table is `bench_ops.py --from-json benchmarks/results/h200.json --readme-table`, so the
+    # figures and the results file the docs cite cannot drift apart
     common = _load("bench_common", "benchmarks/common.py")
     table = common.readme_table(json.loads((ROOT / "benchmarks/results/h200.json").read_text()))
-    assert table in (ROOT / "README.md").read_text(), "regenerate the README's performance table:\n" + table
+    assert table in (ROOT / "docs/performance.md").read_text(), "regenerate the docs' performance table:\n" + table
 
 
 def test_instantiations_are_up_to_date():
@@ -96,6 +96,7 @@ def test_info_and_main_run():
     (192, 90, 96, 18432), (256, 90, 80, 20480),
     (64, 80, 128, 8192), (128, 80, 128, 16384), (192, 80, 80, 96 * 192), (256, 80, 64, 16384),
 ])
+@pytest.mark.ops
 def test_accumulator_shape_batched(d, arch, block, elems):
     for seqlen in (0, 1, block - 1, block, block + 1, 1000):
         acc = fe.gqa_accumulator(2, d, batch=3, seqlen=seqlen, deterministic=True, device="meta", arch=arch)
@@ -105,6 +106,7 @@ def test_accumulator_shape_batched(d, arch, block, elems):
     assert fe.gqa_accumulator(2, d, batch=0, seqlen=50, device="meta", arch=arch).dk_accum.shape[0] == 0
 
 
+@pytest.mark.ops
 @pytest.mark.parametrize("arch", (90, 80))
 @pytest.mark.parametrize("d", (64, 192, 256))
 def test_accumulator_varlen_holds_every_padded_sequence(d, arch):
@@ -129,6 +131,7 @@ def test_accumulator_varlen_holds_every_padded_sequence(d, arch):
         assert end <= shape[2] * n
 
 
+@pytest.mark.ops
 def test_accumulator_allocation():
     acc = fe.gqa_accumulator(2, 128, batch=3, seqlen=300, device="meta")
     assert isinstance(acc, fe.GQAAccumulator) and acc.dk_accum.shape == acc.dv_accum.shape == (3, 2, 3, 16384)
@@ -172,6 +175,7 @@ def test_accumulator_allocation():
     (136, 72, 90, (18432, 12288)), (256, 128, 90, (20480, 20480)), (128, 64, 90, (16384, 16384)),
     (192, 128, 80, (96 * 192, 96 * 192)),
 ])
+@pytest.mark.ops
 def test_accumulator_tiles_hold_the_slabs_of_their_head_dim(d, dv, arch, elems):
     # hdim 192's sm_90 tile is three warpgroup slabs of 64 columns (6144 floats each): a narrower accumulator keeps
     # the slabs covering its head dim; hdim 256's slabs and the others' span every column, as sm_80's one slab does
@@ -194,6 +198,7 @@ def test_accumulator_layout_is_the_extension_s():
         assert (layout["arch"], layout["block_n"]) == (acc.arch, acc.block_n)
 
 
+@pytest.mark.ops
 def test_accumulator_reset_and_pytree():
     acc = fe.gqa_accumulator(1, 64, batch=1, seqlen=10, deterministic=True, device="cpu")
     acc.dk_accum.fill_(3.0)

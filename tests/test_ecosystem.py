@@ -257,6 +257,7 @@ def test_compile_fullgraph_every_wrapper(request, device):
         assert_same_problem(t, acc, t2, acc2)
 
 
+@pytest.mark.ops
 def test_compile_fullgraph_store_zero_index_lists_on_meta():
     # ints and lists of ints become int32 tensors inside the compiled graph, on the meta device too
     dk = torch.empty(2, 64, 4, 128, dtype=BF16, device="meta")
@@ -554,6 +555,7 @@ def test_overwritten_saved_tensor_raises_in_backward(request, device, how):
             out.backward()
 
 
+@pytest.mark.ops
 @pytest.mark.parametrize("case", CASES)
 def test_inplace_into_a_leaf_requiring_grad_raises(case):
     # torch's messages (its check_inplace), before the argument checks; with grad mode off the call goes on to the
@@ -573,6 +575,7 @@ def test_inplace_into_a_leaf_requiring_grad_raises(case):
                 call(u)
 
 
+@pytest.mark.ops
 @pytest.mark.parametrize("device", DEVICES)
 def test_inplace_into_an_inference_tensor(request, device):
     # outside InferenceMode: torch's own error, before the kernel writes (CPU tensors reach it, no stand-ins
@@ -596,6 +599,7 @@ def test_inplace_into_an_inference_tensor(request, device):
         assert dk.is_inference() and same(dk, t["dk"])
 
 
+@pytest.mark.ops
 @pytest.mark.parametrize("case", CASES)
 def test_arguments_requiring_grad_raise(case):
     # no derivative: a tensor argument requiring grad (grad mode on) or carrying a forward-mode tangent raises,

@@ -489,6 +489,7 @@ def test_fuzz_unchecked_metadata(p):
                                          (check_accumulate, accumulate_cases), (check_reduce, reduce_cases),
                                          (check_unchecked_metadata, unchecked_metadata_cases)],
                          ids=("store", "store_zero", "gqa_accumulate", "gqa_reduce", "unchecked_metadata"))
+@pytest.mark.ops
 def test_fuzz_cases_validate_on_cpu(check, cases):
     # no GPU: the drawn arguments are valid inputs (they get through every check but the device
     # one) and the references accept them; a few cases each, for CI

@@ -177,6 +177,7 @@ def test_backward_sign_of_zero_and_specials():
     assert out[0, 1, 0, 0].item() == float("inf") and out[0, 2, 0, 0].isnan()
 
 
+@pytest.mark.ops
 def test_backward_of_empty_heads_with_a_huge_n_rep():
     # 0 KV heads divide by any n_rep: the plain-PyTorch backward once looped n_rep times over empty slices
     grad = torch.empty(2, 0, 3, 8)
@@ -217,6 +218,7 @@ def test_gradcheck_fp64(dim):
         assert torch.autograd.gradgradcheck(lambda t: fe.repeat_kv(t, 3, dim=dim), (x,))
 
 
+@pytest.mark.ops
 def test_opcheck():
     from torch.library import opcheck
 
@@ -267,6 +269,7 @@ def test_the_ops_and_their_autograd_are_the_extension_s():
     assert gx.grad_fn.name() == "RepeatKvBackwardBackward"
 
 
+@pytest.mark.ops
 @pytest.mark.parametrize("dim", [1, 2])
 def test_backward_output_strides_are_the_fakes(dim):
     # the op allocates x's gradient itself: the same strides as its fake kernel's, size-0 and size-1 dims

@@ -1,4 +1,4 @@
-// The mutating ops in torch's in-place machinery (issue 19): an ADInplaceOrView and an Autograd kernel per op with
+// The mutating ops in torch's in-place machinery: an ADInplaceOrView and an Autograd kernel per op with
 // `Tensor(x!)` arguments, unboxed (no IValue stack per call) and with torch's rules, as its generated kernels of
 // in-place ops apply them. torch::autograd::autogradNotImplementedFallback() and its ADInplaceOrView partner only
 // bump the versions of written *returns* and check_inplace only (backward errors are deferred to a NotImplemented

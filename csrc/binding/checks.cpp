@@ -3,6 +3,7 @@
 // limits, last the devices (CPU tensors fail only there) and the code path. Messages are built on failure only.
 
 #include "binding.h"
+#include "static_switch.h"
 
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
@@ -80,9 +81,30 @@ bool within_grid_limits(int64_t rows, int64_t heads, int64_t batch) {
   return rows < (int64_t(1) << 31) && heads < 65536 && batch < 65536;
 }
 
+// The tile serving head dims up to width: the smallest tile head dim >= width, as FA3 picks it (it fixes the GQA
+// accumulator's order), whether or not this build has it (FLASH_EPILOGUE_HEAD_DIMS may leave it out).
+int64_t serving_head_dim(int64_t width) {
+  for (int64_t hd : {FLASH_EPILOGUE_ALL_HEAD_DIMS}) {
+    if (width <= hd) { return hd; }
+  }
+  return 0;
+}
+std::string built_head_dims() {  // "64;128": this build's, as FLASH_EPILOGUE_HEAD_DIMS spells them
+  std::string out;
+  for (int hd : {FLASH_EPILOGUE_HEAD_DIMS}) { out += (out.empty() ? "" : ";") + std::to_string(hd); }
+  return out;
+}
+bool head_dim_built(int64_t d) {
+  int64_t const hd = serving_head_dim(d);
+  for (int built : {FLASH_EPILOGUE_HEAD_DIMS}) {
+    if (built == hd) { return true; }
+  }
+  return false;
+}
+
 CompiledTileConfig const& tile_config(int64_t width, int arch) {  // the one serving head dims up to width
   for (CompiledTileConfig const& c : compiled_tile_configs()) {
-    if (c.arch == arch && width <= c.head_dim) { return c; }
+    if (c.arch == arch && c.head_dim == serving_head_dim(width)) { return c; }
   }
   C10_THROW_ERROR(Error, "flash_epilogue: internal: no tile config for head dim " + num(width) + " on sm_" + num(arch));
 }
@@ -211,6 +233,13 @@ struct Checker {
   }
   void head_dim(char const* name, int64_t d) const {
     if (!head_dim_supported(d)) { fail(std::string(name) + ": head dim", "a multiple of 8 in [8, 256]", num(d)); }
+    if (!head_dim_built(d)) {
+      fail(std::string(name) + ": head dim",
+           "a head dim this build has kernels for: " + num(d) + " runs on the tile of head dim " +
+               num(serving_head_dim(d)) + ", which this build leaves out (FLASH_EPILOGUE_HEAD_DIMS=" + built_head_dims() +
+               "); rebuild with it in FLASH_EPILOGUE_HEAD_DIMS",
+           num(d));
+    }
   }
   void kv_shapes(Named k, Named v) const {  // v (or None) has k's shape but the head dim; the head dims supported
     shape_but(v, k, -1, "last");
@@ -618,7 +647,7 @@ bool gqa_reduce_takes(TensorArg partial) {
   ScalarType const dtype = partial.scalar_type();
   if (!partial.is_cuda() || (dtype != at::kBFloat16 && dtype != at::kHalf)) { return false; }
   auto const [major, minor] = device_capability(partial.get_device());
-  return head_dim_supported(partial.size(3)) && partial.numel() > 0 &&
+  return head_dim_supported(partial.size(3)) && head_dim_built(partial.size(3)) && partial.numel() > 0 &&
          within_grid_limits(partial.size(1), partial.size(2), partial.size(0)) && has_kernels(major, minor);
 }
 

@@ -12,6 +12,7 @@
 
 #include "binding.h"
 #include "flash_epilogue/version.h"
+#include "static_switch.h"
 
 TORCH_LIBRARY(flash_epilogue, m) {
   m.def("store(Tensor dk_accum, Tensor dv_accum, Tensor(a!) dk, Tensor(b!) dv, *, Tensor? cu_seqlens=None, "
@@ -84,7 +85,8 @@ py::dict build_info() {
       "version"_a = version(FLASH_EPILOGUE_VERSION_MAJOR, FLASH_EPILOGUE_VERSION_MINOR, FLASH_EPILOGUE_VERSION_PATCH),
       "torch_version"_a = TORCH_VERSION, "cuda_runtime_version"_a = CUDART_VERSION,
       "cutlass_version"_a = version(CUTLASS_MAJOR, CUTLASS_MINOR, CUTLASS_PATCH),
-      "compiled_archs"_a = compiled_archs());
+      "compiled_archs"_a = compiled_archs(), "tile_head_dims"_a = std::vector<int>{FLASH_EPILOGUE_ALL_HEAD_DIMS},
+      "compiled_head_dims"_a = std::vector<int>{FLASH_EPILOGUE_HEAD_DIMS});
 }
 
 }  // namespace

@@ -60,7 +60,7 @@ Args args_for(Problem const& p, OptArg cu_seqlens, OptArg seqused, at::Tensor co
 }
 
 // Once per host thread and device: a thread without a CUDA runtime call has no current context (c10's guard skips
-// cudaSetDevice for a matching index), and encoding the TMA descriptors there crashes (benchmarks/NOTES.md).
+// cudaSetDevice for a matching index), and encoding the TMA descriptors there crashes (docs/design.md).
 void bind_primary_context(int device) {
   thread_local uint64_t bound = 0;  // bit d: device d bound
   uint64_t const bit = device < 64 ? uint64_t{1} << device : 0;

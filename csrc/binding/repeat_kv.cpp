@@ -1,5 +1,5 @@
 // repeat_kv: the KV-head expand, its group-sum backward, their autograd and registration, in C++ so that a backward
-// through it runs no Python (benchmarks/NOTES.md: host time). The package keeps the public wrapper and fake kernels.
+// through it runs no Python (docs/design.md: host time). The package keeps the public wrapper and fake kernels.
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>

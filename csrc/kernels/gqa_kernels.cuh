@@ -123,7 +123,7 @@ struct GqaAccumulateKernel {
       // linear index y * gridDim.x + x of that order. Every head of dK, then every head of dV, so a
       // group's members add to an accumulator tile one tensor's sweep apart: with dK's and dV's tiles
       // of a head side by side, the accumulator tiles between two members' adds were twice as many,
-      // more than L2 holds in varlen (measured: benchmarks/NOTES.md, D33). 64-bit: 2 * tiles_x * h_q
+      // more than L2 holds in varlen (measured: docs/design.md). 64-bit: 2 * tiles_x * h_q
       // may pass 2^31.
       auto const [t, rest] = split_by_tensor<int64_t>(int64_t(blockIdx.y) * gridDim.x + blockIdx.x,
                                                       int64_t(params.tiles_x) * params.num_heads_q);
@@ -199,7 +199,7 @@ struct AccumTiles {
 // kernel calls) move it g times. No other CTA touches the tile, so the sum is deterministic without
 // counters, and bitwise that of the ordered per-head adds (each an fp32 add of the same operands in
 // the same order). Streamed, the loads in flight no longer depend on the registers: one CTA per tile
-// reading into registers ran latency-bound at 16 warps per SM (benchmarks/NOTES.md, D37).
+// reading into registers ran latency-bound at 16 warps per SM (docs/design.md).
 template <class Config_>
 struct GqaAccumulateStreamKernel {
   using Config = Config_;
@@ -420,11 +420,11 @@ struct GqaReduceKernel {
   // The swapAB configs read the partials through StagedTileSum: straight in fragment order their
   // loads run down columns (4-byte pieces for fp32, 2-byte for 16-bit). The others read the
   // fragment directly: staging 16-bit partials there was slower (measured when this kernel was
-  // also the sm_90 path: see benchmarks/NOTES.md).
+  // also the sm_90 path: see docs/design.md).
   static constexpr bool kStaged = Config::kSwapAB;
   // Two CTAs per SM (one loads while the other stores); also for a staged 384-thread config, which
   // then gets 80 registers and spills a little, and still ran faster than with one CTA (measured:
-  // see benchmarks/NOTES.md).
+  // see docs/design.md).
   static constexpr int kMinBlocksPerSm = (kNumThreads <= 256 || kStaged) ? 2 : 1;
   using Staged = StagedTileSum<kBlockN, kHeadDim, kNumThreads, Config::kSwapAB, ElementIn>;
 

@@ -164,7 +164,7 @@ char const* launch_gqa_accumulate_per_head(GqaAccumulateLaunchArgs const& args, 
     // One CTA per work item, in ticket order (see GqaAccumulateKernel). A chunk's accumulator tiles
     // take about 12 MB, a fifth of the H200's 60 MB L2: they stay there between members' adds beside
     // the streamed partials. Smaller chunks and larger ones (24 MB: the tiles no longer stay) made
-    // the deterministic mode slower (measured: see benchmarks/NOTES.md).
+    // the deterministic mode slower (measured: see docs/design.md).
     int64_t const units = static_cast<int64_t>(tiles.x) * tiles.z * 2 * args.num_heads_kv;
     int64_t const tile_bytes = static_cast<int64_t>(Kernel::Traits::kAccumTileElems) * sizeof(float);
     params.num_units = static_cast<int>(units);

@@ -8,19 +8,66 @@
 //
 //   return HEADDIM_SWITCH(head_dim, kHeadDim, [&] { return launch<kHeadDim>(args); });
 
-// The compiled head dims (tile widths). Keep scripts/generate_instantiations.py's HEAD_DIMS equal
-// (tests/test_build.py checks it against the table flash_epilogue._C exports).
-#define FLASH_EPILOGUE_HEAD_DIMS 64, 96, 128, 192, 256
+// The tile head dims (tile widths), FA3's: FLASH_EPILOGUE_ALL_HEAD_DIMS. A build may leave some out
+// (setup.py's FLASH_EPILOGUE_HEAD_DIMS defines FLASH_EPILOGUE_DISABLE_HDIM<d>): FLASH_EPILOGUE_HEAD_DIMS are the
+// ones compiled, and HEADDIM_SWITCH reaches only those. Keep scripts/generate_instantiations.py's HEAD_DIMS equal to
+// the full list (a test checks it against the table flash_epilogue._C exports).
+#define FLASH_EPILOGUE_ALL_HEAD_DIMS 64, 96, 128, 192, 256
 
-#define HEADDIM_SWITCH(VALUE, NAME, ...)                         \
-  [&] {                                                          \
-    switch (VALUE) {                                             \
-      case 96: { constexpr static int NAME = 96; return __VA_ARGS__(); }   \
-      case 128: { constexpr static int NAME = 128; return __VA_ARGS__(); } \
-      case 192: { constexpr static int NAME = 192; return __VA_ARGS__(); } \
-      case 256: { constexpr static int NAME = 256; return __VA_ARGS__(); } \
-      default: { constexpr static int NAME = 64; return __VA_ARGS__(); }   \
-    }                                                            \
+#ifdef FLASH_EPILOGUE_DISABLE_HDIM64
+#define FE_IF_HDIM64(...)
+#else
+#define FE_IF_HDIM64(...) __VA_ARGS__
+#endif
+#ifdef FLASH_EPILOGUE_DISABLE_HDIM96
+#define FE_IF_HDIM96(...)
+#else
+#define FE_IF_HDIM96(...) __VA_ARGS__
+#endif
+#ifdef FLASH_EPILOGUE_DISABLE_HDIM128
+#define FE_IF_HDIM128(...)
+#else
+#define FE_IF_HDIM128(...) __VA_ARGS__
+#endif
+#ifdef FLASH_EPILOGUE_DISABLE_HDIM192
+#define FE_IF_HDIM192(...)
+#else
+#define FE_IF_HDIM192(...) __VA_ARGS__
+#endif
+#ifdef FLASH_EPILOGUE_DISABLE_HDIM256
+#define FE_IF_HDIM256(...)
+#else
+#define FE_IF_HDIM256(...) __VA_ARGS__
+#endif
+
+// An initializer list of the compiled head dims (a trailing comma is allowed there).
+#define FLASH_EPILOGUE_HEAD_DIMS \
+  FE_IF_HDIM64(64, ) FE_IF_HDIM96(96, ) FE_IF_HDIM128(128, ) FE_IF_HDIM192(192, ) FE_IF_HDIM256(256, )
+
+// The smallest compiled head dim: the switch's default.
+#if !defined(FLASH_EPILOGUE_DISABLE_HDIM64)
+#define FE_FIRST_HEAD_DIM 64
+#elif !defined(FLASH_EPILOGUE_DISABLE_HDIM96)
+#define FE_FIRST_HEAD_DIM 96
+#elif !defined(FLASH_EPILOGUE_DISABLE_HDIM128)
+#define FE_FIRST_HEAD_DIM 128
+#elif !defined(FLASH_EPILOGUE_DISABLE_HDIM192)
+#define FE_FIRST_HEAD_DIM 192
+#elif !defined(FLASH_EPILOGUE_DISABLE_HDIM256)
+#define FE_FIRST_HEAD_DIM 256
+#else
+#error "flash_epilogue: every head dim is disabled (FLASH_EPILOGUE_DISABLE_HDIM*)"
+#endif
+
+#define HEADDIM_SWITCH(VALUE, NAME, ...)                                                  \
+  [&] {                                                                                   \
+    switch (VALUE) {                                                                      \
+      FE_IF_HDIM96(case 96: { constexpr static int NAME = 96; return __VA_ARGS__(); })    \
+      FE_IF_HDIM128(case 128: { constexpr static int NAME = 128; return __VA_ARGS__(); }) \
+      FE_IF_HDIM192(case 192: { constexpr static int NAME = 192; return __VA_ARGS__(); }) \
+      FE_IF_HDIM256(case 256: { constexpr static int NAME = 256; return __VA_ARGS__(); }) \
+      default: { constexpr static int NAME = FE_FIRST_HEAD_DIM; return __VA_ARGS__(); }   \
+    }                                                                                     \
   }()
 
 // The code path: 90 (sm_90: TMA collectives) or 80 (sm_80 collectives, also runnable on sm_90).

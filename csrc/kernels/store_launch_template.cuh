@@ -2,7 +2,7 @@
 
 // Host side of `store`: TileStreamKernel on the sm_90 path (StoreKernel<Sm90> at head dims <= 64
 // and for small problems at head dims 192/256), StoreKernel on the sm_80 path. Which kernel runs a
-// problem was chosen by measurement on the H200: see benchmarks/NOTES.md.
+// problem was chosen by measurement on the H200: see docs/design.md.
 
 #include <cstdint>
 

@@ -100,7 +100,7 @@ CUTLASS_DEVICE void load_accum_tile(Fragment& frag, ThrMma const& thr_mma, GmemT
 // where reading straight in fragment order is slow: 16-bit partials (the fragment reads 2- or
 // 4-byte pieces) and the swapAB configs (the fragment runs down columns, 4-byte pieces). Store and
 // the sm_80 gqa_accumulate read their fp32 tiles straight in fragment order: staged, the per-head
-// adds ran slower (measured: see benchmarks/NOTES.md). `smem` needs kSmemBytes and may alias the
+// adds ran slower (measured: see docs/design.md). `smem` needs kSmemBytes and may alias the
 // collective's storage: the collectives start with a barrier before writing theirs.
 template <int kBlockN, int kHeadDim, int kNumThreads, bool kSwapAB, class ElementIn>
 struct StagedTileSum {

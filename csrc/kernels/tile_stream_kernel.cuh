@@ -13,7 +13,7 @@
 // whatever the consumers do, and every config reads its stage conflict-free. Why a producer warp
 // rather than consumer thread 0 issuing the loads? The issue work (tile decode,
 // arrive_and_expect_tx, TMA instructions) then sat on every tile's critical path: each CTA-wide
-// barrier waited for warp 0. Both measured faster: see benchmarks/NOTES.md.
+// barrier waited for warp 0. Both measured faster: see docs/design.md.
 //
 // Work order: tile t of the CTA's walk is (tensor and head, n_tile, batch), heads fastest,
 // t = blockIdx.x + k * gridDim.x. A tile of `group` members (gqa_reduce: the group's query heads;
@@ -132,7 +132,7 @@ struct StreamRing {
   // `stage`. Rows past the tensor and columns past d arrive as zeros; rows of the next sequence
   // (varlen) are loaded too and never used. No L2 eviction hint: EVICT_FIRST, the obvious one for
   // inputs read once, was slower than no hint or EVICT_NORMAL for store and gqa_reduce (measured:
-  // see benchmarks/NOTES.md).
+  // see docs/design.md).
   CUTLASS_DEVICE void load_tile(TmaLoad const& tma, ShapeRowsHeadBatch const& shape, int head, int batch_coord,
                                 int offset, int n_block, int stage) const {
     using namespace cute;
@@ -222,7 +222,7 @@ struct TileStreamKernel {
 
   // Heads (of dK, then of dV) fastest: the CTAs running at one time read the same rows of every
   // head, neighbours in a (rows, heads, d) layout. Against n_tile fastest: faster at hdim 192/256,
-  // the same elsewhere (measured: see benchmarks/NOTES.md).
+  // the same elsewhere (measured: see docs/design.md).
   CUTLASS_DEVICE static TileWork decode(Params const& params, int tile) {
     int const heads_y = params.num_tensors * params.num_heads;
     auto const [tensor, head] = split_by_tensor(tile % heads_y, params.num_heads);

@@ -16,7 +16,7 @@
 //     optional at run time) and clamped to the tensor's row extent, so nothing past a row or
 //     column bound is ever written.
 //   Why TMA for varlen's full tiles: the predicated path streamed slower than TMA stores
-//   (measured: see benchmarks/NOTES.md), and in a long sequence nearly every tile is full.
+//   (measured: see docs/design.md), and in a long sequence nearly every tile is full.
 //
 // Contract for a kernel that embeds the collective:
 //   * NumEpilogueThreads threads (whole warps, thread_idx in [0, NumEpilogueThreads)) call

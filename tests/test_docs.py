@@ -1,0 +1,57 @@
+"""Every code block of README.md and docs/*.md: each ```python block runs as written, in a fresh namespace from the
+repository root, so every name it uses is defined in the block itself. A block preceded by `<!-- gpu -->` needs an
+sm_90 GPU with the kernels (skipped elsewhere); a CPU block must also run without the extension. Blocks in other
+languages (shell, C++) are not run and must say so with `<!-- no-run -->`."""
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import HAVE_SM90, WHY_NOT
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+# an optional marker comment on the line before the fence, the language, the code
+BLOCK = re.compile(r"(?:^<!--\s*([\w-]+)\s*-->\n)?^```(\w*)\n(.*?)^```", re.S | re.M)
+
+
+def blocks():
+    for path in DOCS:
+        text = path.read_text()
+        for m in BLOCK.finditer(text):
+            line = text.count("\n", 0, m.start(2 if m[1] is None else 1)) + 1
+            yield pytest.param(m[1], m[2], m[3], id=f"{path.relative_to(ROOT)}:{line}")
+
+
+ALL = list(blocks())
+PYTHON = [p for p in ALL if p.values[1] == "python"]
+
+
+@pytest.mark.parametrize("marker, lang, code", ALL)
+def test_every_block_is_run_or_marked(marker, lang, code):
+    if lang == "python":
+        assert marker in (None, "gpu"), "python blocks all run: mark one that needs the GPU <!-- gpu -->"
+    else:
+        assert marker == "no-run", f"a ```{lang} block is not run: say so with <!-- no-run -->"
+
+
+@pytest.mark.parametrize("marker, lang, code", PYTHON)
+def test_python_block_runs(marker, lang, code, monkeypatch, request):
+    if marker == "gpu" and not HAVE_SM90:
+        pytest.skip(WHY_NOT)
+    monkeypatch.chdir(ROOT)
+    deterministic = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    try:
+        exec(compile(code, request.node.callspec.id, "exec"), {"__name__": "__doc_block__"})
+    finally:
+        torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_links_resolve_and_no_history(path):
+    text = path.read_text()
+    for target in re.findall(r"\]\(([^)#\s]+)", text):  # relative links: files of this repository
+        assert target.startswith("http") or (path.parent / target).exists(), f"{path.name}: no such file {target}"
+    # the docs state rules and reasons: no commit ids, decision numbers or issue numbers
+    assert not re.search(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b|\bD\d{1,2}\b|[Ii]ssue \d", text)

@@ -1,0 +1,106 @@
+"""Installing: a non-editable install ships the collectives' headers (get_include() names existing directories inside
+the installed package, and the example kernel compiles against them), writes nothing into the source tree, and a
+pure-Python one (FLASH_EPILOGUE_SKIP_CUDA_BUILD=1) imports, names why it has no kernels and runs repeat_kv. A build
+of one head dim (FLASH_EPILOGUE_HEAD_DIMS=64; a real compile, run with the GPU suite) refuses another head dim naming
+the knob.
+"""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import nvcc
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def pip_install(target: Path, **env) -> None:
+    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps", "--target", str(target),
+           str(ROOT)]
+    proc = subprocess.run(cmd, env=dict(os.environ, **env), capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+# an editable install of the checkout in this environment answers for flash_epilogue.* through its own finder
+ONLY_SITE = "import sys; sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f).lower()]\n"
+
+
+def run_installed(site: Path, code: str) -> str:
+    """`code` in a new process that imports the package installed in `site` (not the checkout)."""
+    proc = subprocess.run([sys.executable, "-c", ONLY_SITE + code], cwd=site.parent, capture_output=True, text=True,
+                          timeout=600,
+                          env=dict(os.environ, PYTHONPATH=str(site), FLASH_EPILOGUE_DISABLE_KERNELS="0"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def source_tree_state() -> str:
+    """Every path git sees in the checkout, ignored ones included, but setuptools' own build/ and egg-info."""
+    out = subprocess.run(["git", "status", "--porcelain", "--ignored", "--untracked-files=all"], cwd=ROOT,
+                         capture_output=True, text=True).stdout
+    return "\n".join(sorted(line for line in out.splitlines() if not any(
+        part in line for part in ("build/", ".egg-info", "__pycache__", ".pytest_cache"))))
+
+
+def test_pure_python_install_ships_the_headers(tmp_path):
+    before = source_tree_state()
+    site = tmp_path / "site"
+    pip_install(site, FLASH_EPILOGUE_SKIP_CUDA_BUILD="1")
+    assert source_tree_state() == before, "the install wrote into the source tree"
+    out = run_installed(site, """
+import os, torch, flash_epilogue as fe
+assert fe.__file__.startswith(os.path.abspath("site")), fe.__file__
+ours = fe.get_include()[0]
+assert ours.startswith(os.path.abspath("site")) and os.path.isfile(os.path.join(ours, "flash_epilogue", "epilogue_bwd.h"))
+assert all(os.path.isdir(d) for d in fe.get_include())
+assert not fe.kernels_available() and "FLASH_EPILOGUE_SKIP_CUDA_BUILD" in fe.UNAVAILABLE_REASON
+x = torch.randn(2, 2, 5, 8, requires_grad=True)
+y = fe.repeat_kv(x, 3)
+assert torch.equal(y, x.repeat_interleave(3, 1))
+assert torch.equal(torch.autograd.grad(y, x, y)[0], fe.reference.group_sum_reference(y.detach(), 3))
+print("INCLUDE", *fe.get_include())
+""")
+    includes = out.split("INCLUDE ", 1)[1].split()
+    if nvcc() is None:
+        return
+    sys.path.insert(0, str(ROOT / "examples" / "custom_kernel"))
+    try:
+        import build
+    finally:
+        sys.path.pop(0)
+    cmd = [nvcc(), *build.NVCC_FLAGS, "-c", str(ROOT / "examples/custom_kernel/epilogue_example.cu"), "-o",
+           str(tmp_path / "kernel.o"), *[f"-I{d}" for d in includes]]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.gpu  # a real build: run where the GPU suite runs (a many-core machine)
+@pytest.mark.slow
+@pytest.mark.skipif(nvcc() is None, reason="no nvcc")
+def test_a_build_of_one_head_dim_names_the_knob(tmp_path):
+    site = tmp_path / "site"
+    pip_install(site, FLASH_EPILOGUE_HEAD_DIMS="64", CUDA_HOME=os.environ.get("CUDA_HOME", "/usr/local/cuda"))
+    run_installed(site, """
+import torch, flash_epilogue as fe
+assert fe.kernels_available(), fe.UNAVAILABLE_REASON
+assert fe.COMPILED_HEAD_DIMS == (64,)
+assert fe.tile_config(40).head_dim == 64
+for call in (lambda: fe.tile_config(128),
+             lambda: fe.store(torch.zeros(1, 8, 2, 128), torch.zeros(1, 8, 2, 128),
+                              torch.zeros(1, 8, 2, 128, dtype=torch.bfloat16), torch.zeros(1, 8, 2, 128, dtype=torch.bfloat16))):
+    try:
+        call()
+        raise AssertionError("accepted")
+    except fe.FlashEpilogueInputError as e:
+        assert "128 runs on the tile of head dim 128, which this build leaves out (FLASH_EPILOGUE_HEAD_DIMS=64)" in str(e), e
+x = torch.randn(1, 2, 8, 128, device="cuda" if torch.cuda.is_available() else "cpu", requires_grad=True)
+y = fe.repeat_kv(x, 2)  # the backward falls back to plain ATen where no kernel is built
+assert torch.equal(torch.autograd.grad(y, x, y)[0], fe.reference.group_sum_reference(y.detach(), 2))
+if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
+    a = torch.randn(1, 300, 2, 64, device="cuda")
+    o = torch.empty(1, 300, 2, 64, dtype=torch.bfloat16, device="cuda")
+    fe.store(a, a, o, o.clone())
+    assert torch.equal(o, a.bfloat16())
+""")
