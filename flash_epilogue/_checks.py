@@ -1,6 +1,7 @@
-"""The opt-in content checks of cu_seqlens, seqused, batch_idx and head_idx (a host sync: ``check_inputs=True`` or
-FLASH_EPILOGUE_CHECK_INPUTS=1; never under torch.compile or CUDA-graph capture), and FLASH_EPILOGUE_DEBUG=1 (checks,
-and a sync after every launch so that the op that failed reports it). The ops check metadata only."""
+"""How a wrapper calls its op (call_op): the opt-in content checks of cu_seqlens, seqused, batch_idx and head_idx (a
+host sync: ``check_inputs=True`` or FLASH_EPILOGUE_CHECK_INPUTS=1; never under torch.compile or CUDA-graph capture),
+the op, its error as the package's, and with FLASH_EPILOGUE_DEBUG=1 (checks, and a sync after every launch so that
+the op that failed reports it). The ops check metadata only."""
 import os
 
 import torch
@@ -75,3 +76,23 @@ def debug_sync(op: str, device: torch.device) -> None:
         torch.cuda.synchronize(device)
     except Exception as e:  # noqa: BLE001 (re-raised with the op's name)
         raise RuntimeError(f"flash_epilogue.{op}: the kernel failed on {device}: {e}") from e
+
+
+def call_op(op: str, check_inputs: bool | None, contents: tuple, *args, **kwargs) -> None:
+    """torch.ops.flash_epilogue.<op>(*args, **kwargs) as every wrapper calls it; `contents`: check_contents' arguments
+    after `op` (its first, the tensor of the dk layout, also names the device to synchronize). Under torch.compile the
+    op alone (it checks when it runs)."""
+    _extension.require(op)
+    fn = getattr(torch.ops.flash_epilogue, op)
+    if torch.compiler.is_compiling():
+        fn(*args, **kwargs)
+        return
+    _extension.check_tensor_types(op, args, kwargs)
+    if check_inputs or (check_inputs is None and CHECK_INPUTS):
+        check_contents(op, *contents)
+    try:
+        fn(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 (the op's error, as the package's)
+        raise _extension.op_error(op, e) from None
+    if DEBUG:
+        debug_sync(op, contents[0].device)

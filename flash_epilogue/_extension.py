@@ -2,7 +2,6 @@
 _build_info.py before it fails to load), and turns the ops' errors into the package's."""
 import importlib
 import os
-import re
 
 import torch
 
@@ -54,23 +53,31 @@ def require(op: str):
     return _C
 
 
-# The dispatcher's error for an argument of the wrong type (a list for a Tensor); the wrappers coerce the scalars.
-_SCHEMA_TYPE = re.compile(r"Expected a value of type '(?:Optional\[)?Tensor\]?' for argument '(\w+)' "
-                          r"but instead found type '(\w+)'")
+def check_tensor_types(op: str, args: tuple, kwargs: dict) -> None:
+    """What the dispatcher refuses before the op's checker sees a call, as the package's TypeError: a Tensor argument
+    of the schema given another type, or every Tensor argument None (no device to dispatch by)."""
+    schema = getattr(torch.ops.flash_epilogue, op).default._schema
+    given = dict(zip((a.name for a in schema.arguments), args)) | kwargs
+    any_tensor = False
+    for a in schema.arguments:
+        if str(a.type) not in ("Tensor", "Optional[Tensor]") or a.name not in given:
+            continue
+        v = given[a.name]
+        any_tensor = any_tensor or isinstance(v, torch.Tensor)
+        if v is not None and not isinstance(v, torch.Tensor):
+            raise FlashEpilogueTypeError(f"flash_epilogue.{op}: {a.name}: expected a torch.Tensor, got "
+                                         f"{type(v).__name__}")
+    if not any_tensor:
+        raise FlashEpilogueTypeError(f"flash_epilogue.{op}: expected torch.Tensor arguments, got None for all of them")
 
 
 def op_error(op: str, e: Exception) -> Exception:
-    """What a wrapper raises (from None) for the error `e` of torch.ops.flash_epilogue.<op>."""
+    """What a wrapper raises (from None) for the error `e` of torch.ops.flash_epilogue.<op>: the C++ checker's
+    TypeError / ValueError as the package's, by type."""
     if isinstance(e, TypeError):
         return FlashEpilogueTypeError(str(e))
     if isinstance(e, ValueError):
         return FlashEpilogueInputError(str(e))
     if isinstance(e, AttributeError) and not hasattr(torch.ops.flash_epilogue, op):
         return unavailable(op)
-    match = _SCHEMA_TYPE.search(str(e)) if type(e) is RuntimeError else None
-    if match:
-        return FlashEpilogueTypeError(f"flash_epilogue.{op}: {match[1]}: expected a torch.Tensor, got {match[2]}")
-    if isinstance(e, NotImplementedError) and "There were no tensor arguments" in str(e):
-        # every tensor argument None: the dispatcher has no device to pick a kernel by
-        return FlashEpilogueTypeError(f"flash_epilogue.{op}: expected torch.Tensor arguments, got None for all of them")
     return e

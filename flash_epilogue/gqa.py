@@ -83,14 +83,9 @@ class GQAAccumulator:
         head_dim = max(self.head_dim, self.head_dim_v)  # names the tile config
         outs = [torch.zeros(self.dense_shape(d), dtype=torch.float32, device=self.device)
                 for d in (self.head_dim, self.head_dim_v)]
-        if check_inputs or (check_inputs is None and _checks.CHECK_INPUTS):
-            _checks.check_contents(op, outs[0], cu_seqlens, seqused)
-        for accum, out in zip((self.dk_accum, self.dv_accum), outs):
-            try:
-                torch.ops.flash_epilogue.gqa_accum_to_dense(accum, out, head_dim=head_dim, cu_seqlens=cu_seqlens,
-                                                            seqused=seqused, _arch=self.arch)
-            except Exception as e:  # noqa: BLE001 (the op's error, as the package's)
-                raise _extension.op_error(op, e) from None
+        for i, (accum, out) in enumerate(zip((self.dk_accum, self.dv_accum), outs)):
+            _checks.call_op(op, check_inputs if i == 0 else False, (out, cu_seqlens, seqused), accum, out,
+                            head_dim=head_dim, cu_seqlens=cu_seqlens, seqused=seqused, _arch=self.arch)
         return outs[0], outs[1]
 
     def __repr__(self) -> str:

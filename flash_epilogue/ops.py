@@ -26,17 +26,9 @@ def store(dk_accum: torch.Tensor, dv_accum: torch.Tensor, dk: torch.Tensor, dv: 
     """In place: the valid rows of dk/dv (bf16 or fp16) get the fp32 accumulators of their shapes, rounded to nearest
     even. Batched (batch, seqlen, heads, d), last dim contiguous, or varlen (total_tokens, heads, d) with
     ``cu_seqlens``; ``seqused`` limits sequence b to its first seqused[b] rows; dv may have its own head dim."""
-    if torch.compiler.is_compiling():
-        return _ops.store(dk_accum, dv_accum, dk, dv, cu_seqlens=cu_seqlens, seqused=seqused, _arch=_arch)
     _arch = _arch if type(_arch) is int and INT64_MIN <= _arch <= INT64_MAX else as_int("store", "_arch", _arch)
-    if check_inputs or (check_inputs is None and _checks.CHECK_INPUTS):
-        _checks.check_contents("store", dk, cu_seqlens, seqused)
-    try:
-        _ops.store(dk_accum, dv_accum, dk, dv, cu_seqlens=cu_seqlens, seqused=seqused, _arch=_arch)
-    except Exception as e:  # noqa: BLE001 (the op's error, as the package's)
-        raise _extension.op_error("store", e) from None
-    if _checks.DEBUG:
-        _checks.debug_sync("store", dk.device)
+    _checks.call_op("store", check_inputs, (dk, cu_seqlens, seqused), dk_accum, dv_accum, dk, dv,
+                    cu_seqlens=cu_seqlens, seqused=seqused, _arch=_arch)
 
 
 def _index_tensor(name: str, idx: IndexArg, device) -> torch.Tensor | None:
@@ -81,23 +73,14 @@ def store_zero(dk: torch.Tensor, dv: torch.Tensor, *, cu_seqlens: torch.Tensor |
     if (batch_idx is not None or head_idx is not None) and isinstance(dk, torch.Tensor):
         batch_idx = _index_tensor("batch_idx", batch_idx, dk.device)
         head_idx = _index_tensor("head_idx", head_idx, dk.device)
-    if torch.compiler.is_compiling():
-        return _ops.store_zero(dk, dv, cu_seqlens=cu_seqlens, seqused=seqused, batch_idx=batch_idx,
-                               head_idx=head_idx, row_start=row_start, row_end=row_end, _arch=_arch)
     if type(row_start) is not int or not INT64_MIN <= row_start <= INT64_MAX:
         row_start = as_int(op, "row_start", row_start)
     if row_end is not None and (type(row_end) is not int or not INT64_MIN <= row_end <= INT64_MAX):
         row_end = as_int(op, "row_end", row_end, "None or an int")
     _arch = _arch if type(_arch) is int and INT64_MIN <= _arch <= INT64_MAX else as_int(op, "_arch", _arch)
-    if check_inputs or (check_inputs is None and _checks.CHECK_INPUTS):
-        _checks.check_contents(op, dk, cu_seqlens, seqused, batch_idx, head_idx)
-    try:
-        _ops.store_zero(dk, dv, cu_seqlens=cu_seqlens, seqused=seqused, batch_idx=batch_idx, head_idx=head_idx,
-                        row_start=row_start, row_end=row_end, _arch=_arch)
-    except Exception as e:  # noqa: BLE001 (the op's error, as the package's)
-        raise _extension.op_error(op, e) from None
-    if _checks.DEBUG:
-        _checks.debug_sync(op, dk.device)
+    _checks.call_op(op, check_inputs, (dk, cu_seqlens, seqused, batch_idx, head_idx), dk, dv, cu_seqlens=cu_seqlens,
+                    seqused=seqused, batch_idx=batch_idx, head_idx=head_idx, row_start=row_start, row_end=row_end,
+                    _arch=_arch)
 
 
 def _check_acc(op: str, acc, k, v, cu_seqlens, k_name: str, v_name: str) -> None:
@@ -159,23 +142,14 @@ def gqa_accumulate(dk_partial: torch.Tensor, dv_partial: torch.Tensor, acc: GQAA
              f"flash_epilogue.gqa_accumulator(..., deterministic=True) ({instead})",
              "None (allocated with deterministic=False)")
     semaphores = acc.semaphores if deterministic else None
-    if torch.compiler.is_compiling():
-        return _ops.gqa_accumulate(dk_partial, dv_partial, acc.dk_accum, acc.dv_accum, semaphores,
-                                   cu_seqlens=cu_seqlens, seqused=seqused, deterministic=deterministic, _arch=acc.arch)
     if not deterministic and torch.are_deterministic_algorithms_enabled() and \
             torch.is_deterministic_algorithms_warn_only_enabled():  # without warn_only the op raises torch's error
         warnings.warn("flash_epilogue.gqa_accumulate(deterministic=False) does not have a deterministic "
                       "implementation, but you set 'torch.use_deterministic_algorithms(True, warn_only=True)'",
                       stacklevel=2)
-    if check_inputs or (check_inputs is None and _checks.CHECK_INPUTS):
-        _checks.check_contents(op, dk_partial, cu_seqlens, seqused)
-    try:
-        _ops.gqa_accumulate(dk_partial, dv_partial, acc.dk_accum, acc.dv_accum, semaphores, cu_seqlens=cu_seqlens,
-                            seqused=seqused, deterministic=deterministic, _arch=acc.arch)
-    except Exception as e:  # noqa: BLE001 (the op's error, as the package's)
-        raise _extension.op_error(op, e) from None
-    if _checks.DEBUG:
-        _checks.debug_sync(op, dk_partial.device)
+    _checks.call_op(op, check_inputs, (dk_partial, cu_seqlens, seqused), dk_partial, dv_partial, acc.dk_accum,
+                    acc.dv_accum, semaphores, cu_seqlens=cu_seqlens, seqused=seqused, deterministic=deterministic,
+                    _arch=acc.arch)
 
 
 def gqa_postprocess(acc: GQAAccumulator, dk: torch.Tensor, dv: torch.Tensor, *, scale_dk: float = 1.0,
@@ -186,20 +160,10 @@ def gqa_postprocess(acc: GQAAccumulator, dk: torch.Tensor, dv: torch.Tensor, *, 
     ``acc.reset()`` before reusing it."""
     op = "gqa_postprocess"
     _check_acc(op, acc, dk, dv, cu_seqlens, "dk", "dv")
-    if torch.compiler.is_compiling():
-        return _ops.gqa_postprocess(acc.dk_accum, acc.dv_accum, dk, dv, scale_dk=scale_dk, scale_dv=scale_dv,
-                                    cu_seqlens=cu_seqlens, seqused=seqused, _arch=acc.arch)
     scale_dk = scale_dk if type(scale_dk) is float else as_float(op, "scale_dk", scale_dk)
     scale_dv = scale_dv if type(scale_dv) is float else as_float(op, "scale_dv", scale_dv)
-    if check_inputs or (check_inputs is None and _checks.CHECK_INPUTS):
-        _checks.check_contents(op, dk, cu_seqlens, seqused)
-    try:
-        _ops.gqa_postprocess(acc.dk_accum, acc.dv_accum, dk, dv, scale_dk=scale_dk, scale_dv=scale_dv,
-                             cu_seqlens=cu_seqlens, seqused=seqused, _arch=acc.arch)
-    except Exception as e:  # noqa: BLE001 (the op's error, as the package's)
-        raise _extension.op_error(op, e) from None
-    if _checks.DEBUG:
-        _checks.debug_sync(op, dk.device)
+    _checks.call_op(op, check_inputs, (dk, cu_seqlens, seqused), acc.dk_accum, acc.dv_accum, dk, dv, scale_dk=scale_dk,
+                    scale_dv=scale_dv, cu_seqlens=cu_seqlens, seqused=seqused, _arch=acc.arch)
 
 
 def _new_output(name: str, partial, num_heads_kv: int, varlen: bool, out_dtype):
@@ -253,22 +217,11 @@ def gqa_reduce(dk_partial: torch.Tensor, dv_partial: torch.Tensor | None = None,
     if type(num_heads_kv) is not int or num_heads_kv < 1:
         num_heads_kv = as_count(op, "num_heads_kv", num_heads_kv, "a positive int", 1)
     dk, dv = _reduce_outputs(dk_partial, dv_partial, num_heads_kv, cu_seqlens is not None, out, out_dtype)
-    if torch.compiler.is_compiling():
-        _ops.gqa_reduce(dk_partial, dv_partial, dk, dv, cu_seqlens=cu_seqlens, seqused=seqused, scale_dk=scale_dk,
-                        scale_dv=scale_dv, _arch=_arch)
-        return dk if dv_partial is None else (dk, dv)
     scale_dk = scale_dk if type(scale_dk) is float else as_float(op, "scale_dk", scale_dk)
     scale_dv = scale_dv if type(scale_dv) is float else as_float(op, "scale_dv", scale_dv)
     _arch = _arch if type(_arch) is int and INT64_MIN <= _arch <= INT64_MAX else as_int(op, "_arch", _arch)
-    if check_inputs or (check_inputs is None and _checks.CHECK_INPUTS):
-        _checks.check_contents(op, dk_partial, cu_seqlens, seqused)
-    try:
-        _ops.gqa_reduce(dk_partial, dv_partial, dk, dv, cu_seqlens=cu_seqlens, seqused=seqused, scale_dk=scale_dk,
-                        scale_dv=scale_dv, _arch=_arch)
-    except Exception as e:  # noqa: BLE001 (the op's error, as the package's)
-        raise _extension.op_error(op, e) from None
-    if _checks.DEBUG:
-        _checks.debug_sync(op, dk.device)
+    _checks.call_op(op, check_inputs, (dk_partial, cu_seqlens, seqused), dk_partial, dv_partial, dk, dv,
+                    cu_seqlens=cu_seqlens, seqused=seqused, scale_dk=scale_dk, scale_dv=scale_dv, _arch=_arch)
     return dk if dv_partial is None else (dk, dv)
 
 
