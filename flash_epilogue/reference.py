@@ -102,25 +102,33 @@ def _group_view(partial: torch.Tensor, num_heads_kv: int) -> torch.Tensor:
     return partial.unflatten(-2, (num_heads_kv, h_q // num_heads_kv))
 
 
-def gqa_reduce_reference(partial: torch.Tensor, num_heads_kv: int, *, out_dtype: torch.dtype | None = None,
-                         cu_seqlens=None, seqused=None, scale: float = 1.0,
-                         out: torch.Tensor | None = None, sequential: bool = False) -> torch.Tensor:
-    """Each group of query heads of ``partial`` (batched or varlen) summed in fp64, times ``scale``, cast to
-    ``out_dtype`` (default ``out.dtype``), written to the valid rows of ``out`` (else of a new zero-filled
-    ``(..., h_k, d)`` tensor); returns it. ``sequential=True``: the kernel's arithmetic bit for bit instead,
-    :func:`gqa_reduce_sequential_fp32` rounded to ``out_dtype`` (nearest even)."""
-    if out_dtype is None:
-        if out is None:
-            raise ValueError("gqa_reduce_reference: give out_dtype or out")
+def gqa_reduce_reference(dk_partial: torch.Tensor, dv_partial: torch.Tensor | None = None, *, num_heads_kv: int,
+                         cu_seqlens=None, seqused=None, out=None, out_dtype: torch.dtype | None = None,
+                         scale_dk: float = 1.0, scale_dv: float = 1.0, sequential: bool = False):
+    """:func:`flash_epilogue.gqa_reduce` from its arguments (the same names and defaults; out_dtype may be fp32 here):
+    each group of query heads summed in fp64, times the scale, cast to the output dtype (``out``'s; else
+    ``out_dtype``, default the partial's if 16-bit, else bf16), written to the valid rows of ``out`` (else of new
+    zero-filled tensors). Returns dk, or (dk, dv) with ``dv_partial``. ``sequential=True``: the kernel's arithmetic
+    bit for bit instead, :func:`gqa_reduce_sequential_fp32` rounded to nearest even."""
+    outs = tuple(out) if isinstance(out, (tuple, list)) else (out, None)
+    results = [_reduce_one(p, o, s, num_heads_kv, out_dtype, sequential, cu_seqlens, seqused)
+               for p, o, s in ((dk_partial, outs[0], scale_dk), (dv_partial, outs[1], scale_dv)) if p is not None]
+    return results[0] if dv_partial is None else tuple(results)
+
+
+def _reduce_one(partial, out, scale, num_heads_kv, out_dtype, sequential, cu_seqlens, seqused) -> torch.Tensor:
+    if out is not None:
+        if out_dtype is not None and out.dtype != out_dtype:
+            raise ValueError(f"out has dtype {out.dtype}, out_dtype is {out_dtype}")
         out_dtype = out.dtype
+    elif out_dtype is None:
+        out_dtype = partial.dtype if partial.dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
     if sequential:
         reduced = gqa_reduce_sequential_fp32(partial, num_heads_kv, scale).to(out_dtype)
     else:
         reduced = (_group_view(partial, num_heads_kv).to(torch.float64).sum(dim=-2) * float(scale)).to(out_dtype)
     if out is None:
         out = torch.zeros(reduced.shape, dtype=out_dtype, device=partial.device)
-    elif out.dtype != out_dtype:
-        raise ValueError(f"out has dtype {out.dtype}, out_dtype is {out_dtype}")
     elif out.shape != reduced.shape:
         raise ValueError(f"out has shape {tuple(out.shape)}, expected {tuple(reduced.shape)}")
     for rows in _valid_rows(partial, cu_seqlens, seqused):

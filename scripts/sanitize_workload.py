@@ -240,8 +240,8 @@ def run_gqa_reduce(d, dv=None, layout="batched", seqused=False, partial="fp32", 
         (buf_k, dk), (buf_v, dv_out) = output_view(lead + (h_k, d), DT[dtype]), \
             output_view(lead + (h_k, dv), DT[dtype], transposed=True)
         want_k, want_v = buf_k.clone(), buf_v.clone()
-        gqa_reduce_reference(pk, h_k, out=same_view(want_k, dk), scale=0.5, sequential=True, **seq)
-        gqa_reduce_reference(pv, h_k, out=same_view(want_v, dv_out), scale=1.0, sequential=True, **seq)
+        gqa_reduce_reference(pk, num_heads_kv=h_k, out=same_view(want_k, dk), scale_dk=0.5, sequential=True, **seq)
+        gqa_reduce_reference(pv, num_heads_kv=h_k, out=same_view(want_v, dv_out), scale_dk=1.0, sequential=True, **seq)
         call(fe.gqa_reduce, pk, pv, out=(dk, dv_out), **kw)
         if executed():
             torch.cuda.synchronize()
@@ -253,8 +253,9 @@ def run_gqa_reduce(d, dv=None, layout="batched", seqused=False, partial="fp32", 
     out = call(fe.gqa_reduce, pk, pv, out_dtype=DT[dtype] if partial == "fp32" else None, **kw)
     if executed():
         torch.cuda.synchronize()
-        expect_equal("dk", out[0], gqa_reduce_reference(pk, h_k, out_dtype=DT[dtype], scale=0.5, sequential=True))
-        expect_equal("dv", out[1], gqa_reduce_reference(pv, h_k, out_dtype=DT[dtype], scale=1.0, sequential=True))
+        want = gqa_reduce_reference(pk, pv, num_heads_kv=h_k, out_dtype=DT[dtype], scale_dk=0.5, sequential=True)
+        expect_equal("dk", out[0], want[0])
+        expect_equal("dv", out[1], want[1])
 
 
 def run_bad_metadata(d, arch=0, seed=0):

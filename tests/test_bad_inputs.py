@@ -819,7 +819,7 @@ def assert_healthy():
     fe.gqa_postprocess(acc, ok, ov)
     torch.cuda.synchronize()
     assert torch.equal(bits(dk), bits(acc_k.to(BF16))) and torch.equal(bits(dv), bits(acc_v.to(BF16)))
-    assert torch.equal(bits(rk), bits(ref.gqa_reduce_reference(pk, H_K, out_dtype=BF16, sequential=True)))
+    assert torch.equal(bits(rk), bits(ref.gqa_reduce_reference(pk, num_heads_kv=H_K, out_dtype=BF16, sequential=True)))
     dense = [z("cuda", B, S, H_K, D) for _ in range(2)]
     ref.gqa_accumulate_reference(pk, pv, *dense, num_heads_kv=H_K)
     assert torch.equal(bits(ok), bits(dense[0].to(BF16))) and torch.equal(bits(ov), bits(dense[1].to(BF16)))

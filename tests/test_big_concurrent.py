@@ -506,7 +506,7 @@ def test_two_streams_mixed_ops():
             want = a.to(torch.bfloat16)
             want[:, 100:1000, i % h] = 0
             assert torch.equal(bits(out), bits(want)), f"store round {i}"
-        want = gqa_reduce_reference(parts[i], h, out_dtype=torch.float16, scale=0.5, sequential=True)
+        want = gqa_reduce_reference(parts[i], num_heads_kv=h, out_dtype=torch.float16, scale_dk=0.5, sequential=True)
         assert torch.equal(bits(outs_reduce[i]), bits(want)), f"reduce round {i}"
         # two query heads per KV head, one call: the atomic sum is exact regardless of order
         summed = gqa_reduce_sequential_fp32(parts[i], h)
@@ -534,7 +534,7 @@ def test_persistent_drivers_on_two_streams_and_in_a_graph():
 
     def expected():  # of the current inputs: dk, dv, the reduced dk, the accumulators' dense dk and dv
         return [ak.to(torch.bfloat16), av.to(torch.bfloat16),
-                gqa_reduce_reference(red, h, out_dtype=torch.bfloat16, sequential=True),
+                gqa_reduce_reference(red, num_heads_kv=h, out_dtype=torch.bfloat16, sequential=True),
                 gqa_reduce_sequential_fp32(pk, h), gqa_reduce_sequential_fp32(pv, h)]
 
     def check(outs, dense, want):
@@ -585,7 +585,7 @@ def test_persistent_store_beside_another_kernel():
         with torch.cuda.stream(streams[1]):  # gqa_reduce and a second store, in turn
             fe.gqa_reduce(part, num_heads_kv=h, out=outs[2]) if i % 2 else fe.store(acc_v, acc_k, outs[3], outs[4])
     torch.cuda.synchronize()
-    reduced = gqa_reduce_reference(part, h, out_dtype=torch.bfloat16, sequential=True)
+    reduced = gqa_reduce_reference(part, num_heads_kv=h, out_dtype=torch.bfloat16, sequential=True)
     for out, want in zip(outs, (acc_k, acc_v, reduced, acc_v, acc_k)):
         assert torch.equal(bits(out), bits(want.to(torch.bfloat16)))
 

@@ -96,7 +96,7 @@ def _cpu_gqa_reduce(dk_partial, dv_partial, dk, dv, *, cu_seqlens=None, seqused=
                     _arch=0):
     for p, o, s in ((dk_partial, dk, scale_dk), (dv_partial, dv, scale_dv)):
         if p is not None:
-            gqa_reduce_reference(p, o.shape[-2], out=o, scale=s, sequential=True, cu_seqlens=cu_seqlens,
+            gqa_reduce_reference(p, num_heads_kv=o.shape[-2], out=o, scale_dk=s, sequential=True, cu_seqlens=cu_seqlens,
                                  seqused=seqused)
 
 
@@ -465,9 +465,10 @@ def test_cuda_graph_every_op(request, device):
         gqa_accumulate_reference(vpk, vpk * 2, *vref, num_heads_kv=hk, cu_seqlens=t["cu"], seqused=t["vused"])
         store_reference(vref[0], vref[1] * 0.5, before_v[0], before_v[1], cu_seqlens=t["cu"],
                         seqused=t["vused"])
-        gqa_reduce_reference(t["rpk"], hk, out=e["rk"], scale=0.25, sequential=True, cu_seqlens=t["cu"],
+        gqa_reduce_reference(t["rpk"], num_heads_kv=hk, out=e["rk"], scale_dk=0.25, sequential=True, cu_seqlens=t["cu"],
                              seqused=t["vused"])
-        gqa_reduce_reference(t["rpv"], hk, out=e["rv"], sequential=True, cu_seqlens=t["cu"], seqused=t["vused"])
+        gqa_reduce_reference(t["rpv"], num_heads_kv=hk, out=e["rv"], sequential=True, cu_seqlens=t["cu"],
+                             seqused=t["vused"])
         for k in outputs:
             assert same(t[k], e[k]), (trial, k)
         assert same(vok, before_v[0]) and same(vov, before_v[1]), trial
@@ -632,5 +633,5 @@ def test_gqa_reduce_of_partials_requiring_grad(request, device):
         fe.gqa_reduce(p, num_heads_kv=2)
     with torch.no_grad():
         got = fe.gqa_reduce(p, num_heads_kv=2)
-    assert not got.requires_grad and same(got, gqa_reduce_reference(p.detach(), 2, out=torch.empty_like(got),
-                                                                    sequential=True))
+    want = gqa_reduce_reference(p.detach(), num_heads_kv=2, out=torch.empty_like(got), sequential=True)
+    assert not got.requires_grad and same(got, want)

@@ -355,9 +355,8 @@ def check_reduce(d, dv, with_dv, arch, h_k, g, partial_dtype, out_dtype, batch, 
         (buf_k, dk), (buf_v, dv_out) = carve(lead + (h_k, d), odt, out_layouts[0], dev), \
             carve(lead + (h_k, dv), odt, out_layouts[1], dev)
         expect_k, expect_v = buf_k.clone(), buf_v.clone()
-        gqa_reduce_reference(pk, h_k, out=same_view(expect_k, dk), scale=scales[0], sequential=True, **seq)
-        if with_dv:
-            gqa_reduce_reference(pv, h_k, out=same_view(expect_v, dv_out), scale=scales[1], sequential=True, **seq)
+        gqa_reduce_reference(pk, pv if with_dv else None, num_heads_kv=h_k, scale_dk=scales[0], scale_dv=scales[1],
+                             out=(same_view(expect_k, dk), same_view(expect_v, dv_out)), sequential=True, **seq)
         ret = call(dev, fe.gqa_reduce, pk, pv, out=(dk, dv_out) if with_dv else dk, **kw)
         if not executed(dev):
             return
@@ -376,7 +375,7 @@ def check_reduce(d, dv, with_dv, arch, h_k, g, partial_dtype, out_dtype, batch, 
         assert out.dtype == odt and out.shape == lead + (h_k, p.shape[-1])
         got = out.clone()
         want = got.clone()  # rows outside the valid rows are uninitialized: compare the valid rows only
-        gqa_reduce_reference(p, h_k, out=want, scale=scale, sequential=True, **seq)
+        gqa_reduce_reference(p, num_heads_kv=h_k, out=want, scale_dk=scale, sequential=True, **seq)
         assert_bits(got, want, name)
 
 

@@ -252,9 +252,8 @@ def reduce_into_views(pk, pv, h_k, dtype, scales, **kw):
         carve(lead + (h_k, pk.shape[-1] if pv is None else pv.shape[-1]), dtype, "transposed")
     expect_k, expect_v = dk_buf.clone(), dv_buf.clone()
     seq = {k: v for k, v in kw.items() if k != "_arch"}
-    gqa_reduce_reference(pk, h_k, out=same_view(expect_k, dk), scale=scales[0], sequential=True, **seq)
-    if pv is not None:
-        gqa_reduce_reference(pv, h_k, out=same_view(expect_v, dv), scale=scales[1], sequential=True, **seq)
+    gqa_reduce_reference(pk, pv, num_heads_kv=h_k, out=(same_view(expect_k, dk), same_view(expect_v, dv)),
+                         scale_dk=scales[0], scale_dv=scales[1], sequential=True, **seq)
     ret = fe.gqa_reduce(pk, pv, num_heads_kv=h_k, out=dk if pv is None else (dk, dv), scale_dk=scales[0],
                         scale_dv=scales[1], **kw)
     torch.cuda.synchronize()
@@ -285,7 +284,7 @@ def check_reduce(d, dtype, arch, h_k, g, layout, partial_dtype, storage, with_dv
     for out, p, scale in zip(outs, (pk, pv), scales):
         got = out.clone()
         want = got.clone()
-        gqa_reduce_reference(p, h_k, out=want, scale=scale, sequential=True, **kw)
+        gqa_reduce_reference(p, num_heads_kv=h_k, out=want, scale_dk=scale, sequential=True, **kw)
         assert_bits(got, want)
 
 
@@ -445,7 +444,7 @@ def test_gqa_cuda_graph(arch):
         assert_bits(dk, scaled(ref[0], 0.5).bfloat16())
         assert torch.equal(bits(dv), bits(ref[1].bfloat16()))
         want = torch.zeros_like(rk)
-        gqa_reduce_reference(pk, h_k, out=want, sequential=True, seqused=used)
+        gqa_reduce_reference(pk, num_heads_kv=h_k, out=want, sequential=True, seqused=used)
         assert_bits(rk, want)
 
 

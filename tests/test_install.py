@@ -53,7 +53,8 @@ def test_pure_python_install_ships_the_headers(tmp_path):
 import os, torch, flash_epilogue as fe
 assert fe.__file__.startswith(os.path.abspath("site")), fe.__file__
 ours = fe.get_include()[0]
-assert ours.startswith(os.path.abspath("site")) and os.path.isfile(os.path.join(ours, "flash_epilogue", "epilogue_bwd.h"))
+assert ours.startswith(os.path.abspath("site"))
+assert os.path.isfile(os.path.join(ours, "flash_epilogue", "epilogue_bwd.h"))
 assert all(os.path.isdir(d) for d in fe.get_include())
 assert not fe.kernels_available() and "FLASH_EPILOGUE_SKIP_CUDA_BUILD" in fe.UNAVAILABLE_REASON
 x = torch.randn(2, 2, 5, 8, requires_grad=True)
@@ -87,14 +88,14 @@ import torch, flash_epilogue as fe
 assert fe.kernels_available(), fe.UNAVAILABLE_REASON
 assert fe.COMPILED_HEAD_DIMS == (64,)
 assert fe.tile_config(40).head_dim == 64
-for call in (lambda: fe.tile_config(128),
-             lambda: fe.store(torch.zeros(1, 8, 2, 128), torch.zeros(1, 8, 2, 128),
-                              torch.zeros(1, 8, 2, 128, dtype=torch.bfloat16), torch.zeros(1, 8, 2, 128, dtype=torch.bfloat16))):
+a, o = torch.zeros(1, 8, 2, 128), torch.zeros(1, 8, 2, 128, dtype=torch.bfloat16)
+for call in (lambda: fe.tile_config(128), lambda: fe.store(a, a, o, o.clone())):
     try:
         call()
         raise AssertionError("accepted")
     except fe.FlashEpilogueInputError as e:
-        assert "128 runs on the tile of head dim 128, which this build leaves out (FLASH_EPILOGUE_HEAD_DIMS=64)" in str(e), e
+        assert "128 runs on the tile of head dim 128, which this build leaves out (FLASH_EPILOGUE_HEAD_DIMS=64)" \
+            in str(e), e
 x = torch.randn(1, 2, 8, 128, device="cuda" if torch.cuda.is_available() else "cpu", requires_grad=True)
 y = fe.repeat_kv(x, 2)  # the backward falls back to plain ATen where no kernel is built
 assert torch.equal(torch.autograd.grad(y, x, y)[0], fe.reference.group_sum_reference(y.detach(), 2))

@@ -192,7 +192,7 @@ def test_gqa_ops_on_device1(arch, deterministic):
             assert ((got.double() - want.double()).abs() <= 2 * g * 2.0**-24 * m).all()
     for got, p in ((rk, pk_real), (rv, pv_real)):
         want = torch.zeros_like(got)
-        gqa_reduce_reference(p, hk, out=want, sequential=True)
+        gqa_reduce_reference(p, num_heads_kv=hk, out=want, sequential=True)
         assert got.device == D1 and same(got, want)
 
 
@@ -211,7 +211,8 @@ def test_repeat_kv_on_device1():
     assert y.device == gx.device == D1
     assert same(y, x_real.repeat_interleave(4, dim=1))
     # the backward's arithmetic: the sequential fp32 group sum, rounded once
-    assert same(gx, gqa_reduce_reference(gy_real.transpose(1, 2), 2, out_dtype=BF16, sequential=True).transpose(1, 2))
+    want = gqa_reduce_reference(gy_real.transpose(1, 2), num_heads_kv=2, out_dtype=BF16, sequential=True)
+    assert same(gx, want.transpose(1, 2))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -246,7 +247,7 @@ for dev in (1, 0):  # device 1 first: its shared-memory attributes are set befor
             assert torch.equal(ov, ref[1].bfloat16()), ("postprocess", dev, arch, d)
             for got, p in ((rk, pk), (rv, pv)):
                 want = torch.zeros_like(got)
-                gqa_reduce_reference(p, 2, out=want, sequential=True)
+                gqa_reduce_reference(p, num_heads_kv=2, out=want, sequential=True)
                 assert torch.equal(got, want), ("reduce", dev, arch, d)
             want = pk.half(); want[:, 100:] = 0
             assert torch.equal(sk, want), ("store/store_zero", dev, arch, d)

@@ -290,11 +290,11 @@ def test_gqa_reduce_groups(h_q, h_k):
     torch.manual_seed(h_q * 10 + h_k)
     partial = torch.randn(2, 9, h_q, 64)
     scale = 0.125
-    ref = gqa_reduce_reference(partial, h_k, out_dtype=torch.float32, scale=scale)
+    ref = gqa_reduce_reference(partial, num_heads_kv=h_k, out_dtype=torch.float32, scale_dk=scale)
     assert ref.shape == (2, 9, h_k, 64)
     expect64 = _grouped_fp64(partial, h_k, scale)
     assert torch.equal(ref, expect64.float())
-    bf = gqa_reduce_reference(partial, h_k, out_dtype=torch.bfloat16, scale=scale)
+    bf = gqa_reduce_reference(partial, num_heads_kv=h_k, out_dtype=torch.bfloat16, scale_dk=scale)
     assert torch.equal(bf, expect64.to(torch.bfloat16))
 
     seq = gqa_reduce_sequential_fp32(partial, h_k, scale)
@@ -317,7 +317,7 @@ def test_gqa_sequential_order_is_left_to_right():
     p2 = p[:, :, [0, 2, 1]]
     assert gqa_reduce_sequential_fp32(p2, 1)[0, 0, 0, 0].item() == 1.0
     # the fp64 reference gets the exact sum
-    assert gqa_reduce_reference(p, 1, out_dtype=torch.float32)[0, 0, 0, 0].item() == 1.0
+    assert gqa_reduce_reference(p, num_heads_kv=1, out_dtype=torch.float32)[0, 0, 0, 0].item() == 1.0
     # the explicit left fold equals the reference
     manual = (p[:, :, 0] + p[:, :, 1]) + p[:, :, 2]
     assert torch.equal(gqa_reduce_sequential_fp32(p, 1)[:, :, 0], manual)
@@ -335,7 +335,7 @@ def test_gqa_head_mapping():
     partial = torch.zeros(1, 1, h_q, 8)
     for j in range(h_q):
         partial[0, 0, j] = 2.0**j
-    out = gqa_reduce_reference(partial, h_k, out_dtype=torch.float32)
+    out = gqa_reduce_reference(partial, num_heads_kv=h_k, out_dtype=torch.float32)
     assert out[0, 0, :, 0].tolist() == [1 + 2 + 4, 8 + 16 + 32]
     assert torch.equal(gqa_reduce_sequential_fp32(partial, h_k), out)
 
@@ -346,7 +346,8 @@ def test_gqa_reduce_masked_rows_and_out():
     su = torch.tensor([2, 0, 6], dtype=torch.int32)
     total = 12
     partial = torch.randn(total, 8, 64)
-    new = gqa_reduce_reference(partial, 2, out_dtype=torch.float16, cu_seqlens=cu, seqused=su, scale=2.0)
+    new = gqa_reduce_reference(partial, num_heads_kv=2, out_dtype=torch.float16, cu_seqlens=cu, seqused=su,
+                               scale_dk=2.0)
     full = _grouped_fp64(partial, 2, 2.0).half()
     valid = [0, 1, 3, 4, 5, 6, 7, 8]
     invalid = [r for r in range(total) if r not in valid]
@@ -354,14 +355,15 @@ def test_gqa_reduce_masked_rows_and_out():
     assert (new[invalid] == 0).all()
 
     out = _canary((total, 2, 64), torch.float16)
-    ret = gqa_reduce_reference(partial, 2, out_dtype=torch.float16, cu_seqlens=cu, seqused=su, scale=2.0, out=out)
+    ret = gqa_reduce_reference(partial, num_heads_kv=2, out_dtype=torch.float16, cu_seqlens=cu, seqused=su,
+                               scale_dk=2.0, out=out)
     assert ret is out
     assert torch.equal(out[valid], full[valid]) and is_canary(out[invalid])
 
     # batched with seqused, out dtype inferred from out, strided out
     partial_b = torch.randn(2, 5, 4, 32)
     out_b = _canary((2, 5, 1, 32), torch.bfloat16, heads_major=True)
-    gqa_reduce_reference(partial_b, 1, seqused=torch.tensor([5, 1], dtype=torch.int32), out=out_b)
+    gqa_reduce_reference(partial_b, num_heads_kv=1, seqused=torch.tensor([5, 1], dtype=torch.int32), out=out_b)
     full_b = _grouped_fp64(partial_b, 1, 1.0).bfloat16()
     assert torch.equal(out_b[0], full_b[0]) and torch.equal(out_b[1, :1], full_b[1, :1])
     assert is_canary(out_b[1, 1:])
@@ -396,7 +398,7 @@ def test_accumulate_reference_orders_and_rows():
 def test_reduce_reference_sequential():
     torch.manual_seed(0)
     p = torch.randn(2, 7, 8, 16) * 100
-    seq = gqa_reduce_reference(p, 2, out_dtype=torch.bfloat16, scale=0.3, sequential=True)
+    seq = gqa_reduce_reference(p, num_heads_kv=2, out_dtype=torch.bfloat16, scale_dk=0.3, sequential=True)
     g = p.unflatten(2, (2, 4))  # q head j -> kv head j // 4
     acc = torch.zeros(2, 7, 2, 16)
     for j in range(4):

@@ -144,7 +144,7 @@ def test_forward_of_strided_inputs_and_writable_output():
 def sequential_reference(grad, n_rep, dim):
     """The kernel's arithmetic through reference.py (heads in dim 2 of a (b, s, h, d) view)."""
     view = grad.transpose(1, 2) if dim == 1 else grad
-    out = gqa_reduce_reference(view, view.shape[2] // n_rep, out_dtype=grad.dtype, sequential=True)
+    out = gqa_reduce_reference(view, num_heads_kv=view.shape[2] // n_rep, out_dtype=grad.dtype, sequential=True)
     return out.transpose(1, 2) if dim == 1 else out
 
 
