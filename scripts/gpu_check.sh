@@ -1,28 +1,24 @@
 #!/usr/bin/env bash
-# The H200 check, run through the `device` tool from the repository root:
-#   scripts/gpu_check.sh STAGES COMMIT      e.g.  scripts/gpu_check.sh build,test abc1234
-# Stages (each writes to $OUT):
-#   build       the extension against the device's torch (MAX_JOBS=16) -> build.log
-#   pack        the built extension -> prebuilt.tgz; carried as .prebuilt/prebuilt.tgz into a later call
-#               without `build`, it spares a cold machine the rebuild
+# The GPU check, for anyone with an sm_90 GPU (H100/H200), run from the repository root with torch, nvcc and the
+# CUTLASS headers installed (scripts/install.sh sets them up):
+#   scripts/gpu_check.sh                     build in place, then the whole test suite
+#   scripts/gpu_check.sh test,bench_ops      any stages, comma-separated; results in $OUT (default
+#                                            /tmp/flash_epilogue_out), named after the commit (git, or COMMIT)
+# Stages:
+#   build       the extension in place (MAX_JOBS, default 16) -> build.log
 #   test        pytest, GPU tests included (TEST_FILES, default tests; TEST_TIMEOUT_S; TEST_MAXFAIL, default 30)
-#               -> junit.xml, tests.log and the summary gpu_tests.json (with "interrupted" when pytest was cut
-#               off without a report: the counts are then those of the tests that finished)
-#   sanitize    scripts/sanitize.sh: compute-sanitizer over every op -> sanitize.json, sanitize_logs.tgz
-#               (budget SANITIZE_BUDGET_S)
-#   bench_host  benchmarks/bench_host.py: the wrappers' host time against torch.ops -> host_time.json
-#   bench_ops   benchmarks/bench_ops.py: every op against its baselines and the copy roofline
-#               -> h200.json/csv/png (BENCH_TIMEOUT_S; BENCH_OPS_ARGS, e.g. --quick); give it a call of its own
-#   fa3         scripts/fa3_check.py: FlashAttention-3 built as is and with the compat header, compared and
-#               timed -> fa3_check.json (FA3_DIR, default .fa3: FA3's hopper/ sources, carried; FA3_CHECK_ARGS;
-#               the builds are kept in FA3_WORK, default /tmp/fa3_check, for a later call on a warm machine)
-# GPU_CHECK_DEADLINE_S: the seconds the whole script may take; test, bench_ops and sanitize shrink to
-# fit, and test / bench_ops are skipped (and say so) when they cannot.
-# Needs the nvidia-cutlass wheel in .whl/ (carried: the device machine has no registry):
-#   pip download --no-deps nvidia-cutlass==4.2.0.0 -d .whl
+#               -> junit.xml, tests.log and the summary gpu_tests.json
+#   sanitize    scripts/sanitize.sh: compute-sanitizer over every op -> sanitize.json (budget SANITIZE_BUDGET_S)
+#   bench_host  benchmarks/bench_host.py: the wrappers' host time -> host_time.json
+#   bench_ops   benchmarks/bench_ops.py: every op against its baselines -> h200.json/csv/png (BENCH_OPS_ARGS)
+#   fa3         scripts/fa3_check.py: FlashAttention-3 as is and with the drop-in header (FA3_DIR: FA3's sources)
+#   pack        the built extension -> prebuilt.tgz, which a later run finds as .prebuilt/prebuilt.tgz and uses
+#               instead of building (for a machine that starts bare each time)
+# Offline machines: a nvidia-cutlass wheel in .whl/ is installed into a private folder when CUTLASS is missing.
+# GPU_CHECK_DEADLINE_S: the seconds the whole script may take; test, bench_ops and sanitize shrink to fit.
 set -uo pipefail
 STAGES=${1:-build,test}
-COMMIT=${2:-unknown}
+COMMIT=${2:-${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}}
 OUT=${OUT:-/tmp/flash_epilogue_out}
 mkdir -p "$OUT"
 export FLASH_EPILOGUE_COMMIT=$COMMIT PYTHONUNBUFFERED=1
