@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up flash_epilogue in the current Python environment and build it in place (editable install), keeping what is
 # there: an installed torch is used as it is (one is installed only when none is: TORCH_SPEC, default "torch"); then
-# only what building and testing need: ninja, pytest, hypothesis, the CUTLASS headers (the nvidia-cutlass wheel,
+# only what building and testing need: ninja, pytest, hypothesis, numpy, the CUTLASS headers (the nvidia-cutlass wheel,
 # headers only) and, where the CUDA toolkit lacks them, cuobjdump/nvdisasm for the SASS test. Before building it checks
 # that nvcc's CUDA major version is torch's, and stops saying what to install otherwise. Idempotent.
 # Knobs: PYTHON, TORCH_SPEC, CUDA_HOME (default /usr/local/cuda), MAX_JOBS, FLASH_EPILOGUE_SKIP_CUDA_BUILD=1 and the
@@ -17,7 +17,7 @@ else
   echo "install.sh: no torch in this environment: installing ${TORCH_SPEC:-torch}"
   pip_install "${TORCH_SPEC:-torch}"
 fi
-pip_install ninja pytest hypothesis
+pip_install ninja pytest hypothesis numpy
 pip_install --no-deps nvidia-cutlass==4.2.0.0
 
 skip=${FLASH_EPILOGUE_SKIP_CUDA_BUILD:-0}
