@@ -692,6 +692,6 @@ def fresh_thread_workload():
 
 def test_every_op_from_a_fresh_thread():
     # A host thread without a current CUDA context (c10's device guard does not bind one when the
-    # index already matches) made the TMA descriptor encode fail and the process crash (H200,
-    # 2fc97fc): every op runs from such threads in a child process, so a crash fails this test only.
+    # index already matches) made the TMA descriptor encode fail and the process crash (seen on the
+    # H200): every op runs from such threads in a child process, so a crash fails this test only.
     run_in_child(fresh_thread_workload)
