@@ -165,10 +165,17 @@ def environment() -> dict:
 
 
 def write_json(obj: dict, path: str) -> None:
+    """Compact and diffable: a line per top-level entry, and per element of a top-level list or dict."""
+    def entry(value) -> str:
+        if isinstance(value, list) and value:
+            return "[\n" + ",\n".join("  " + json.dumps(x) for x in value) + "\n ]"
+        if isinstance(value, dict) and value:
+            return "{\n" + ",\n".join(f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in value.items()) + "\n }"
+        return json.dumps(value)
+
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.write("\n")
+        f.write("{\n" + ",\n".join(f" {json.dumps(k)}: {entry(v)}" for k, v in obj.items()) + "\n}\n")
 
 
 def write_csv(result: dict, path: str) -> None:
