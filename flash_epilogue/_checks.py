@@ -87,12 +87,12 @@ def call_op(op: str, check_inputs: bool | None, contents: tuple, *args, **kwargs
     if torch.compiler.is_compiling():
         fn(*args, **kwargs)
         return
-    _extension.check_tensor_types(op, args, kwargs)
     if check_inputs or (check_inputs is None and CHECK_INPUTS):
         check_contents(op, *contents)
     try:
         fn(*args, **kwargs)
     except Exception as e:  # noqa: BLE001 (the op's error, as the package's)
+        _extension.check_tensor_types(op, args, kwargs)  # the dispatcher's refusal, named from the arguments
         raise _extension.op_error(op, e) from None
     if DEBUG:
         debug_sync(op, contents[0].device)

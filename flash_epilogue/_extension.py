@@ -54,8 +54,8 @@ def require(op: str):
 
 
 def check_tensor_types(op: str, args: tuple, kwargs: dict) -> None:
-    """What the dispatcher refuses before the op's checker sees a call, as the package's TypeError: a Tensor argument
-    of the schema given another type, or every Tensor argument None (no device to dispatch by)."""
+    """After a call failed: the package's TypeError where the dispatcher refused it before the op's checker saw it (a
+    Tensor argument of the schema given another type, or every Tensor argument None: no device to dispatch by)."""
     schema = getattr(torch.ops.flash_epilogue, op).default._schema
     given = dict(zip((a.name for a in schema.arguments), args)) | kwargs
     any_tensor = False
