@@ -136,16 +136,21 @@ def _reduce_one(partial, out, scale, num_heads_kv, out_dtype, sequential, cu_seq
     return out
 
 
-def gqa_reduce_sequential_fp32(partial: torch.Tensor, num_heads_kv: int, scale: float = 1.0) -> torch.Tensor:
-    """The deterministic kernel's arithmetic, exactly: ``acc = 0 + p_0; acc = acc + p_1; ...`` over each group in
-    order in fp32 (the partials' dtype if wider), times ``scale`` rounded to fp32; every row, ``(..., h_k, d)``. The
-    +0.0 start (the kernel's memset accumulator) turns a -0.0 sum into +0.0."""
-    dtype = torch.promote_types(partial.dtype, torch.float32)
-    grouped = _group_view(partial, num_heads_kv).to(dtype)
-    acc = torch.zeros(grouped.shape[:-2] + grouped.shape[-1:], dtype=dtype, device=partial.device)
+def _sequential_sum(grouped: torch.Tensor) -> torch.Tensor:
+    """(..., g, d) -> (..., d): ``acc = 0 + p_0; acc = acc + p_1; ...`` in fp32 (the input's dtype if wider), in
+    order. The +0.0 start (the kernel's memset accumulator) turns a -0.0 sum into +0.0."""
+    dtype = torch.promote_types(grouped.dtype, torch.float32)
+    acc = torch.zeros(grouped.shape[:-2] + grouped.shape[-1:], dtype=dtype, device=grouped.device)
     for g in range(grouped.shape[-2]):
-        acc = acc + grouped[..., g, :]
-    return acc * torch.tensor(float(scale), dtype=torch.float32, device=partial.device)
+        acc = acc + grouped[..., g, :]  # the exact upcast, then the add
+    return acc
+
+
+def gqa_reduce_sequential_fp32(partial: torch.Tensor, num_heads_kv: int, scale: float = 1.0) -> torch.Tensor:
+    """The deterministic kernel's arithmetic, exactly: each group summed in order (:func:`_sequential_sum`), times
+    ``scale`` rounded to fp32; every row, ``(..., h_k, d)``."""
+    return _sequential_sum(_group_view(partial, num_heads_kv)) * torch.tensor(float(scale), dtype=torch.float32,
+                                                                               device=partial.device)
 
 
 def group_sum_reference(grad: torch.Tensor, n_rep: int, dim: int = 1) -> torch.Tensor:
@@ -155,7 +160,7 @@ def group_sum_reference(grad: torch.Tensor, n_rep: int, dim: int = 1) -> torch.T
     heads = grad.shape[dim]
     if heads % n_rep != 0:
         raise ValueError(f"group_sum_reference: the {heads} heads of grad (dim {dim}) are not a multiple of {n_rep}")
-    acc = gqa_reduce_sequential_fp32(grad.movedim(dim, -2), heads // n_rep)
+    acc = _sequential_sum(grad.movedim(dim, -2).unflatten(-2, (heads // n_rep, n_rep)))
     return acc.to(grad.dtype).movedim(-2, dim).contiguous()
 
 

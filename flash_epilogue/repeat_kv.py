@@ -13,6 +13,7 @@ import torch
 
 from . import _extension
 from .errors import FlashEpilogueTypeError, as_int, fail
+from .reference import group_sum_reference
 
 __all__ = ["repeat_kv"]
 
@@ -64,15 +65,8 @@ def _layout_of(x) -> list[int]:
 
 
 def _group_sum(grad, n_rep: int, dim: int, layout) -> torch.Tensor:
-    """x's gradient: per KV head 0 + g_0 + ... + g_{n-1} in fp32 (or grad's wider dtype), rounded once into a tensor
-    of x's layout; reference.group_sum_reference's arithmetic in the ATen calls the op's CPU path makes (and that
-    torch.compile traces)."""
-    out = _gradient_like(grad, n_rep, dim, layout)
-    grouped = grad.unflatten(dim, (-1, n_rep))
-    acc = torch.zeros(out.shape, dtype=torch.promote_types(grad.dtype, torch.float32), device=grad.device)
-    for j in range(n_rep):
-        acc = acc + grouped.select(dim + 1, j)
-    return out.copy_(acc)
+    """x's gradient, reference.group_sum_reference (the kernels' bits) in a tensor of x's layout."""
+    return _gradient_like(grad, n_rep, dim, layout).copy_(group_sum_reference(grad, n_rep, dim))
 
 
 def _gradient_like(grad, n_rep: int, dim: int, layout) -> torch.Tensor:
