@@ -4,6 +4,7 @@ Canary buffers: 16-bit ones hold CANARY_BITS, a NaN payload no conversion produc
 did not write keeps these bits); fp32 ones NaN (a read outside a view poisons the result). Outputs are views
 carved out of such buffers and the WHOLE buffer is compared bitwise with the reference applied to a clone.
 """
+import contextlib
 import os
 import shutil
 from pathlib import Path
@@ -165,3 +166,15 @@ def cuda_graph(step, warmup=1):
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     return graph, out
+
+
+@contextlib.contextmanager
+def deterministic_algorithms(warn_only=False):
+    """torch.use_deterministic_algorithms(True) inside, the previous setting restored after."""
+    before, before_warn = torch.are_deterministic_algorithms_enabled(), \
+        torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=warn_only)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before, warn_only=before_warn)

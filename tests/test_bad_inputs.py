@@ -25,7 +25,7 @@ import pytest
 import torch
 
 import flash_epilogue as fe
-from conftest import bits, rand
+from conftest import bits, deterministic_algorithms, rand
 from flash_epilogue import reference as ref
 
 BF16, F16, F32, F64, I32 = torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int32
@@ -91,12 +91,8 @@ def accumulate_args(d, varlen=False, op=False):
 
 def with_deterministic_algorithms(fn):
     def call(**kw):
-        before = torch.are_deterministic_algorithms_enabled()
-        torch.use_deterministic_algorithms(True)
-        try:
+        with deterministic_algorithms():
             return fn(**kw)
-        finally:
-            torch.use_deterministic_algorithms(before)
     return call
 
 

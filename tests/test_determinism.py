@@ -11,29 +11,16 @@ varlen with hundreds of short sequences, head dim 256, dK and dV of their own he
 layouts, both code paths of gqa_accumulate (sm_90 and the sm_80 path on the same GPU). Before each repeat the outputs
 are refilled with NaN / canary bits, so a repeat that skipped a write would show.
 """
-import contextlib
-
 import pytest
 import torch
 
 import flash_epilogue as fe
-from conftest import bits, canary, cu_seqlens, generator, rand
+from conftest import bits, canary, cu_seqlens, deterministic_algorithms, generator, rand
 from flash_epilogue.reference import (gqa_accumulate_reference, gqa_reduce_sequential_fp32, group_sum_reference,
                                       store_reference, store_zero_reference)
 
 REPEATS = 1000
 F32, BF16 = torch.float32, torch.bfloat16
-
-
-@contextlib.contextmanager
-def deterministic_algorithms(warn_only=False):
-    before, before_warn = torch.are_deterministic_algorithms_enabled(), \
-        torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=warn_only)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(before, warn_only=before_warn)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -217,19 +204,13 @@ def test_repeat_kv_backward_1000_repeats(d, n_rep, dim):
     x = rand(shape, gen, BF16).requires_grad_()
     y = fe.repeat_kv(x, n_rep, dim=dim)
     g = rand(y.shape, gen, BF16)
-    out = [None]
+    gx = torch.empty_like(x)
 
     def step():
-        (out[0],) = torch.autograd.grad(y, x, g, retain_graph=True)
+        gx.copy_(torch.autograd.grad(y, x, g, retain_graph=True)[0])
 
-    step()
-    first = bits(out[0]).clone()
-    assert torch.equal(first, bits(group_sum_reference(g, n_rep, dim)))
-    differing = torch.zeros((), dtype=torch.int64, device="cuda")
-    for _ in range(REPEATS - 1):
-        step()
-        differing += (bits(out[0]) != first).any()
-    assert differing.item() == 0, f"{differing.item()} of {REPEATS - 1} repeats differ from the first"
+    first = assert_repeatable(step, (gx,), lambda: bits(gx).fill_(-1))
+    assert torch.equal(first[0], bits(group_sum_reference(g, n_rep, dim)))
 
 
 @pytest.mark.gpu

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import flash_epilogue as fe
-from conftest import same
+from conftest import HAVE_SM90, same
 from test_ecosystem import make_problem
 
 pytestmark = pytest.mark.skipif(not fe.kernels_available(), reason=f"no extension: {fe.UNAVAILABLE_REASON}")
@@ -57,8 +57,7 @@ def swapped(args, kwargs, where, value):
 
 
 def problem_device():
-    return "cuda" if fe.kernels_available() and torch.cuda.is_available() and \
-        torch.cuda.get_device_capability() == (9, 0) else "cpu"
+    return "cuda" if HAVE_SM90 else "cpu"
 
 
 @pytest.mark.parametrize("other", ["meta", "cpu"])

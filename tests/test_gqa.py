@@ -20,7 +20,7 @@ import torch
 
 import flash_epilogue as fe
 from conftest import (CANARY_BITS, DTYPES, arch_param, assert_bits, bits, block_n, canary, carve, cu_seqlens,
-                      cuda_graph, generator, input_view, int32, rand, same_view)
+                      cuda_graph, deterministic_algorithms, generator, input_view, int32, rand, same_view)
 from flash_epilogue.reference import gqa_accumulate_reference, gqa_reduce_reference, store_reference
 
 pytestmark = pytest.mark.gpu
@@ -200,15 +200,11 @@ def test_gqa_deterministic_follows_torch_setting(arch):
     pk, pv = rand(lead + (8, 128), gen), rand(lead + (8, 128), gen)
     plain = fe.gqa_accumulator(2, 128, device=DEV, arch=arch, **alloc)
     acc = fe.gqa_accumulator(2, 128, deterministic=True, device=DEV, arch=arch, **alloc)
-    before = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
+    with deterministic_algorithms():
         fe.gqa_accumulate(pk, pv, acc, **seq)  # deterministic by default now (`plain` raises: test_bad_inputs)
         # the atomic mode asked for explicitly is torch's alert (test_determinism: with warn_only, a warning)
         with pytest.raises(RuntimeError, match=r"gqa_accumulate\(deterministic=False\) does not have a deterministic"):
             fe.gqa_accumulate(pk, pv, plain, deterministic=False, **seq)
-    finally:
-        torch.use_deterministic_algorithms(before)
     assert not plain.dk_accum.any() and not plain.dv_accum.any()
     ref = [torch.zeros(lead + (2, 128), device=DEV) for _ in range(2)]
     gqa_accumulate_reference(pk, pv, *ref, num_heads_kv=2, **seq)
