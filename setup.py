@@ -30,20 +30,19 @@ from setuptools.command.build_py import build_py
 ROOT = Path(__file__).resolve().parent
 
 
-def _load_cutlass_finder():
-    # flash_epilogue/_cutlass.py, loaded by path: importing the package would need the build.
+def _load(path: str):
+    """A module of this repository loaded by path: importing the package would need the build."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("_flash_epilogue_cutlass", ROOT / "flash_epilogue" / "_cutlass.py")
+    spec = importlib.util.spec_from_file_location("_flash_epilogue_" + Path(path).stem, ROOT / path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.cutlass_include_dirs
+    return module
 
 
-cutlass_include_dirs = _load_cutlass_finder()
-
+cutlass_include_dirs = _load("flash_epilogue/_cutlass.py").cutlass_include_dirs
+ALL_HEAD_DIMS = _load("scripts/generate_instantiations.py").HEAD_DIMS  # the tile head dims (static_switch.h's)
 SKIP_CUDA = os.environ.get("FLASH_EPILOGUE_SKIP_CUDA_BUILD", "0") not in ("", "0")
-ALL_HEAD_DIMS = (64, 96, 128, 192, 256)  # the tile head dims (csrc/kernels/static_switch.h)
 
 
 def head_dims() -> list[int]:

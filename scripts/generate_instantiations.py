@@ -18,9 +18,9 @@ ROOT = Path(__file__).resolve().parent.parent
 OUT_DIR = ROOT / "csrc" / "instantiations"
 
 DTYPES = {"bf16": "OutputDType::kBFloat16", "fp16": "OutputDType::kFloat16"}
-# The compiled head dims: FLASH_EPILOGUE_HEAD_DIMS of csrc/kernels/static_switch.h, which the C++ tile
-# table (csrc/kernels/config_table.cu, exported by flash_epilogue._C) is built from. Kept here so that
-# this script runs without a build; a test compares the two.
+# The tile head dims: FLASH_EPILOGUE_ALL_HEAD_DIMS of csrc/kernels/static_switch.h, which the C++ tile
+# table (csrc/kernels/config_table.cu, exported by flash_epilogue._C) is built from. Kept here so that this
+# script and setup.py (its FLASH_EPILOGUE_HEAD_DIMS knob) run without a build; a test compares the two.
 HEAD_DIMS = (64, 96, 128, 192, 256)
 # file suffix -> the kArch template argument. "sm80" is the sm_80 code path (ArchTag Sm80
 # collectives): compiled for every arch in FLASH_EPILOGUE_CUDA_ARCHS, so the default sm_90a build
