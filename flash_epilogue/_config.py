@@ -34,12 +34,12 @@ def tile_config(d: int, dv: int | None = None, arch: int = 90) -> TileConfig:
     >= max(d, dv), as FA3 picks it; an error naming FLASH_EPILOGUE_HEAD_DIMS where this build left it out."""
     if not _TABLE:
         raise _extension.unavailable("tile_config")
-    width = max(d, d if dv is None else dv)
+    width, path = max(d, d if dv is None else dv), 80 if arch == 80 else 90
     for hd in _TILE_HEAD_DIMS:
         if width <= hd:
-            if (80 if arch == 80 else 90, hd) not in _TABLE:
+            if (path, hd) not in _TABLE:
                 fail("tile_config", "head dim", f"a head dim this build has kernels for: {width} runs on the tile "
                      f"of head dim {hd}, which this build leaves out (FLASH_EPILOGUE_HEAD_DIMS="
                      f"{';'.join(map(str, COMPILED_HEAD_DIMS))}); rebuild with it in FLASH_EPILOGUE_HEAD_DIMS", width)
-            return _TABLE[(80 if arch == 80 else 90, hd)]
+            return _TABLE[(path, hd)]
     raise ValueError(f"head dim {width} exceeds the largest compiled head dim {_TILE_HEAD_DIMS[-1]}")
