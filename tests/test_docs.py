@@ -3,6 +3,8 @@ repository root, so every name it uses is defined in the block itself. A block p
 sm_90 GPU with the kernels (skipped elsewhere); a CPU block must also run without the extension. Blocks in other
 languages (shell, C++) are not run and must say so with `<!-- no-run -->`."""
 import re
+import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -41,9 +43,12 @@ def test_python_block_runs(marker, lang, code, monkeypatch, request):
     if marker == "gpu" and not HAVE_SM90:
         pytest.skip(WHY_NOT)
     monkeypatch.chdir(ROOT)
+    # a real module, as a script's __main__ is: torch.compile looks the block's globals up in sys.modules
+    module = types.ModuleType("__doc_block__")
+    monkeypatch.setitem(sys.modules, module.__name__, module)
     deterministic = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     try:
-        exec(compile(code, request.node.callspec.id, "exec"), {"__name__": "__doc_block__"})
+        exec(compile(code, request.node.callspec.id, "exec"), module.__dict__)
     finally:
         torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
 
