@@ -2,31 +2,23 @@
 # The GPU check, for anyone with an sm_90 GPU (H100/H200), run from the repository root with torch, nvcc and the
 # CUTLASS headers installed (scripts/install.sh sets them up):
 #   scripts/gpu_check.sh                     build in place, then the whole test suite
-#   scripts/gpu_check.sh test,bench_ops      any stages, comma-separated; results in $OUT (default
-#                                            /tmp/flash_epilogue_out), named after the commit (git, or COMMIT)
+#   scripts/gpu_check.sh test,bench_ops      any stages, comma-separated
+# Results go to $OUT (default /tmp/flash_epilogue_out), labelled with the git commit (else $FLASH_EPILOGUE_COMMIT).
 # Stages:
 #   build       the extension in place (MAX_JOBS, default 16) -> build.log
-#   test        pytest, GPU tests included (TEST_FILES, default tests; TEST_TIMEOUT_S; TEST_MAXFAIL, default 30)
-#               -> junit.xml, tests.log and the summary gpu_tests.json
+#   test        pytest, GPU tests included (TEST_FILES, default tests; TEST_ARGS, more pytest options split on
+#               spaces, e.g. "-x"; TEST_TIMEOUT_S; TEST_MAXFAIL, default 30) -> junit.xml, tests.log, gpu_tests.json
 #   sanitize    scripts/sanitize.sh: compute-sanitizer over every op -> sanitize.json (budget SANITIZE_BUDGET_S)
 #   bench_host  benchmarks/bench_host.py: the wrappers' host time -> host_time.json
 #   bench_ops   benchmarks/bench_ops.py: every op against its baselines -> h200.json/csv/png (BENCH_OPS_ARGS)
 #   fa3         scripts/fa3_check.py: FlashAttention-3 as is and with the drop-in header (FA3_DIR: FA3's sources)
-#   pack        the built extension -> prebuilt.tgz, which a later run finds as .prebuilt/prebuilt.tgz and uses
-#               instead of building (for a machine that starts bare each time)
-# Offline machines: a nvidia-cutlass wheel in .whl/ is installed into a private folder when CUTLASS is missing.
 # GPU_CHECK_DEADLINE_S: the seconds the whole script may take; test, bench_ops and sanitize shrink to fit.
 set -uo pipefail
 STAGES=${1:-build,test}
-COMMIT=${2:-${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}}
+COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo "${FLASH_EPILOGUE_COMMIT:-unknown}")
 OUT=${OUT:-/tmp/flash_epilogue_out}
 mkdir -p "$OUT"
 export FLASH_EPILOGUE_COMMIT=$COMMIT PYTHONUNBUFFERED=1
-SITE=/tmp/flash_epilogue_site
-if [ -d .whl ] && ! python3 -c "import cutlass_library" 2>/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .whl/nvidia_cutlass-*.whl || exit 1
-fi
-export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 [ -z "${CUDA_HOME:-}" ] && [ -d /usr/local/cuda ] && export CUDA_HOME=/usr/local/cuda
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1
 status=0
@@ -42,23 +34,12 @@ fits_in() {
   (( cap >= need ))
 }
 
-# (only where there is a GPU: run elsewhere, it would overwrite a local build's _build_info.py)
-if ! has build && [ -f .prebuilt/prebuilt.tgz ] && nvidia-smi -L > /dev/null 2>&1; then
-  tar xzf .prebuilt/prebuilt.tgz
-  echo "using the prebuilt extension of commit $(cat .prebuilt_commit 2>/dev/null) (this run: $COMMIT)"
-fi
-
 if has build; then
   start=$(date +%s)
   if ! MAX_JOBS=${MAX_JOBS:-16} python3 setup.py build_ext --inplace > "$OUT/build.log" 2>&1; then
     echo "BUILD FAILED"; tail -50 "$OUT/build.log"; exit 1
   fi
   echo "build: $(( $(date +%s) - start )) s"
-fi
-
-if has pack; then
-  echo "$COMMIT" > .prebuilt_commit
-  tar czf "$OUT/prebuilt.tgz" flash_epilogue/_C*.so flash_epilogue/_build_info.py .prebuilt_commit
 fi
 
 if has test && ! TEST_TIMEOUT_S=$(fits_in 60 "${TEST_TIMEOUT_S:-1800}"); then
@@ -69,7 +50,8 @@ elif has test; then
   # neither). TEST_MAXFAIL stops a run whose every test fails (a poisoned process) early, with the
   # first tracebacks in tests.log.
   rm -f "$OUT/junit.xml"
-  timeout -s INT -k 20 "${TEST_TIMEOUT_S}" python3 -m pytest ${TEST_FILES:-tests} -q -rs -p no:cacheprovider \
+  # shellcheck disable=SC2086 (TEST_FILES and TEST_ARGS are lists)
+  timeout -s INT -k 20 "${TEST_TIMEOUT_S}" python3 -m pytest ${TEST_FILES:-tests} ${TEST_ARGS:-} -q -rs -p no:cacheprovider \
     --durations=25 --maxfail="${TEST_MAXFAIL:-30}" --junitxml="$OUT/junit.xml" > "$OUT/tests.log" 2>&1
   test_rc=$?
   (( test_rc != 0 )) && status=1
@@ -101,7 +83,7 @@ fi
 if has sanitize; then
   export SANITIZE_BUDGET_S=$(fits_in 0 "${SANITIZE_BUDGET_S:-290}")
   [ -n "${GPU_CHECK_DEADLINE_S:-}" ] && echo "sanitize budget: ${SANITIZE_BUDGET_S} s"
-  bash scripts/sanitize.sh "$OUT" "$COMMIT" || status=1
+  bash scripts/sanitize.sh "$OUT" || status=1
 fi
 
 if has bench_host; then
@@ -122,7 +104,4 @@ if has fa3; then
     --out "$OUT/fa3_check.json" --jobs "${MAX_JOBS:-16}" ${FA3_CHECK_ARGS:-} 2>&1 | tee "$OUT/fa3_check.log" || status=1
   (cd "${FA3_WORK:-/tmp/fa3_check}" && tail -c 20000 compat.build.log > "$OUT/fa3_compat_build.log" 2>/dev/null; true)
 fi
-# The device tool returns at most 8 files: bundle the logs.
-(cd "$OUT" && files=$(ls *.log junit.xml 2>/dev/null; true) && [ -n "$files" ] && tar czf logs.tgz $files \
-  && rm -f $files)
 exit $status

@@ -2,7 +2,7 @@
 # compute-sanitizer over every op: memcheck, synccheck, racecheck and initcheck, each one run of
 # scripts/sanitize_workload.py (the ops on small shapes, every result checked against the
 # reference). The `sanitize` stage of scripts/gpu_check.sh; alone:
-#   scripts/sanitize.sh [OUT_DIR] [COMMIT]
+#   scripts/sanitize.sh [OUT_DIR]    (default $OUT, else /tmp/flash_epilogue_out)
 # Writes OUT_DIR/sanitize.json ({commit, date, gpu, <tool>: {runs, errors, ...}, ok}) and
 # OUT_DIR/sanitize_logs.tgz (one log per tool). Exit status 1 unless every tool ran to the end
 # with 0 errors and every configuration matched the reference.
@@ -30,7 +30,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-${OUT:-/tmp/flash_epilogue_out}}
-COMMIT=${2:-${FLASH_EPILOGUE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}}
+COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo "${FLASH_EPILOGUE_COMMIT:-unknown}")
 TOOLS=${SANITIZE_TOOLS:-memcheck,synccheck,racecheck,initcheck}
 BUDGET=${SANITIZE_BUDGET_S:-290}
 mkdir -p "$OUT"
