@@ -51,8 +51,9 @@ elif has test; then
   # first tracebacks in tests.log.
   rm -f "$OUT/junit.xml"
   # shellcheck disable=SC2086 (TEST_FILES and TEST_ARGS are lists)
-  timeout -s INT -k 20 "${TEST_TIMEOUT_S}" python3 -m pytest ${TEST_FILES:-tests} ${TEST_ARGS:-} -q -rs -p no:cacheprovider \
-    --durations=25 --maxfail="${TEST_MAXFAIL:-30}" --junitxml="$OUT/junit.xml" > "$OUT/tests.log" 2>&1
+  timeout -s INT -k 20 "${TEST_TIMEOUT_S}" python3 -m pytest ${TEST_FILES:-tests} ${TEST_ARGS:-} -q -rs \
+    -p no:cacheprovider --durations=25 --maxfail="${TEST_MAXFAIL:-30}" --junitxml="$OUT/junit.xml" \
+    > "$OUT/tests.log" 2>&1
   test_rc=$?
   (( test_rc != 0 )) && status=1
   tail -15 "$OUT/tests.log"
