@@ -272,7 +272,7 @@ def write_plot(result: dict, path: str) -> bool:
     handles = [Patch(color=colors[i]) for i in present] + [Line2D([], [], color="red", linestyle="--", linewidth=1)]
     labels = present + [f"device copy {copy or 0:.2f} TB/s"]
     fig.suptitle(f"flash_epilogue vs torch eager / torch.compile / Triton: {result.get('gpu')}, torch "
-                 f"{result.get('torch')}, {result.get('date')}, commit {result.get('commit')} (TB/s, minimum traffic)",
+                 f"{result.get('torch')}, {result.get('date')} (TB/s, minimum traffic)",
                  y=0.995, fontsize=11)
     fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0.975), ncol=5, fontsize=9)
     fig.tight_layout(rect=(0, 0, 1, 0.95))
