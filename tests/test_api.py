@@ -1,7 +1,6 @@
-"""CPU tests of the package surface: the tile table (the C++ one, as _C, fe.tile_config and the
-instantiation generator see it), the GQA accumulator's geometry and allocation, the fake kernels,
-`python -m flash_epilogue`, the environment switches, and the README's performance table against the
-results file it cites."""
+"""CPU tests of the package surface: the tile table (as _C, fe.tile_config and the instantiation generator see it),
+the GQA accumulator's geometry, the fake kernels, `python -m flash_epilogue`, the environment switches, and the docs'
+performance table against the results file it cites."""
 import importlib.util
 import json
 import subprocess
@@ -21,10 +20,6 @@ C = fe._extension._C  # the extension module (None without it)
 needs_C = pytest.mark.skipif(C is None, reason=f"no extension: {fe.UNAVAILABLE_REASON}")
 OP_NAMES = ("store", "store_zero", "gqa_accumulate", "gqa_postprocess", "gqa_accum_to_dense", "gqa_reduce",
             "repeat_kv", "repeat_kv_backward")
-
-
-# ---------------------------------------------------------------------------------------------
-# the tile table
 
 
 @needs_C
@@ -49,16 +44,14 @@ def _load(name, relative_path):
     return module
 
 
-def _generator():
-    return _load("generate_instantiations", "scripts/generate_instantiations.py")
-
-
 @needs_C
 def test_instantiation_generator_has_the_extension_s_head_dims():
     # every tile head dim of the C++ switch; a build of them all has a tile config of each
-    assert tuple(_generator().HEAD_DIMS) == tuple(C.build_info()["tile_head_dims"])
-    if C.build_info()["compiled_head_dims"] == C.build_info()["tile_head_dims"]:
-        assert tuple(_generator().HEAD_DIMS) == tuple(sorted({r["head_dim"] for r in C.tile_configs()}))
+    head_dims = tuple(_load("generate_instantiations", "scripts/generate_instantiations.py").HEAD_DIMS)
+    build = C.build_info()
+    assert head_dims == tuple(build["tile_head_dims"])
+    if build["compiled_head_dims"] == build["tile_head_dims"]:
+        assert head_dims == tuple(sorted({r["head_dim"] for r in C.tile_configs()}))
 
 
 def test_performance_table_is_the_committed_run():
@@ -90,15 +83,9 @@ def test_info_and_main_run():
         assert out.returncode == 0, out.stderr
 
 
-# ---------------------------------------------------------------------------------------------
-# the GQA accumulator
-
-
 @pytest.mark.parametrize("d,arch,block,elems", [
-    (64, 90, 128, 8192), (80, 90, 128, 12288), (96, 90, 128, 12288), (128, 90, 128, 16384),
-    (192, 90, 96, 18432), (256, 90, 80, 20480),
-    (64, 80, 128, 8192), (128, 80, 128, 16384), (192, 80, 80, 96 * 192), (256, 80, 64, 16384),
-])
+    (64, 90, 128, 8192), (80, 90, 128, 12288), (96, 90, 128, 12288), (128, 90, 128, 16384), (192, 90, 96, 18432),
+    (256, 90, 80, 20480), (64, 80, 128, 8192), (128, 80, 128, 16384), (192, 80, 80, 96 * 192), (256, 80, 64, 16384)])
 @pytest.mark.ops
 def test_accumulator_shape_batched(d, arch, block, elems):
     for seqlen in (0, 1, block - 1, block, block + 1, 1000):
@@ -176,8 +163,7 @@ def test_accumulator_allocation():
 @pytest.mark.parametrize("d,dv,arch,elems", [
     (192, 128, 90, (18432, 12288)), (128, 192, 90, (12288, 18432)), (192, 64, 90, (18432, 6144)),
     (136, 72, 90, (18432, 12288)), (256, 128, 90, (20480, 20480)), (128, 64, 90, (16384, 16384)),
-    (192, 128, 80, (96 * 192, 96 * 192)),
-])
+    (192, 128, 80, (96 * 192, 96 * 192))])
 @pytest.mark.ops
 def test_accumulator_tiles_hold_the_slabs_of_their_head_dim(d, dv, arch, elems):
     # hdim 192's sm_90 tile is three warpgroup slabs of 64 columns (6144 floats each): a narrower accumulator keeps
@@ -213,10 +199,6 @@ def test_accumulator_reset_and_pytree():
     assert isinstance(back, fe.GQAAccumulator) and back.dk_accum is acc.dk_accum and back.rows == 10
     leaves, spec = pytree.tree_flatten(fe.gqa_accumulator(1, 64, batch=1, seqlen=10, device="cpu"))
     assert leaves[2] is None and pytree.tree_unflatten(leaves, spec).semaphores is None
-
-
-# ---------------------------------------------------------------------------------------------
-# fake kernels: output metadata only (shapes, dtypes; no data, no device needed, no checks)
 
 
 @needs_C
@@ -266,10 +248,6 @@ def test_fake_kernels(varlen):
         assert fe.gqa_reduce(pk, num_heads_kv=8, out_dtype=torch.float16, **seq).dtype == torch.float16
         y = ops.repeat_kv(torch.empty(2, 2, 5, 8, device=device), 3, 1)
         assert y.shape == (2, 6, 5, 8) and y.is_contiguous()
-
-
-# ---------------------------------------------------------------------------------------------
-# environment switches
 
 
 @needs_C

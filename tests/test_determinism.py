@@ -1,15 +1,7 @@
-"""Determinism: what torch.use_deterministic_algorithms(True) does to each op, and every deterministic path repeated
-1000 times (FlashAttention-3's standard for its backward) on shapes that stress it, each repeat bitwise the first.
-
-Under torch.use_deterministic_algorithms(True): gqa_accumulator allocates the semaphores by default and
-gqa_accumulate runs its deterministic mode by default; its atomic mode asked for explicitly is torch's alert (a
-RuntimeError, with warn_only=True a warning). store, store_zero, gqa_postprocess, gqa_reduce and repeat_kv have no
-atomic mode: the switch changes nothing in them.
-
-The 1000-repeat tests are marked slow (``pytest -m slow`` runs only them). Stressed: groups of 8 and 16 query heads,
-varlen with hundreds of short sequences, head dim 256, dK and dV of their own head dims (192, 128), both repeat_kv
-layouts, both code paths of gqa_accumulate (sm_90 and the sm_80 path on the same GPU). Before each repeat the outputs
-are refilled with NaN / canary bits, so a repeat that skipped a write would show.
+"""torch.use_deterministic_algorithms(True): gqa_accumulator allocates the semaphores and gqa_accumulate runs
+deterministically by default, its atomic mode asked for explicitly is torch's alert (with warn_only a warning), the
+other ops are unchanged. Every deterministic path repeated 1000 times (FlashAttention-3's standard; marked slow) on
+stressing shapes, the outputs refilled with canary bits before each repeat: each repeat bitwise the first.
 """
 import pytest
 import torch
@@ -21,10 +13,6 @@ from flash_epilogue.reference import (gqa_accumulate_reference, gqa_reduce_seque
 
 REPEATS = 1000
 F32, BF16 = torch.float32, torch.bfloat16
-
-
-# ---------------------------------------------------------------------------------------------
-# torch.use_deterministic_algorithms(True)
 
 
 def test_accumulator_default_follows_the_switch():
@@ -39,17 +27,12 @@ def test_accumulator_default_follows_the_switch():
     assert fe.gqa_accumulator(2, 128, deterministic=True, **kw).semaphores is not None
 
 
-def _accumulate_problem(seed):
-    gen = generator(seed)
+@pytest.mark.gpu
+def test_accumulate_under_the_switch():
+    gen = generator(1)
     pk, pv = rand((2, 300, 8, 128), gen), rand((2, 300, 8, 128), gen)
     ref = [torch.zeros(2, 300, 2, 128, device="cuda") for _ in range(2)]
     gqa_accumulate_reference(pk, pv, *ref, num_heads_kv=2)
-    return pk, pv, ref
-
-
-@pytest.mark.gpu
-def test_accumulate_under_the_switch():
-    pk, pv, ref = _accumulate_problem(1)
     with deterministic_algorithms():
         acc = fe.gqa_accumulator(2, 128, batch=2, seqlen=300)  # semaphores by default
         fe.gqa_accumulate(pk, pv, acc)  # deterministic by default: the sequential sum, exactly
@@ -68,12 +51,11 @@ def test_accumulate_under_the_switch():
                 call()
         assert not plain.dk_accum.any() and not plain.dv_accum.any()  # refused before the launch
     with deterministic_algorithms(warn_only=True):
-        for call in (lambda: fe.gqa_accumulate(pk, pv, plain), lambda: fe.gqa_accumulate(pk, pv, plain,
-                                                                                          deterministic=False)):
+        for kw in ({}, {"deterministic": False}):
             plain.reset()
             with pytest.warns(UserWarning, match=r"gqa_accumulate\(deterministic=False\) does not have a "
                               r"deterministic implementation"):
-                call()
+                fe.gqa_accumulate(pk, pv, plain, **kw)
             for got, want in zip(plain.to_dense(), ref):
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
@@ -86,13 +68,12 @@ def test_other_ops_are_unchanged_by_the_switch():
     x = rand((2, 2, 200, 128), gen, BF16).requires_grad_()
 
     def run():
-        dk, dv = canary((2, 200, 2, 128)), canary((2, 200, 2, 128))
+        dk, dv, ok, ov = (canary((2, 200, 2, 128)) for _ in range(4))
         fe.store(ak, av, dk, dv)
         fe.store_zero(dk, dv, batch_idx=[1], row_start=50)
         red = fe.gqa_reduce(pk, num_heads_kv=2)
         acc = fe.gqa_accumulator(2, 128, batch=2, seqlen=200, deterministic=True)
         fe.gqa_accumulate(ak.repeat_interleave(4, 2), av.repeat_interleave(4, 2), acc)
-        ok, ov = canary((2, 200, 2, 128)), canary((2, 200, 2, 128))
         fe.gqa_postprocess(acc, ok, ov, scale_dk=0.5)
         (gx,) = torch.autograd.grad(fe.repeat_kv(x, 8), x, pk.transpose(1, 2))
         return dk, dv, red, ok, ov, gx
@@ -100,35 +81,27 @@ def test_other_ops_are_unchanged_by_the_switch():
     want = run()
     with deterministic_algorithms():
         got = run()
-    for g, w in zip(got, want):
-        assert torch.equal(bits(g), bits(w))
-
-
-# ---------------------------------------------------------------------------------------------
-# 1000 repeats
+    assert all(torch.equal(bits(g), bits(w)) for g, w in zip(got, want))
 
 
 def assert_repeatable(step, outputs, refill, n=REPEATS):
-    """step() n times, `refill()` before each; every output after each run bitwise its value after the first. The
-    comparisons stay on the GPU (one count, read at the end)."""
-    refill()
-    step()
+    """step() n times, the `refill` tensors set to all-ones bits before each; every output after each run bitwise
+    its value after the first (returned). The comparisons stay on the GPU (one count, read at the end)."""
+    def run():
+        for o in refill:
+            bits(o).fill_(-1)
+        step()
+
+    run()
     first = [bits(o).clone() for o in outputs]
     differing = torch.zeros((), dtype=torch.int64, device="cuda")
     for _ in range(n - 1):
-        refill()
-        step()
+        run()
         for o, f in zip(outputs, first):
             differing += (bits(o) != f).any()
     torch.cuda.synchronize()
     assert differing.item() == 0, f"{differing.item()} (output, repeat) pairs of {n - 1} repeats differ from the first"
     return first
-
-
-def short_sequences(n, seed, longest=48):
-    """cu_seqlens of n sequences of 1..longest tokens, and the total."""
-    lens = torch.randint(1, longest + 1, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-    return cu_seqlens(lens), sum(lens)
 
 
 # (d, dv, h_k, group, layout): group 8 and 16, hundreds of short sequences, head dim 256, (192, 128)
@@ -137,11 +110,12 @@ GQA_SHAPES = [(128, 128, 4, 8, "batched"), (128, 128, 2, 16, "varlen"), (256, 25
 GQA_IDS = [f"d{d}-dv{dv}-g{g}-{layout}" for d, dv, _, g, layout in GQA_SHAPES]
 
 
-def gqa_problem(d, dv, h_k, g, layout, seed):
-    """(lead shape, call kwargs, allocation kwargs): batched (2, 1000) or varlen, 400 sequences of 1-48 tokens."""
+def gqa_problem(layout, seed):
+    """(lead shape, call kwargs, allocation kwargs): batched (2, 1000), or varlen: 400 sequences of 1-48 tokens."""
     if layout == "batched":
         return (2, 1000), {}, {"batch": 2, "seqlen": 1000}
-    cu, total = short_sequences(400, seed)
+    lens = torch.randint(1, 49, (400,), generator=torch.Generator().manual_seed(seed)).tolist()
+    cu, total = cu_seqlens(lens), sum(lens)
     return (total,), {"cu_seqlens": cu}, {"cu_seqlens": cu, "total_tokens": total}
 
 
@@ -150,19 +124,12 @@ def gqa_problem(d, dv, h_k, g, layout, seed):
 @pytest.mark.parametrize("partial_dtype", [F32, BF16], ids=str)
 @pytest.mark.parametrize("d,dv,h_k,g,layout", GQA_SHAPES, ids=GQA_IDS)
 def test_gqa_reduce_1000_repeats(d, dv, h_k, g, layout, partial_dtype):
-    lead, kw, _ = gqa_problem(d, dv, h_k, g, layout, seed=d + g)
+    lead, kw, _ = gqa_problem(layout, seed=d + g)
     gen = generator(d * g)
     pk, pv = rand(lead + (h_k * g, d), gen, partial_dtype), rand(lead + (h_k * g, dv), gen, partial_dtype)
-    dk, dv_out = canary(lead + (h_k, d)), canary(lead + (h_k, dv))
-
-    def refill():
-        for o in (dk, dv_out):
-            bits(o).fill_(-1)
-
-    first = assert_repeatable(lambda: fe.gqa_reduce(pk, pv, num_heads_kv=h_k, out=(dk, dv_out), scale_dk=0.5, **kw),
-                              (dk, dv_out), refill)
-    want = gqa_reduce_sequential_fp32(pk.float(), h_k, 0.5).to(BF16)
-    assert torch.equal(first[0], bits(want))
+    outs = canary(lead + (h_k, d)), canary(lead + (h_k, dv))
+    first = assert_repeatable(lambda: fe.gqa_reduce(pk, pv, num_heads_kv=h_k, out=outs, scale_dk=0.5, **kw), outs, outs)
+    assert torch.equal(first[0], bits(gqa_reduce_sequential_fp32(pk.float(), h_k, 0.5).to(BF16)))
 
 
 @pytest.mark.gpu
@@ -170,23 +137,19 @@ def test_gqa_reduce_1000_repeats(d, dv, h_k, g, layout, partial_dtype):
 @pytest.mark.parametrize("arch", [90, 80], ids=["sm90", "sm80"])
 @pytest.mark.parametrize("d,dv,h_k,g,layout", GQA_SHAPES, ids=GQA_IDS)
 def test_deterministic_accumulate_and_postprocess_1000_repeats(d, dv, h_k, g, layout, arch):
-    lead, kw, alloc = gqa_problem(d, dv, h_k, g, layout, seed=d + g + 1)
+    lead, kw, alloc = gqa_problem(layout, seed=d + g + 1)
     gen = generator(d * g + 1)
     chunks = [(rand(lead + (h_k * g, d), gen), rand(lead + (h_k * g, dv), gen)) for _ in range(3)]
     acc = fe.gqa_accumulator(h_k, d, dv, deterministic=True, arch=arch, **alloc)
-    dk, dv_out = canary(lead + (h_k, d)), canary(lead + (h_k, dv))
+    outs = canary(lead + (h_k, d)), canary(lead + (h_k, dv))
 
     def step():
         acc.reset()
         for pk, pv in chunks:  # three calls into one accumulator, then the postprocess
             fe.gqa_accumulate(pk, pv, acc, **kw)
-        fe.gqa_postprocess(acc, dk, dv_out, scale_dk=0.125, **kw)
+        fe.gqa_postprocess(acc, *outs, scale_dk=0.125, **kw)
 
-    def refill():
-        for o in (dk, dv_out):
-            bits(o).fill_(-1)
-
-    assert_repeatable(step, (acc.dk_accum, acc.dv_accum, dk, dv_out), refill)
+    assert_repeatable(step, (acc.dk_accum, acc.dv_accum, *outs), outs)
     ref = [torch.zeros(lead + (h_k, n), device="cuda") for n in (d, dv)]
     for pk, pv in chunks:
         gqa_accumulate_reference(pk, pv, *ref, num_heads_kv=h_k, **kw)
@@ -200,16 +163,11 @@ def test_deterministic_accumulate_and_postprocess_1000_repeats(d, dv, h_k, g, la
 @pytest.mark.parametrize("d,n_rep", [(128, 8), (256, 16), (64, 16)])
 def test_repeat_kv_backward_1000_repeats(d, n_rep, dim):
     gen = generator(d + n_rep + dim)
-    shape = (2, 2, 1000, d) if dim == 1 else (2, 1000, 2, d)
-    x = rand(shape, gen, BF16).requires_grad_()
+    x = rand((2, 2, 1000, d) if dim == 1 else (2, 1000, 2, d), gen, BF16).requires_grad_()
     y = fe.repeat_kv(x, n_rep, dim=dim)
     g = rand(y.shape, gen, BF16)
     gx = torch.empty_like(x)
-
-    def step():
-        gx.copy_(torch.autograd.grad(y, x, g, retain_graph=True)[0])
-
-    first = assert_repeatable(step, (gx,), lambda: bits(gx).fill_(-1))
+    first = assert_repeatable(lambda: gx.copy_(torch.autograd.grad(y, x, g, retain_graph=True)[0]), (gx,), (gx,))
     assert torch.equal(first[0], bits(group_sum_reference(g, n_rep, dim)))
 
 
@@ -218,21 +176,17 @@ def test_repeat_kv_backward_1000_repeats(d, n_rep, dim):
 @pytest.mark.parametrize("d,dv,layout", [(128, 128, "varlen"), (256, 256, "batched"), (192, 128, "varlen"),
                                          (64, 64, "batched")])
 def test_store_and_store_zero_1000_repeats(d, dv, layout):
-    lead, kw, _ = gqa_problem(d, dv, 4, 1, layout, seed=d + 7)
+    lead, kw, _ = gqa_problem(layout, seed=d + 7)
     gen = generator(d + 7)
     ak, av = rand(lead + (4, d), gen), rand(lead + (4, dv), gen)
-    dk, dv_out = canary(lead + (4, d)), canary(lead + (4, dv))
+    outs = canary(lead + (4, d)), canary(lead + (4, dv))
     sel = dict(batch_idx=[0, 1, 5, 300][: 2 if layout == "batched" else 4], head_idx=[1, 3], row_start=3, row_end=40)
 
     def step():
-        fe.store(ak, av, dk, dv_out, **kw)
-        fe.store_zero(dk, dv_out, **sel, **kw)
+        fe.store(ak, av, *outs, **kw)
+        fe.store_zero(*outs, **sel, **kw)
 
-    def refill():
-        for o in (dk, dv_out):
-            bits(o).fill_(-1)
-
-    first = assert_repeatable(step, (dk, dv_out), refill)
+    first = assert_repeatable(step, outs, outs)
     want = canary(lead + (4, d)), canary(lead + (4, dv))
     store_reference(ak, av, *want, **kw)
     store_zero_reference(*want, **sel, **kw)

@@ -2,9 +2,8 @@
 tensors, a CPU tensor among CUDA ones), whichever argument it is, naming the argument and both devices, and writes
 nothing. The expected device is the first CUDA tensor's (in the schema's order), else the first tensor's. A call whose
 tensors are all meta runs the fake kernel: no error, nothing computed (torch's convention). Another GPU's tensor:
-test_bad_inputs (two GPUs).
-
-On the CPU (CI) the problem's tensors are CPU ones and the odd one out is meta; on the GPU, meta and CPU.
+test_bad_inputs (two GPUs). On the CPU (CI) the problem's tensors are CPU ones and the odd one out is meta; on the GPU,
+meta and CPU.
 """
 import pytest
 import torch
@@ -15,6 +14,7 @@ from test_ecosystem import make_problem
 
 pytestmark = pytest.mark.skipif(not fe.kernels_available(), reason=f"no extension: {fe.UNAVAILABLE_REASON}")
 OPS = torch.ops.flash_epilogue
+DEVICE = "cuda" if HAVE_SM90 else "cpu"  # the problem's
 
 
 def calls(t, acc, sizes):
@@ -33,64 +33,46 @@ def calls(t, acc, sizes):
     ]
 
 
-def tensor_args(op, args, kwargs):
-    """[(schema name, position or kwarg name)] of the tensor arguments of a call."""
-    names = [a.name for a in getattr(OPS, op).default._schema.arguments]
-    found = [(names[i], i) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-    return found + [(k, k) for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
-
-
 def on(device, t):
     """t's metadata (meta) or contents (cpu) on `device`."""
-    if device == "meta":
-        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
-    return t.to(device)
-
-
-def swapped(args, kwargs, where, value):
-    args, kwargs = list(args), dict(kwargs)
-    if isinstance(where, int):
-        args[where] = value
-    else:
-        kwargs[where] = value
-    return args, kwargs
-
-
-def problem_device():
-    return "cuda" if HAVE_SM90 else "cpu"
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta") if device == "meta" else t.to(device)
 
 
 @pytest.mark.parametrize("other", ["meta", "cpu"])
 def test_a_tensor_on_another_device_is_refused_naming_both(other):
-    device = problem_device()
-    if device == other:
+    if DEVICE == other:
         pytest.skip("needs an sm_90 GPU: the problem is on the CPU here")
-    t, acc, sizes = make_problem(device)
+    t, acc, sizes = make_problem(DEVICE)
     everything = [*t.values(), acc.dk_accum, acc.dv_accum, acc.semaphores]
     before = [x.clone() for x in everything]
     for op, args, kwargs in calls(t, acc, sizes):
-        tensors = tensor_args(op, args, kwargs)
+        names = [a.name for a in getattr(OPS, op).default._schema.arguments]
+        # [(schema name, position or kwarg name)] of the tensor arguments
+        tensors = [(names[i], i) for i, a in enumerate(args) if isinstance(a, torch.Tensor)] + [
+            (k, k) for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
         for name, where in tensors:
             ref = next(n for n, _ in tensors if n != name)  # the expected device: the first other tensor's
-            a, kw = swapped(args, kwargs, where, on(other, args[where] if isinstance(where, int) else kwargs[where]))
-            want = rf"flash_epilogue\.{op}: {name}: device: expected {device}(:0)? \(the device of {ref}\), got {other}"
+            a, kw = list(args), dict(kwargs)
+            if isinstance(where, int):
+                a[where] = on(other, a[where])
+            else:
+                kw[where] = on(other, kw[where])
+            want = rf"flash_epilogue\.{op}: {name}: device: expected {DEVICE}(:0)? \(the device of {ref}\), got {other}"
             with pytest.raises(ValueError, match=want):
                 getattr(OPS, op)(*a, **kw)
-    if device == "cuda":
+    if DEVICE == "cuda":
         torch.cuda.synchronize()
     for x, y in zip(everything, before):
         assert same(x, y)  # nothing written
 
 
 def test_the_wrappers_raise_the_package_error():
-    device = problem_device()
-    t, acc, _ = make_problem(device)
-    dv = on("meta", t["dv"])
-    with pytest.raises(fe.FlashEpilogueInputError, match=rf"flash_epilogue\.store: dv: device: expected {device}"
+    t, acc, _ = make_problem(DEVICE)
+    with pytest.raises(fe.FlashEpilogueInputError, match=rf"flash_epilogue\.store: dv: device: expected {DEVICE}"
                        rf"(:0)? \(the device of dk_accum\), got meta"):
-        fe.store(t["ak"], t["av"], t["dk"], dv)
+        fe.store(t["ak"], t["av"], t["dk"], on("meta", t["dv"]))
     with pytest.raises(fe.FlashEpilogueInputError, match=r"flash_epilogue\.gqa_reduce: dk_partial: device: expected "
-                       rf"{device}(:0)? \(the device of dv_partial\), got meta"):
+                       rf"{DEVICE}(:0)? \(the device of dv_partial\), got meta"):
         fe.gqa_reduce(on("meta", t["rpk"]), t["rpv"], num_heads_kv=2)
 
 

@@ -1,31 +1,16 @@
-"""The ops in PyTorch's machinery: torch.compile(fullgraph=True), torch.library.opcheck,
-torch.export and CUDA graphs.
+"""The ops in PyTorch's machinery: torch.compile(fullgraph=True) of every op (ops and Python API, bitwise eager's),
+opcheck of store/store_zero (the GQA ops': test_gqa.py; repeat_kv's: test_repeat_kv.py), torch.export, CUDA graphs
+(every op captured once, replayed on new static inputs and metadata), autograd (the in-place ops as torch's own).
 
-* compile: one function calling every op (store batched and varlen, store_zero, deterministic
-  gqa_accumulate twice into one accumulator, gqa_postprocess, gqa_accum_to_dense, gqa_reduce)
-  compiled with fullgraph=True gives bitwise the results of eager, through torch.ops.flash_epilogue.*
-  and through the Python API (wrappers, GQAAccumulator, repeat_kv).
-* opcheck: store and store_zero, batched and varlen, on several samples (the GQA ops are
-  opchecked in test_gqa.py, repeat_kv's in test_repeat_kv.py).
-* export: a module calling store/store_zero (the wrappers, non-strict; the ops, strict).
-* CUDA graphs: every op captured once (the accumulator reset, deterministic accumulate, varlen metadata
-  read on the device), replayed on new contents of the static inputs, metadata included.
-* autograd: every mutating op bumps the version of each tensor it writes (once, as copy_) and no other, so
-  backward through an overwritten saved tensor raises; torch's errors for a leaf requiring grad and an inference
-  tensor outside InferenceMode; an argument requiring grad (or a forward-mode tangent) raises naming it.
-
-The compile and export tests also run on the CPU (no GPU needed): CPU kernels written with
-flash_epilogue.reference stand in for the CUDA ones (the accumulator in a row-major stand-in layout),
-so what is checked there is that the Python API traces, not the kernels' values (for autograd: that the C++
-ADInplaceOrView/Autograd kernels above them bump and check; the errors they raise need no kernel at all). The
-CUDA-graph test's step and references run eagerly on the CPU the same way (a check of the test itself).
+On the CPU, kernels written with flash_epilogue.reference stand in for the CUDA ones (the accumulator row-major per
+tile): checked there are the tracing, the C++ ADInplaceOrView/Autograd kernels and these tests' references.
 """
 
 import pytest
 import torch
 
 import flash_epilogue as fe
-from conftest import CANARY_BITS, bits, cuda_graph, same
+from conftest import CANARY_BITS, bits, cuda_graph, int32, same
 from flash_epilogue.reference import (
     gqa_accumulate_reference,
     gqa_reduce_reference,
@@ -38,57 +23,37 @@ OPS = torch.ops.flash_epilogue
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
-# ---------------------------------------------------------------------------------------------
-# CPU stand-ins for the CUDA kernels (reference semantics; the accumulator row-major per tile)
+# ---- CPU stand-ins for the CUDA kernels (reference semantics; the accumulator row-major per tile)
 
 
-def _accum_dense(accum, block_n, rows, width, varlen=False):
-    """A row-major stand-in for the opaque tile: the (batch, rows, h_k, width) view of a batched accumulator
-    (b, h_k, tiles, elems) as (b, h_k, tiles * block_n, elems // block_n); varlen: (total, h_k, width), packed
-    row r at accumulator row r (the accumulator has at least `total` rows)."""
+def _accum_dense(accum, block_n, like, cu_seqlens):
+    """The stand-in tile layout: a batched accumulator (b, h_k, tiles, elems) seen as (b, rows, h_k, width); varlen:
+    (total, h_k, width), packed row r at accumulator row r (rows and width: those of `like`)."""
     b, h, tiles, elems = accum.shape
     view = accum.view(b, h, tiles * block_n, elems // block_n)
-    if varlen:
-        return view[0, :, :rows, :width].transpose(0, 1)
-    return view[:, :, :rows, :width].transpose(1, 2)
-
-
-def _rows_of(t, varlen):
-    return t.shape[0] if varlen else t.shape[1]
-
-
-def _cpu_store(*args, _arch=0, **kw):
-    store_reference(*args, **kw)
-
-
-def _cpu_store_zero(*args, _arch=0, **kw):
-    store_zero_reference(*args, **kw)
+    if cu_seqlens is not None:
+        return view[0, :, :like.shape[0], :like.shape[-1]].transpose(0, 1)
+    return view[:, :, :like.shape[1], :like.shape[-1]].transpose(1, 2)
 
 
 def _cpu_gqa_accumulate(dk_partial, dv_partial, dk_accum, dv_accum, semaphores=None, *, cu_seqlens=None,
                         seqused=None, deterministic=False, _arch=0):
-    varlen = cu_seqlens is not None
     block_n = fe.tile_config(dk_partial.shape[-1], dv_partial.shape[-1]).block_n
     for p, a in ((dk_partial, dk_accum), (dv_partial, dv_accum)):
-        view = _accum_dense(a, block_n, _rows_of(p, varlen), p.shape[-1], varlen)
-        dense = view.clone()
-        gqa_accumulate_reference(p, None, dense, None, num_heads_kv=a.shape[1], cu_seqlens=cu_seqlens,
-                                 seqused=seqused)
-        view.copy_(dense)
+        gqa_accumulate_reference(p, None, _accum_dense(a, block_n, p, cu_seqlens), None, num_heads_kv=a.shape[1],
+                                 cu_seqlens=cu_seqlens, seqused=seqused)
 
 
 def _cpu_gqa_postprocess(dk_accum, dv_accum, dk, dv, *, scale_dk=1.0, scale_dv=1.0, cu_seqlens=None, seqused=None,
                          _arch=0):
-    varlen = cu_seqlens is not None
     block_n = fe.tile_config(dk.shape[-1], dv.shape[-1]).block_n
-    scaled = [_accum_dense(a, block_n, _rows_of(o, varlen), o.shape[-1], varlen) * torch.tensor(sc, dtype=torch.float32)
+    scaled = [_accum_dense(a, block_n, o, cu_seqlens) * torch.tensor(sc, dtype=torch.float32)
               for a, o, sc in ((dk_accum, dk, scale_dk), (dv_accum, dv, scale_dv))]
     store_reference(scaled[0], scaled[1], dk, dv, cu_seqlens=cu_seqlens, seqused=seqused)
 
 
 def _cpu_gqa_accum_to_dense(accum, out, *, head_dim, cu_seqlens=None, seqused=None, _arch=0):
-    varlen = cu_seqlens is not None
-    dense = _accum_dense(accum, fe.tile_config(head_dim).block_n, _rows_of(out, varlen), out.shape[-1], varlen)
+    dense = _accum_dense(accum, fe.tile_config(head_dim).block_n, out, cu_seqlens)
     store_reference(dense, dense, out, torch.empty_like(out), cu_seqlens=cu_seqlens, seqused=seqused)
 
 
@@ -100,9 +65,10 @@ def _cpu_gqa_reduce(dk_partial, dv_partial, dk, dv, *, cu_seqlens=None, seqused=
                                  seqused=seqused)
 
 
-_CPU_KERNELS = {"store": _cpu_store, "store_zero": _cpu_store_zero, "gqa_accumulate": _cpu_gqa_accumulate,
-                "gqa_postprocess": _cpu_gqa_postprocess, "gqa_accum_to_dense": _cpu_gqa_accum_to_dense,
-                "gqa_reduce": _cpu_gqa_reduce}
+_CPU_KERNELS = {"store": lambda *a, _arch=0, **kw: store_reference(*a, **kw),
+                "store_zero": lambda *a, _arch=0, **kw: store_zero_reference(*a, **kw),
+                "gqa_accumulate": _cpu_gqa_accumulate, "gqa_postprocess": _cpu_gqa_postprocess,
+                "gqa_accum_to_dense": _cpu_gqa_accum_to_dense, "gqa_reduce": _cpu_gqa_reduce}
 
 
 @pytest.fixture
@@ -130,8 +96,7 @@ def device_setup(request, device):
         torch._dynamo.reset()
 
 
-# ---------------------------------------------------------------------------------------------
-# one problem for every op
+# ---- one problem for every op
 
 
 def make_problem(device, seed=0):
@@ -143,27 +108,24 @@ def make_problem(device, seed=0):
         x = torch.randn(shape, generator=gen, device=device)
         return (x * torch.exp2(torch.randint(-6, 7, shape, generator=gen, device=device).float())).to(dtype)
 
+    def zeros(*shape, dtype=BF16):
+        return torch.zeros(shape, dtype=dtype, device=device)
+
     b, s, hk, g, d, dv = 2, 150, 2, 3, 64, 128
     lens = [100, 0, 37, 129]
     total = sum(lens) + 5
-    cu = torch.tensor([0] + lens, dtype=I32).cumsum(0, dtype=I32).to(device)
     t = {
-        "ak": rnd(b, s, hk, d), "av": rnd(b, s, hk, dv),
-        "dk": torch.zeros(b, s, hk, d, dtype=BF16, device=device),
-        "dv": torch.zeros(b, s, hk, dv, dtype=BF16, device=device),
-        "used": torch.tensor([s, 77], dtype=I32, device=device),
+        "ak": rnd(b, s, hk, d), "av": rnd(b, s, hk, dv), "dk": zeros(b, s, hk, d), "dv": zeros(b, s, hk, dv),
+        "used": int32(s, 77, device=device),
         "vak": rnd(total, hk, d), "vav": rnd(total, hk, d),
-        "vdk": torch.zeros(total, hk, d, dtype=F16, device=device),
-        "vdv": torch.zeros(hk, total, d, dtype=F16, device=device).transpose(0, 1),
-        "cu": cu, "vused": torch.tensor([90, 0, 37, 100], dtype=I32, device=device),
-        "bidx": torch.tensor([0, 3], dtype=I32, device=device), "hidx": torch.tensor([1], dtype=I32, device=device),
+        "vdk": zeros(total, hk, d, dtype=F16), "vdv": zeros(hk, total, d, dtype=F16).transpose(0, 1),
+        "cu": torch.tensor([0] + lens, dtype=I32).cumsum(0, dtype=I32).to(device),
+        "vused": int32(90, 0, 37, 100, device=device),
+        "bidx": int32(0, 3, device=device), "hidx": int32(1, device=device),
         "pk": rnd(b, s, hk * g, d), "pv": rnd(b, s, hk * g, dv),
-        "ok": torch.zeros(b, s, hk, d, dtype=BF16, device=device),
-        "ov": torch.zeros(b, s, hk, dv, dtype=BF16, device=device),
-        "dense": torch.zeros(b, s, hk, d, device=device),
+        "ok": zeros(b, s, hk, d), "ov": zeros(b, s, hk, dv), "dense": zeros(b, s, hk, d, dtype=torch.float32),
         "rpk": rnd(total, hk * g, d, dtype=BF16), "rpv": rnd(total, hk * g, dv, dtype=BF16),
-        "rk": torch.zeros(total, hk, d, dtype=BF16, device=device),
-        "rv": torch.zeros(total, hk, dv, dtype=BF16, device=device),
+        "rk": zeros(total, hk, d), "rv": zeros(total, hk, dv),
         "x": rnd(b, hk, s, d, dtype=BF16),
     }
     acc = fe.gqa_accumulator(hk, d, dv, batch=b, seqlen=s, deterministic=True, device=device)
@@ -212,8 +174,7 @@ def every_wrapper(t, acc, hk: int):
     fe.gqa_reduce(t["rpk"], t["rpv"], num_heads_kv=hk, out=(t["rk"], t["rv"]), cu_seqlens=t["cu"],
                   seqused=t["vused"], scale_dk=0.25)
     single = fe.gqa_reduce(t["pk"], num_heads_kv=hk, out_dtype=F16)
-    y = fe.repeat_kv(t["x"], 3)
-    return dense_k, dense_v, single, y
+    return dense_k, dense_v, single, fe.repeat_kv(t["x"], 3)
 
 
 def assert_same_problem(t1, acc1, t2, acc2):
@@ -222,39 +183,25 @@ def assert_same_problem(t1, acc1, t2, acc2):
     assert same(acc1.dk_accum, acc2.dk_accum) and same(acc1.dv_accum, acc2.dv_accum)
 
 
-# ---------------------------------------------------------------------------------------------
-# torch.compile
+# ---- torch.compile
+
+COMPILED = {"ops": (every_op, lambda t, acc, p: (t, acc.dk_accum, acc.dv_accum, acc.semaphores, p["d"])),
+            "wrappers": (every_wrapper, lambda t, acc, p: (t, acc, p["hk"]))}
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_compile_fullgraph_every_op(request, device):
+@pytest.mark.parametrize("api", list(COMPILED))
+def test_compile_fullgraph_every_op(request, device, api):
     device_setup(request, device)
-    backend = "aot_eager" if device == "cpu" else "inductor"
-    compiled = torch.compile(every_op, fullgraph=True, backend=backend)
+    fn, args = COMPILED[api]
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")
     for seed in (0, 1):  # the second call reuses the compiled graph on new data
         t, acc, p = make_problem(device, seed)
         t2, acc2 = clone_problem(t, acc)
-        got = compiled(t, acc.dk_accum, acc.dv_accum, acc.semaphores, p["d"])
-        want = every_op(t2, acc2.dk_accum, acc2.dv_accum, acc2.semaphores, p["d"])
-        for a, b in zip(got, want):
+        for a, b in zip(compiled(*args(t, acc, p)), fn(*args(t2, acc2, p))):
             assert same(a, b)
         assert_same_problem(t, acc, t2, acc2)
         assert (bits(t["ok"]) != 0).any() and (bits(t["rk"]) != 0).any()
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_compile_fullgraph_every_wrapper(request, device):
-    device_setup(request, device)
-    backend = "aot_eager" if device == "cpu" else "inductor"
-    compiled = torch.compile(every_wrapper, fullgraph=True, backend=backend)
-    for seed in (0, 1):
-        t, acc, p = make_problem(device, seed)
-        t2, acc2 = clone_problem(t, acc)
-        got = compiled(t, acc, p["hk"])
-        want = every_wrapper(t2, acc2, p["hk"])
-        for a, b in zip(got, want):
-            assert same(a, b)
-        assert_same_problem(t, acc, t2, acc2)
 
 
 @pytest.mark.ops
@@ -269,8 +216,7 @@ def test_compile_fullgraph_store_zero_index_lists_on_meta():
     assert torch.compile(zero, fullgraph=True, backend="aot_eager")(dk, torch.empty_like(dk)).device.type == "meta"
 
 
-# ---------------------------------------------------------------------------------------------
-# opcheck: store and store_zero
+# ---- opcheck: store and store_zero
 
 
 def store_samples(device="cuda"):
@@ -278,22 +224,21 @@ def store_samples(device="cuda"):
     gen = torch.Generator(device=device).manual_seed(3)
     rnd = lambda *shape: torch.randn(shape, generator=gen, device=device)  # noqa: E731
     out = lambda *shape, dtype=BF16: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
-    cu = torch.tensor([0, 100, 100, 230], dtype=I32, device=device)
-    used = torch.tensor([90, 0, 130], dtype=I32, device=device)
+    cu = int32(0, 100, 100, 230, device=device)
     return [
         ((rnd(2, 150, 3, 128), rnd(2, 150, 3, 128), out(2, 150, 3, 128), out(2, 150, 3, 128)), {}),
         ((rnd(2, 150, 3, 64), rnd(2, 150, 3, 64), out(2, 3, 150, 64, dtype=F16).transpose(1, 2),
-          out(2, 150, 3, 64, dtype=F16)), {"seqused": torch.tensor([150, 7], dtype=I32, device=device)}),
+          out(2, 150, 3, 64, dtype=F16)), {"seqused": int32(150, 7, device=device)}),
         ((rnd(1, 300, 2, 192), rnd(1, 300, 2, 128), out(1, 300, 2, 192), out(1, 300, 2, 128)), {"_arch": 80}),
         ((rnd(240, 2, 96), rnd(240, 2, 96), out(240, 2, 96), out(2, 240, 96).transpose(0, 1)), {"cu_seqlens": cu}),
         ((rnd(240, 2, 80), rnd(240, 2, 256), out(240, 2, 80, dtype=F16), out(240, 2, 256, dtype=F16)),
-         {"cu_seqlens": cu, "seqused": used}),
+         {"cu_seqlens": cu, "seqused": int32(90, 0, 130, device=device)}),
     ]
 
 
 def store_zero_samples(device="cuda"):
     out = lambda *shape, dtype=BF16: torch.ones(shape, dtype=dtype, device=device)  # noqa: E731
-    idx = lambda *v: torch.tensor(v, dtype=I32, device=device)  # noqa: E731
+    idx = lambda *v: int32(*v, device=device)  # noqa: E731
     cu = idx(0, 100, 100, 230)
     return [
         ((out(2, 150, 3, 128), out(2, 150, 3, 128)), {}),
@@ -308,48 +253,37 @@ def store_zero_samples(device="cuda"):
     ]
 
 
-@pytest.mark.gpu
-def test_opcheck_store():
-    from torch.library import opcheck
-
-    for args, kwargs in store_samples():
-        opcheck(OPS.store.default, args, kwargs)
+SAMPLES = {"store": store_samples, "store_zero": store_zero_samples}
 
 
 @pytest.mark.gpu
-def test_opcheck_store_zero():
-    from torch.library import opcheck
-
-    for args, kwargs in store_zero_samples():
-        opcheck(OPS.store_zero.default, args, kwargs)
+@pytest.mark.parametrize("op", list(SAMPLES))
+def test_opcheck(op):
+    for args, kwargs in SAMPLES[op]():
+        torch.library.opcheck(getattr(OPS, op).default, args, kwargs)
 
 
 def test_opcheck_samples_are_valid_for_the_wrappers(cpu_kernels):
     # every sample is a valid call (so opcheck exercises the kernels, not error paths): the ops' checks
     # accept it (test_accepted) and the CPU stand-ins (the reference) run it
-    for args, kwargs in store_samples("cpu"):
-        fe.store(*args, **kwargs)
-    for args, kwargs in store_zero_samples("cpu"):
-        fe.store_zero(*args, **kwargs)
+    for op, samples in SAMPLES.items():
+        for args, kwargs in samples("cpu"):
+            getattr(fe, op)(*args, **kwargs)
 
 
-# ---------------------------------------------------------------------------------------------
-# torch.export
+# ---- torch.export
 
 
 class EpilogueStep(torch.nn.Module):
-    """fp32 accumulators -> bf16 dK/dV on the valid rows, then zero the tail of sequence 1."""
+    """fp32 accumulators -> bf16 dK/dV on the valid rows, then zero the tail of sequence 1 (through fe or the ops)."""
+
+    def __init__(self, api):
+        super().__init__()
+        self.api = api
 
     def forward(self, ak, av, dk, dv, used, batch_idx):
-        fe.store(ak, av, dk, dv, seqused=used)
-        fe.store_zero(dk, dv, seqused=used, batch_idx=batch_idx, row_start=64)
-        return dk.float().sum(), dv.float().sum()
-
-
-class EpilogueStepOps(torch.nn.Module):
-    def forward(self, ak, av, dk, dv, used, batch_idx):
-        OPS.store(ak, av, dk, dv, seqused=used)
-        OPS.store_zero(dk, dv, seqused=used, batch_idx=batch_idx, row_start=64)
+        self.api.store(ak, av, dk, dv, seqused=used)
+        self.api.store_zero(dk, dv, seqused=used, batch_idx=batch_idx, row_start=64)
         return dk.float().sum(), dv.float().sum()
 
 
@@ -359,34 +293,26 @@ def export_inputs(device, seed):
     av = torch.randn(2, 200, 2, 64, generator=gen, device=device)
     dk = torch.full((2, 200, 2, 128), 7.0, dtype=BF16, device=device)
     dv = torch.full((2, 200, 2, 64), 7.0, dtype=BF16, device=device)
-    used = torch.tensor([200, 150 - seed], dtype=I32, device=device)
-    return ak, av, dk, dv, used, torch.tensor([1], dtype=I32, device=device)
+    return ak, av, dk, dv, int32(200, 150 - seed, device=device), int32(1, device=device)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("module,strict", [(EpilogueStep, False), (EpilogueStepOps, True)], ids=["wrappers", "ops"])
-def test_export_store_and_store_zero(request, device, module, strict):
+@pytest.mark.parametrize("api,strict", [(fe, False), (OPS, True)], ids=["wrappers", "ops"])
+def test_export_store_and_store_zero(request, device, api, strict):
     device_setup(request, device)
-    ep = torch.export.export(module(), export_inputs(device, 0), strict=strict)
+    ep = torch.export.export(EpilogueStep(api), export_inputs(device, 0), strict=strict)
     code = ep.graph_module.code
     assert "flash_epilogue.store.default" in code and "flash_epilogue.store_zero.default" in code
     for seed in (1, 2):  # run the exported program on new data; it mutates its inputs as eager does
         got_in, want_in = export_inputs(device, seed), export_inputs(device, seed)
         got = ep.module()(*got_in)
-        want = module()(*want_in)
-        for a, b in zip(got, want):
-            assert same(a, b)
-        for a, b in zip(got_in, want_in):
+        want = EpilogueStep(api)(*want_in)
+        for a, b in [*zip(got, want), *zip(got_in, want_in)]:
             assert same(a, b)
         assert (bits(got_in[2][1, 64:150 - seed]) == 0).all() and (got_in[2][1, 150 - seed:] == 7.0).all()
 
 
-# ---------------------------------------------------------------------------------------------
-# CUDA graphs
-
-
-def canary_(t):
-    bits(t).fill_(CANARY_BITS)
+# ---- CUDA graphs
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -398,25 +324,24 @@ def test_cuda_graph_every_op(request, device):
     # varlen accumulator too (the batched one is make_problem's): its tile offsets come from cu_seqlens
     vacc = fe.gqa_accumulator(hk, d, cu_seqlens=t["cu"], total_tokens=t["vak"].shape[0], deterministic=True,
                               device=device)
-    vpk = torch.randn(t["vak"].shape[0], hk * p["g"], d, device=device, generator=gen)
-    vok = torch.zeros(t["vak"].shape[0], hk, d, dtype=F16, device=device)
-    vov = torch.zeros_like(vok)
-    outputs = ("dk", "dv", "vdk", "vdv", "ok", "ov", "rk", "rv")
+    t["vpk"] = torch.randn(t["vak"].shape[0], hk * p["g"], d, device=device, generator=gen)
+    t["vok"] = torch.zeros(t["vak"].shape[0], hk, d, dtype=F16, device=device)
+    t["vov"] = torch.zeros_like(t["vok"])
+    outputs = ("dk", "dv", "vdk", "vdv", "ok", "ov", "rk", "rv", "vok", "vov")
+    varlen = {"cu_seqlens": t["cu"], "seqused": t["vused"]}
 
     def step():
         fe.store(t["ak"], t["av"], t["dk"], t["dv"], seqused=t["used"])
-        fe.store(t["vak"], t["vav"], t["vdk"], t["vdv"], cu_seqlens=t["cu"], seqused=t["vused"])
-        fe.store_zero(t["vdk"], t["vdv"], cu_seqlens=t["cu"], seqused=t["vused"], batch_idx=t["bidx"],
-                      head_idx=t["hidx"], row_start=3, row_end=60)
+        fe.store(t["vak"], t["vav"], t["vdk"], t["vdv"], **varlen)
+        fe.store_zero(t["vdk"], t["vdv"], **varlen, batch_idx=t["bidx"], head_idx=t["hidx"], row_start=3, row_end=60)
         acc.reset()
         fe.gqa_accumulate(t["pk"], t["pv"], acc, deterministic=True, seqused=t["used"])
         fe.gqa_accumulate(t["pk"], t["pv"], acc, deterministic=True)
         fe.gqa_postprocess(acc, t["ok"], t["ov"], scale_dk=0.125)
         vacc.reset()
-        fe.gqa_accumulate(vpk, vpk * 2, vacc, deterministic=True, cu_seqlens=t["cu"], seqused=t["vused"])
-        fe.gqa_postprocess(vacc, vok, vov, scale_dv=0.5, cu_seqlens=t["cu"], seqused=t["vused"])
-        fe.gqa_reduce(t["rpk"], t["rpv"], num_heads_kv=hk, out=(t["rk"], t["rv"]), cu_seqlens=t["cu"],
-                      seqused=t["vused"], scale_dk=0.25)
+        fe.gqa_accumulate(t["vpk"], t["vpk"] * 2, vacc, deterministic=True, **varlen)
+        fe.gqa_postprocess(vacc, t["vok"], t["vov"], scale_dv=0.5, **varlen)
+        fe.gqa_reduce(t["rpk"], t["rpv"], num_heads_kv=hk, out=(t["rk"], t["rv"]), **varlen, scale_dk=0.25)
         return acc.to_dense(seqused=t["used"])
 
     dense = []  # the accumulator decoded (GPU: the graph's static outputs)
@@ -430,11 +355,8 @@ def test_cuda_graph_every_op(request, device):
     for trial in range(3):
         # new contents of every static input, the sequence metadata and index selections included
         with torch.no_grad():
-            for k in ("ak", "av", "vak", "vav", "pk", "pv"):
+            for k in ("ak", "av", "vak", "vav", "pk", "pv", "rpk", "rpv", "vpk"):
                 t[k].copy_(torch.randn(t[k].shape, device=device, generator=gen))
-            for k in ("rpk", "rpv"):
-                t[k].copy_(torch.randn(t[k].shape, device=device, generator=gen))
-            vpk.copy_(torch.randn(vpk.shape, device=device, generator=gen))
             lens = [[100, 0, 37, 129], [10, 200, 0, 56], [0, 0, 266, 0]][trial]
             t["cu"].copy_(torch.tensor([0] + lens, dtype=I32).cumsum(0, dtype=I32))
             t["vused"].copy_(torch.tensor([max(0, n - 5 * trial) for n in lens], dtype=I32))
@@ -442,59 +364,49 @@ def test_cuda_graph_every_op(request, device):
             t["bidx"].copy_(torch.tensor([[0, 3], [1, 1], [2, -1]][trial], dtype=I32))
             t["hidx"].copy_(torch.tensor([[1], [0], [5]][trial], dtype=I32))
             for k in outputs:
-                canary_(t[k])
-            canary_(vok)
-            canary_(vov)
-        before = {k: t[k].clone() for k in outputs}
-        before_v = (vok.clone(), vov.clone())
+                bits(t[k]).fill_(CANARY_BITS)
+        e = {k: t[k].clone() for k in outputs}  # the references write into the canary-filled copies
         run()
         if device == "cuda":
             torch.cuda.synchronize()
 
-        # references, on the canary-filled copies
-        e = before
         store_reference(t["ak"], t["av"], e["dk"], e["dv"], seqused=t["used"])
-        store_reference(t["vak"], t["vav"], e["vdk"], e["vdv"], cu_seqlens=t["cu"], seqused=t["vused"])
-        store_zero_reference(e["vdk"], e["vdv"], cu_seqlens=t["cu"], seqused=t["vused"], batch_idx=t["bidx"],
-                             head_idx=t["hidx"], row_start=3, row_end=60)
+        store_reference(t["vak"], t["vav"], e["vdk"], e["vdv"], **varlen)
+        store_zero_reference(e["vdk"], e["vdv"], **varlen, batch_idx=t["bidx"], head_idx=t["hidx"], row_start=3,
+                             row_end=60)
         ref = [torch.zeros(t["pk"].shape[:2] + (hk, w), device=device) for w in (d, p["dv"])]
         gqa_accumulate_reference(t["pk"], t["pv"], *ref, num_heads_kv=hk, seqused=t["used"])
         gqa_accumulate_reference(t["pk"], t["pv"], *ref, num_heads_kv=hk)
         store_reference(ref[0] * 0.125, ref[1], e["ok"], e["ov"])  # a power of 2: the fp32 product is exact
-        vref = [torch.zeros(vok.shape, device=device) for _ in range(2)]
-        gqa_accumulate_reference(vpk, vpk * 2, *vref, num_heads_kv=hk, cu_seqlens=t["cu"], seqused=t["vused"])
-        store_reference(vref[0], vref[1] * 0.5, before_v[0], before_v[1], cu_seqlens=t["cu"],
-                        seqused=t["vused"])
-        gqa_reduce_reference(t["rpk"], num_heads_kv=hk, out=e["rk"], scale_dk=0.25, sequential=True, cu_seqlens=t["cu"],
-                             seqused=t["vused"])
-        gqa_reduce_reference(t["rpv"], num_heads_kv=hk, out=e["rv"], sequential=True, cu_seqlens=t["cu"],
-                             seqused=t["vused"])
+        vref = [torch.zeros(t["vok"].shape, device=device) for _ in range(2)]
+        gqa_accumulate_reference(t["vpk"], t["vpk"] * 2, *vref, num_heads_kv=hk, **varlen)
+        store_reference(vref[0], vref[1] * 0.5, e["vok"], e["vov"], **varlen)
+        gqa_reduce_reference(t["rpk"], num_heads_kv=hk, out=e["rk"], scale_dk=0.25, sequential=True, **varlen)
+        gqa_reduce_reference(t["rpv"], num_heads_kv=hk, out=e["rv"], sequential=True, **varlen)
         for k in outputs:
             assert same(t[k], e[k]), (trial, k)
-        assert same(vok, before_v[0]) and same(vov, before_v[1]), trial
         dense_want = [torch.zeros_like(r) for r in ref]
         store_reference(ref[0], ref[1], dense_want[0], dense_want[1], seqused=t["used"])
         assert same(dense[0], dense_want[0]) and same(dense[1], dense_want[1]), trial
 
 
-# ---------------------------------------------------------------------------------------------
-# autograd: the in-place ops as torch's own (csrc/binding/autograd.cpp; torch's in-place ops the reference)
+# ---- autograd: the in-place ops as torch's own (csrc/binding/autograd.cpp; torch's in-place ops the reference)
 
 
 def op_calls(t):
     """{case: (call(t), {key of t it writes: argument}, {key of its other float tensor arguments: argument})}: every
     mutating op (t: make_problem's tensors and the accumulator's as acck/accv/sem)."""
     acc = {"acck": "dk_accum", "accv": "dv_accum"}
+    partials = {"pk": "dk_partial", "pv": "dv_partial"}
     return {
         "store": (lambda t: OPS.store(t["ak"], t["av"], t["dk"], t["dv"], seqused=t["used"]),
                   {"dk": "dk", "dv": "dv"}, {"ak": "dk_accum", "av": "dv_accum"}),
         "store_zero": (lambda t: OPS.store_zero(t["vdk"], t["vdv"], cu_seqlens=t["cu"], seqused=t["vused"]),
                        {"vdk": "dk", "vdv": "dv"}, {}),
         "gqa_accumulate": (lambda t: OPS.gqa_accumulate(t["pk"], t["pv"], t["acck"], t["accv"], t["sem"],
-                                                        deterministic=True),
-                           {**acc, "sem": "semaphores"}, {"pk": "dk_partial", "pv": "dv_partial"}),
+                                                        deterministic=True), {**acc, "sem": "semaphores"}, partials),
         "gqa_accumulate-nondet": (lambda t: OPS.gqa_accumulate(t["pk"], t["pv"], t["acck"], t["accv"], None),
-                                  acc, {"pk": "dk_partial", "pv": "dv_partial"}),
+                                  acc, partials),
         "gqa_postprocess": (lambda t: OPS.gqa_postprocess(t["acck"], t["accv"], t["ok"], t["ov"], scale_dk=0.125),
                             {"ok": "dk", "ov": "dv"}, acc),
         "gqa_accum_to_dense": (lambda t: OPS.gqa_accum_to_dense(t["acck"], t["dense"], head_dim=128),
@@ -557,26 +469,6 @@ def test_overwritten_saved_tensor_raises_in_backward(request, device, how):
 
 
 @pytest.mark.ops
-@pytest.mark.parametrize("case", CASES)
-def test_inplace_into_a_leaf_requiring_grad_raises(case):
-    # torch's messages (its check_inplace), before the argument checks; with grad mode off the call goes on to the
-    # kernel (the CPU registration: its device check)
-    t = autograd_problem("cpu")
-    call, written, _ = op_calls(t)[case]
-    for k in (k for k in written if t[k].is_floating_point()):
-        for view, what in ((False, "a leaf Variable"), (True, "a view of a leaf Variable")):
-            leaf = t[k].clone().requires_grad_()
-            want = what + " that requires grad is being used in an in-place operation."
-            with pytest.raises(RuntimeError, match=want):
-                (leaf[:] if view else leaf).copy_(t[k])  # torch's own
-            u = {**t, k: leaf[:] if view else leaf}
-            with pytest.raises(RuntimeError, match=want):
-                call(u)
-            with torch.no_grad(), pytest.raises(ValueError, match="expected a CUDA tensor"):
-                call(u)
-
-
-@pytest.mark.ops
 @pytest.mark.parametrize("device", DEVICES)
 def test_inplace_into_an_inference_tensor(request, device):
     # outside InferenceMode: torch's own error, before the kernel writes (CPU tensors reach it, no stand-ins
@@ -603,12 +495,26 @@ def test_inplace_into_an_inference_tensor(request, device):
 @pytest.mark.ops
 @pytest.mark.parametrize("case", CASES)
 def test_arguments_requiring_grad_raise(case):
-    # no derivative: a tensor argument requiring grad (grad mode on) or carrying a forward-mode tangent raises,
-    # naming the op and the argument; gqa_reduce's partials point to repeat_kv, whose backward it is
+    # a write into a leaf requiring grad (or a view of one): torch's messages (its check_inplace), before the argument
+    # checks. No derivative: a tensor argument requiring grad (grad mode on) or carrying a forward-mode tangent raises,
+    # naming the op and the argument; gqa_reduce's partials point to repeat_kv, whose backward it is. With grad mode
+    # off the call goes on to the kernel (the CPU registration: its device check).
     t = autograd_problem("cpu")
     call, written, read = op_calls(t)[case]
     op = case.split("-")[0]
-    for k, arg in [*read.items(), *((k, a) for k, a in written.items() if t[k].is_floating_point())]:
+    written = {k: a for k, a in written.items() if t[k].is_floating_point()}
+    for k in written:
+        for view, what in ((False, "a leaf Variable"), (True, "a view of a leaf Variable")):
+            leaf = t[k].clone().requires_grad_()
+            want = what + " that requires grad is being used in an in-place operation."
+            with pytest.raises(RuntimeError, match=want):
+                (leaf[:] if view else leaf).copy_(t[k])  # torch's own
+            u = {**t, k: leaf[:] if view else leaf}
+            with pytest.raises(RuntimeError, match=want):
+                call(u)
+            with torch.no_grad(), pytest.raises(ValueError, match="expected a CUDA tensor"):
+                call(u)
+    for k, arg in [*read.items(), *written.items()]:
         u = {**t, k: t[k].clone().requires_grad_() * 1}  # not a leaf: past torch's leaf check
         with pytest.raises(RuntimeError, match=rf"^flash_epilogue\.{op}: {arg}: requires grad, but {op} has no "
                            "derivative") as e:

@@ -1,23 +1,15 @@
-"""Property-based fuzzing (hypothesis) of every op against the pure-PyTorch reference.
+"""Property-based fuzzing (hypothesis) of every op against the reference, with test_gqa.py's checks (canary buffers
+compared whole). Drawn: dtypes, head dims (multiples of 8 up to 256; dv != d), batch (0 too), sequence lengths at the
+tile edges or up to 3 kBlockN, varlen with slack rows, seqused, strides (conftest.carve's layouts), GQA groups 1 to 16,
+deterministic on/off, several accumulate calls, the sm_80 path; test_fuzz_unchecked_metadata: inconsistent cu_seqlens
+/ seqused near the int32 limits, content checks off, every buffer around the written tensors intact.
 
-Drawn per case: dtypes (bf16/fp16 outputs; fp32/bf16/fp16 partials for gqa_reduce), head dims (any
-multiple of 8 up to 256; dv != d), batch (0 too), sequence lengths at the tile edges or anywhere up to
-3 kBlockN, varlen with slack rows, seqused, strides (conftest.carve's layouts), GQA group sizes 1 to 16,
-deterministic on/off, several accumulate calls, the sm_80 path (`_arch=80`). Outputs are views into
-canary buffers compared whole, bit for bit, with the reference applied to a clone; inputs are views
-into NaN buffers. Exact oracles but for the non-deterministic accumulate (the bound of test_gqa.py).
-test_fuzz_unchecked_metadata draws inconsistent cu_seqlens / seqused, near the int32 limits too, with
-the content checks off: every buffer around the written tensors (accumulators included) is intact.
-
-Reproducible: derandomized (the same cases every run) unless FLASH_EPILOGUE_FUZZ_SEED=<int> picks
-another seed; FLASH_EPILOGUE_FUZZ_SCALE=<float> scales the number of cases (default 1: 620 GPU
-cases over the five checks, ~20-40 s on an H200). A failing case is shrunk and printed with a replay
-line, a python command that reruns exactly that case, e.g.
+Derandomized unless FLASH_EPILOGUE_FUZZ_SEED=<int>; FLASH_EPILOGUE_FUZZ_SCALE=<float> scales the number of cases
+(default 620 GPU cases, ~20-40 s on an H200). A failing case is shrunk and printed with a replay line:
 
     python -c "import sys; sys.path[:0] = ['.', 'tests']; import test_fuzz as t; t.check_store(**{...})"
 
-test_fuzz_cases_validate_on_cpu runs a few cases of each op without a GPU (CI): every drawn call
-passes every check of the op up to the last one, the device check, and the references run.
+test_fuzz_cases_validate_on_cpu (CI, no GPU): drawn calls pass every check but the device check; the references run.
 """
 from __future__ import annotations
 
@@ -32,28 +24,23 @@ from hypothesis import HealthCheck, given, note, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import flash_epilogue as fe  # noqa: E402
-from conftest import (LAYOUTS, assert_bits, block_n, canary, carve, cu_seqlens, input_view, int32,  # noqa: E402
-                      rand, same_view)
-from flash_epilogue.reference import (  # noqa: E402
-    gqa_accumulate_reference,
-    gqa_reduce_reference,
-    store_reference,
-    store_zero_reference,
-)
+import test_gqa as gqa  # noqa: E402
+from conftest import LAYOUTS, assert_bits, block_n, canary, carve, input_view, int32, rand, same_view  # noqa: E402
+from flash_epilogue.reference import store_reference, store_zero_reference  # noqa: E402
+from test_gqa import assert_written, call, check_postprocess, problem  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 COMPILED = (64, 96, 128, 192, 256)
 GROUPS = (1, 2, 3, 4, 6, 8, 16)
 SCALES = (1.0, 0.5, 3.0, 1.0 / 3.0, 128**-0.5, 0.0)
-U32 = 2.0**-24
+SEEDS = st.integers(0, 2**31 - 1)
 
 _SCALE = float(os.environ.get("FLASH_EPILOGUE_FUZZ_SCALE", "1"))
 _SEED = os.environ.get("FLASH_EPILOGUE_FUZZ_SEED")
 
 
 def fuzz_settings(n: int):
-    """n cases (times FLASH_EPILOGUE_FUZZ_SCALE), no deadline, no example database, derandomized
-    unless a seed is given."""
+    """n cases (times FLASH_EPILOGUE_FUZZ_SCALE), no deadline or database, derandomized unless a seed is given."""
     return settings(max_examples=max(1, int(n * _SCALE)), deadline=None, database=None, derandomize=_SEED is None,
                     print_blob=True, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                                             HealthCheck.filter_too_much,
@@ -62,51 +49,6 @@ def fuzz_settings(n: int):
 
 def seeded(f):
     return hypothesis.seed(int(_SEED))(f) if _SEED is not None else f
-
-
-# ---------------------------------------------------------------------------------------------
-# tensors
-
-
-def problem(dev, batch, seqlen, lens, slack, used):
-    """(leading shape, seq kwargs without seqused, seq kwargs with seqused if given)."""
-    if lens is not None:
-        lead, seq = (sum(lens) + slack,), {"cu_seqlens": cu_seqlens(lens, dev)}
-    else:
-        lead, seq = (batch, seqlen), {}
-    with_used = dict(seq)
-    if used is not None:
-        with_used["seqused"] = int32(*used, device=dev)
-    return lead, seq, with_used
-
-
-def executed(dev) -> bool:
-    """Whether `call` runs the ops on this device (and the results are to be checked)."""
-    return dev == "cuda"
-
-
-def sync(dev):
-    if dev == "cuda":
-        torch.cuda.synchronize()
-
-
-def assert_buffers_written(dev, *checks):
-    """After an op that `call` ran: each (name, buffer, expected copy) bitwise equal, on a GPU."""
-    if not executed(dev):
-        return
-    sync(dev)
-    for name, got, want in checks:
-        assert_bits(got, want, name)
-
-
-def call(dev, fn, *args, **kwargs):
-    """Run the op on a GPU. On CPU, check that the call passes every validation check but the last,
-    the device check (what CI can say about the drawn arguments without a GPU)."""
-    if dev == "cuda":
-        return fn(*args, **kwargs)
-    with pytest.raises(ValueError, match="device: expected a CUDA tensor, got a tensor on cpu"):
-        fn(*args, **kwargs)
-    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -120,6 +62,10 @@ def head_dims():
 def seqlens(n):
     # hypothesis shrinks towards the first choices: keep the empty cases out of front
     return st.one_of(st.integers(1, 3 * n), st.sampled_from((n + 1, n - 1, n, 1, 2 * n + 1, 2 * n - 1, 2 * n, 0)))
+
+
+def layouts(draw, k):
+    return [draw(st.sampled_from(LAYOUTS)) for _ in range(k)]
 
 
 @st.composite
@@ -152,8 +98,8 @@ def store_cases(draw):
     p = {"dtype": draw(st.sampled_from(("bf16", "fp16"))), "d": d, "dv": dv, "arch": arch,
          "heads": draw(st.integers(1, 3))}
     p.update(draw(geometry(block_n(d, dv, arch))))
-    p["layouts"] = [draw(st.sampled_from(LAYOUTS)) for _ in range(4)]  # dk, dv, dk_accum, dv_accum
-    p["seed"] = draw(st.integers(0, 2**31 - 1))
+    p["layouts"] = layouts(draw, 4)  # dk, dv, dk_accum, dv_accum
+    p["seed"] = draw(SEEDS)
     return p
 
 
@@ -184,8 +130,8 @@ def store_zero_cases(draw):
     p["head_idx"] = draw(selection(heads))
     p["row_start"] = draw(st.one_of(st.just(0), st.integers(0, n + 1), st.sampled_from((n - 1, n, n + 1, 2 * n + 2))))
     p["row_end"] = draw(st.one_of(st.none(), st.integers(0, 2 * n + 2).map(lambda k: p["row_start"] + k)))
-    p["layouts"] = [draw(st.sampled_from(LAYOUTS)) for _ in range(2)]
-    p["seed"] = draw(st.integers(0, 2**31 - 1))
+    p["layouts"] = layouts(draw, 2)
+    p["seed"] = draw(SEEDS)
     return p
 
 
@@ -204,12 +150,12 @@ def accumulate_cases(draw):
     p.update(draw(geometry(block_n(d, dv, arch))))
     chunks = draw(st.integers(1, 3))
     p["chunk_seqused"] = [draw(st.booleans()) for _ in range(chunks)]  # which calls pass seqused
-    p["partial_layouts"] = [draw(st.sampled_from(LAYOUTS)) for _ in range(2)]
+    p["partial_layouts"] = layouts(draw, 2)
     p["out_dtype"] = draw(st.sampled_from(("bf16", "fp16")))
-    p["out_layouts"] = [draw(st.sampled_from(LAYOUTS)) for _ in range(2)]
+    p["out_layouts"] = layouts(draw, 2)
     p["post_seqused"] = draw(st.booleans())
     p["scales"] = [draw(st.sampled_from(SCALES)) for _ in range(2)]
-    p["seed"] = draw(st.integers(0, 2**31 - 1))
+    p["seed"] = draw(SEEDS)
     return p
 
 
@@ -224,11 +170,11 @@ def reduce_cases(draw):
     p = {"d": d, "dv": dv, "with_dv": with_dv, "arch": arch, "h_k": h_k, "g": g, "partial_dtype": partial_dtype,
          "out_dtype": out_dtype}
     p.update(draw(geometry(block_n(d, dv, arch))))
-    p["partial_layouts"] = [draw(st.sampled_from(LAYOUTS)) for _ in range(2)]
+    p["partial_layouts"] = layouts(draw, 2)
     p["give_out"] = draw(st.booleans())
-    p["out_layouts"] = [draw(st.sampled_from(LAYOUTS)) for _ in range(2)]
+    p["out_layouts"] = layouts(draw, 2)
     p["scales"] = [draw(st.sampled_from(SCALES)) for _ in range(2)]
-    p["seed"] = draw(st.integers(0, 2**31 - 1))
+    p["seed"] = draw(SEEDS)
     return p
 
 
@@ -247,7 +193,7 @@ def unchecked_metadata_cases(draw):
     p["cu"][0] = draw(st.sampled_from((0, 0, p["cu"][0])))
     p["used"] = draw(st.one_of(st.none(), st.lists(entry, min_size=batch, max_size=batch)))
     p["deterministic"] = draw(st.booleans())
-    p["seed"] = draw(st.integers(0, 2**31 - 1))
+    p["seed"] = draw(SEEDS)
     return p
 
 
@@ -255,128 +201,51 @@ def unchecked_metadata_cases(draw):
 # checks: one case each; module-level so that a replay line can call them
 
 
+def store_problem(dtype, d, dv, heads, batch, seqlen, lens, slack, used, layouts, dev):
+    """(leading shape, seq kwargs, (buffer, view) of dk and of dv carved per layouts[:2])."""
+    _, lead, _, seq = problem(dev, batch, seqlen, lens, slack, used)
+    outs = [carve(lead + (heads, w), DTYPES[dtype], layout, dev) for w, layout in zip((d, dv), layouts)]
+    return lead, seq, outs
+
+
 def check_store(dtype, d, dv, arch, heads, batch, seqlen, lens, slack, used, layouts, seed, dev="cuda"):
-    dt = DTYPES[dtype]
     gen = torch.Generator(device=dev).manual_seed(seed)
-    lead, _, seq = problem(dev, batch, seqlen, lens, slack, used)
-    shape_k, shape_v = lead + (heads, d), lead + (heads, dv)
-    acc_k = input_view(shape_k, layouts[2], gen, binades=20)  # rounding of large and tiny magnitudes
-    acc_v = input_view(shape_v, layouts[3], gen, binades=20)
-    (buf_k, dk), (buf_v, dv_out) = carve(shape_k, dt, layouts[0], dev), carve(shape_v, dt, layouts[1], dev)
+    lead, seq, ((buf_k, dk), (buf_v, dv_out)) = store_problem(dtype, d, dv, heads, batch, seqlen, lens, slack, used,
+                                                              layouts, dev)
+    # binades=20: the rounding of large and tiny magnitudes
+    acc_k, acc_v = (input_view(lead + (heads, w), layout, gen, binades=20) for w, layout in zip((d, dv), layouts[2:]))
     expect_k, expect_v = buf_k.clone(), buf_v.clone()
     store_reference(acc_k, acc_v, same_view(expect_k, dk), same_view(expect_v, dv_out), **seq)
     call(dev, fe.store, acc_k, acc_v, dk, dv_out, _arch=arch, **seq)
-    assert_buffers_written(dev, ("dk", buf_k, expect_k), ("dv", buf_v, expect_v))
-
-
-def _selection(sel, dev):
-    if isinstance(sel, dict):
-        return torch.tensor(sel["tensor"], dtype=torch.int32, device=dev)
-    return sel
+    assert_written(dev, ("dk", buf_k, expect_k), ("dv", buf_v, expect_v))
 
 
 def check_store_zero(dtype, d, dv, arch, heads, batch, seqlen, lens, slack, used, batch_idx, head_idx, row_start,
                      row_end, layouts, seed, dev="cuda"):
-    dt = DTYPES[dtype]
     gen = torch.Generator(device=dev).manual_seed(seed)
-    lead, _, seq = problem(dev, batch, seqlen, lens, slack, used)
-    shape_k, shape_v = lead + (heads, d), lead + (heads, dv)
-    (buf_k, dk), (buf_v, dv_out) = carve(shape_k, dt, layouts[0], dev), carve(shape_v, dt, layouts[1], dev)
-    dk.copy_(rand(shape_k, gen, dt))  # nonzero contents in the view, canary around it
-    dv_out.copy_(rand(shape_v, gen, dt))
-    sel = {"batch_idx": _selection(batch_idx, dev), "head_idx": _selection(head_idx, dev)}
+    lead, seq, ((buf_k, dk), (buf_v, dv_out)) = store_problem(dtype, d, dv, heads, batch, seqlen, lens, slack, used,
+                                                              layouts, dev)
+    dk.copy_(rand(dk.shape, gen, dk.dtype))  # nonzero contents in the view, canary around it
+    dv_out.copy_(rand(dv_out.shape, gen, dv_out.dtype))
+    sel = {k: torch.tensor(v["tensor"], dtype=torch.int32, device=dev) if isinstance(v, dict) else v
+           for k, v in (("batch_idx", batch_idx), ("head_idx", head_idx))}
     expect_k, expect_v = buf_k.clone(), buf_v.clone()
     store_zero_reference(same_view(expect_k, dk), same_view(expect_v, dv_out), row_start=row_start, row_end=row_end,
                          **sel, **seq)
     call(dev, fe.store_zero, dk, dv_out, row_start=row_start, row_end=row_end, _arch=arch, **sel, **seq)
-    assert_buffers_written(dev, ("dk", buf_k, expect_k), ("dv", buf_v, expect_v))
-
-
-def _scaled(dense, scale):
-    return dense * torch.tensor(scale, dtype=torch.float32, device=dense.device)
+    assert_written(dev, ("dk", buf_k, expect_k), ("dv", buf_v, expect_v))
 
 
 def check_accumulate(d, dv, arch, h_k, g, deterministic, batch, seqlen, lens, slack, used, chunk_seqused,
                      partial_layouts, out_dtype, out_layouts, post_seqused, scales, seed, dev="cuda"):
-    """gqa_accumulate called once per entry of chunk_seqused (with seqused where True), checked
-    through to_dense; then gqa_postprocess of the accumulator into canary-carved outputs."""
-    gen = torch.Generator(device=dev).manual_seed(seed)
-    lead, seq, seq_used = problem(dev, batch, seqlen, lens, slack, used)
-    alloc = {"cu_seqlens": seq["cu_seqlens"], "total_tokens": lead[0]} if lens is not None else \
-        {"batch": batch, "seqlen": seqlen}
-    acc = fe.gqa_accumulator(h_k, d, dv, deterministic=deterministic, device=dev, arch=arch, **alloc)
-    ref = [torch.zeros(lead + (h_k, w), device=dev) for w in (d, dv)]
-    ref64 = [torch.zeros(lead + (h_k, w), dtype=torch.float64, device=dev) for w in (d, dv)]
-    mag = [torch.zeros(lead + (h_k, w), dtype=torch.float64, device=dev) for w in (d, dv)]
-    for with_used in chunk_seqused:
-        kw = seq_used if with_used else seq
-        pk = input_view(lead + (h_k * g, d), partial_layouts[0], gen)
-        pv = input_view(lead + (h_k * g, dv), partial_layouts[1], gen)
-        call(dev, fe.gqa_accumulate, pk, pv, acc, deterministic=deterministic, **kw)
-        gqa_accumulate_reference(pk, pv, *ref, num_heads_kv=h_k, **kw)
-        gqa_accumulate_reference(pk, pv, *ref64, num_heads_kv=h_k, sequential=False, **kw)
-        gqa_accumulate_reference(pk.abs(), pv.abs(), *mag, num_heads_kv=h_k, sequential=False, **kw)
-    dt = DTYPES[out_dtype]
-    (buf_k, dk), (buf_v, dv_out) = carve(lead + (h_k, d), dt, out_layouts[0], dev), \
-        carve(lead + (h_k, dv), dt, out_layouts[1], dev)
-    post = seq_used if post_seqused else seq
-    if not executed(dev):
-        call(dev, fe.gqa_postprocess, acc, dk, dv_out, scale_dk=scales[0], scale_dv=scales[1], **post)
-        return
-    dense = acc.to_dense(**seq)
-    sync(dev)
-    terms = len(chunk_seqused) * g
-    for name, got, want, want64, m in zip(("dk", "dv"), dense, ref, ref64, mag):
-        if deterministic:
-            assert_bits(got, want, f"{name}_accum")
-        else:
-            err = (got.double() - want64).abs()
-            excess = err - terms * U32 * m
-            assert not (excess > 0).any(), f"{name}_accum: {int((excess > 0).sum())} elements past the fp32 " \
-                                           f"reassociation bound, worst by {excess.max().item():.3e}"
-    expect_k, expect_v = buf_k.clone(), buf_v.clone()
-    store_reference(_scaled(dense[0], scales[0]), _scaled(dense[1], scales[1]), same_view(expect_k, dk),
-                    same_view(expect_v, dv_out), **post)
-    call(dev, fe.gqa_postprocess, acc, dk, dv_out, scale_dk=scales[0], scale_dv=scales[1], **post)
-    sync(dev)
-    assert_bits(buf_k, expect_k, "dk")
-    assert_bits(buf_v, expect_v, "dv")
+    """test_gqa.check_accumulate, then gqa_postprocess of the accumulator into canary-carved outputs."""
+    case = gqa.check_accumulate(d, dv, arch, h_k, g, deterministic, batch, seqlen, lens, slack, used, chunk_seqused,
+                                partial_layouts, seed, dev)
+    check_postprocess(case, DTYPES[out_dtype], out_layouts, scales, case.seq_used if post_seqused else case.seq)
 
 
-def check_reduce(d, dv, with_dv, arch, h_k, g, partial_dtype, out_dtype, batch, seqlen, lens, slack, used,
-                 partial_layouts, give_out, out_layouts, scales, seed, dev="cuda"):
-    gen = torch.Generator(device=dev).manual_seed(seed)
-    lead, _, seq = problem(dev, batch, seqlen, lens, slack, used)
-    pdt, odt = DTYPES[partial_dtype], DTYPES[out_dtype]
-    pk = input_view(lead + (h_k * g, d), partial_layouts[0], gen, dtype=pdt)
-    pv = input_view(lead + (h_k * g, dv), partial_layouts[1], gen, dtype=pdt) if with_dv else None
-    kw = {"num_heads_kv": h_k, "scale_dk": scales[0], "scale_dv": scales[1], "_arch": arch, **seq}
-    if give_out:
-        (buf_k, dk), (buf_v, dv_out) = carve(lead + (h_k, d), odt, out_layouts[0], dev), \
-            carve(lead + (h_k, dv), odt, out_layouts[1], dev)
-        expect_k, expect_v = buf_k.clone(), buf_v.clone()
-        gqa_reduce_reference(pk, pv if with_dv else None, num_heads_kv=h_k, scale_dk=scales[0], scale_dv=scales[1],
-                             out=(same_view(expect_k, dk), same_view(expect_v, dv_out)), sequential=True, **seq)
-        ret = call(dev, fe.gqa_reduce, pk, pv, out=(dk, dv_out) if with_dv else dk, **kw)
-        if not executed(dev):
-            return
-        sync(dev)
-        assert (ret[0] is dk and ret[1] is dv_out) if with_dv else ret is dk
-        assert_bits(buf_k, expect_k, "dk")
-        assert_bits(buf_v, expect_v, "dv")
-        return
-    out_kw = {"out_dtype": odt} if partial_dtype == "fp32" else {}
-    ret = call(dev, fe.gqa_reduce, pk, pv, **out_kw, **kw)
-    if not executed(dev):
-        return
-    outs = list(ret) if with_dv else [ret]
-    sync(dev)
-    for name, out, p, scale in zip(("dk", "dv"), outs, (pk, pv), scales):
-        assert out.dtype == odt and out.shape == lead + (h_k, p.shape[-1])
-        got = out.clone()
-        want = got.clone()  # rows outside the valid rows are uninitialized: compare the valid rows only
-        gqa_reduce_reference(p, num_heads_kv=h_k, out=want, scale_dk=scale, sequential=True, **seq)
-        assert_bits(got, want, name)
+def check_reduce(partial_dtype, out_dtype, **p):
+    gqa.check_reduce(partial_dtype=DTYPES[partial_dtype], out_dtype=DTYPES[out_dtype], **p)
 
 
 def check_unchecked_metadata(op, d, dv, arch, total, cu, used, deterministic, seed, dev="cuda"):
@@ -418,9 +287,9 @@ def check_unchecked_metadata(op, d, dv, arch, total, cu, used, deterministic, se
         call(dev, fe.gqa_accumulate, pk, pv, acc, deterministic=deterministic, **seq)
         if op == "gqa_postprocess":
             call(dev, fe.gqa_postprocess, acc, out(d), out(dv), **seq)
-    if not executed(dev):
+    if dev != "cuda":
         return
-    sync(dev)
+    torch.cuda.synchronize()
     for i, (buf, view) in enumerate(written):
         got, want = buf.clone(), canary(buf.shape, buf.dtype, dev)
         for t in (got, want):
@@ -444,44 +313,23 @@ def run_case(check, p, dev="cuda"):
     check(**p, dev=dev)
 
 
-@pytest.mark.gpu
-@seeded
-@fuzz_settings(160)
-@given(p=store_cases())
-def test_fuzz_store(p):
-    run_case(check_store, p)
+def fuzz_test(check, cases, n):
+    """A GPU test of n drawn cases of `check`."""
+    @pytest.mark.gpu
+    @seeded
+    @fuzz_settings(n)
+    @given(p=cases())
+    def test(p):
+        run_case(check, p)
+
+    return test
 
 
-@pytest.mark.gpu
-@seeded
-@fuzz_settings(100)
-@given(p=store_zero_cases())
-def test_fuzz_store_zero(p):
-    run_case(check_store_zero, p)
-
-
-@pytest.mark.gpu
-@seeded
-@fuzz_settings(140)
-@given(p=accumulate_cases())
-def test_fuzz_gqa_accumulate_postprocess(p):
-    run_case(check_accumulate, p)
-
-
-@pytest.mark.gpu
-@seeded
-@fuzz_settings(120)
-@given(p=reduce_cases())
-def test_fuzz_gqa_reduce(p):
-    run_case(check_reduce, p)
-
-
-@pytest.mark.gpu
-@seeded
-@fuzz_settings(100)
-@given(p=unchecked_metadata_cases())
-def test_fuzz_unchecked_metadata(p):
-    run_case(check_unchecked_metadata, p)
+test_fuzz_store = fuzz_test(check_store, store_cases, 160)
+test_fuzz_store_zero = fuzz_test(check_store_zero, store_zero_cases, 100)
+test_fuzz_gqa_accumulate_postprocess = fuzz_test(check_accumulate, accumulate_cases, 140)
+test_fuzz_gqa_reduce = fuzz_test(check_reduce, reduce_cases, 120)
+test_fuzz_unchecked_metadata = fuzz_test(check_unchecked_metadata, unchecked_metadata_cases, 100)
 
 
 @pytest.mark.parametrize("check,cases", [(check_store, store_cases), (check_store_zero, store_zero_cases),
@@ -490,8 +338,8 @@ def test_fuzz_unchecked_metadata(p):
                          ids=("store", "store_zero", "gqa_accumulate", "gqa_reduce", "unchecked_metadata"))
 @pytest.mark.ops
 def test_fuzz_cases_validate_on_cpu(check, cases):
-    # no GPU: the drawn arguments are valid inputs (they get through every check but the device
-    # one) and the references accept them; a few cases each, for CI
+    # no GPU: the drawn arguments get through every check but the device one and the references accept them; a
+    # few cases each, for CI
     @settings(max_examples=10, deadline=None, database=None, derandomize=True,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(p=cases())

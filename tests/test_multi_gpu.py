@@ -1,46 +1,30 @@
-"""More than one GPU: every op on cuda:1 tensors while the current device is cuda:0.
-
-GPU tests (skipped unless two sm_90 devices): each op (store, store_zero, gqa_accumulate,
-gqa_postprocess, GQAAccumulator.to_dense, gqa_reduce, repeat_kv forward and backward) on cuda:1
-gives the reference's results and runs on device 1's *current* stream: that stream is a side
-stream which first sleeps, then copies the real inputs over stale ones; an op launched anywhere
-else (device 1's default stream, device 0's stream) would run during the sleep and read the stale
-values. The current device stays cuda:0 throughout. Both code paths (`arch` 90 and 80) run
-on device 1, and hdim 96 and 80 (whose kernels need the raised dynamic shared-memory limit, an
-attribute set per device) work on device 1 first in a fresh process. Tensors on different
-devices raise errors naming the arguments: the rows of test_bad_inputs.py that need two GPUs.
+"""Two GPUs (skipped unless two sm_90 devices): every op on both paths on cuda:1 tensors, cuda:0 current, gives the
+reference's results on device 1's *current* stream, a side stream that first sleeps, then copies the real inputs over
+stale ones (an op launched on any other stream would read the stale values); hdim 96 and 80 (the raised dynamic
+shared-memory limit, an attribute set per device) work on device 1 first in a fresh process.
 """
-import os
-import subprocess
-import sys
+import itertools
 from contextlib import contextmanager
-from pathlib import Path
 
 import pytest
 import torch
 
-import flash_epilogue as fe
 import conftest
+import flash_epilogue as fe
 from conftest import HAVE_SM90, arch_param, generator, same
-from flash_epilogue.reference import (
-    gqa_accumulate_reference,
-    gqa_reduce_reference,
-    store_reference,
-    store_zero_reference,
-)
+from flash_epilogue.reference import (gqa_accumulate_reference, gqa_reduce_reference, store_reference,
+                                      store_zero_reference)
+from test_big_concurrent import run_in_child
 
-ROOT = Path(__file__).resolve().parent.parent
 I32, BF16, F16 = torch.int32, torch.bfloat16, torch.float16
 SLEEP_CYCLES = 200_000_000  # ~100 ms at the H200's clock: far longer than enqueueing one op
-
-
-_OK = HAVE_SM90 and torch.cuda.device_count() >= 2 and torch.cuda.get_device_capability(1) == (9, 0)
-two_gpus = pytest.mark.skipif(not _OK, reason="needs two sm_90 devices")  # the gpu marker: the first and the kernels
 D0, D1 = torch.device("cuda", 0), torch.device("cuda", 1)
+_OK = HAVE_SM90 and torch.cuda.device_count() >= 2 and torch.cuda.get_device_capability(1) == (9, 0)
+pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.skipif(not _OK, reason="needs two sm_90 devices")]
 
 
-def rand(shape, seed, dtype=torch.float32, device=D1):
-    return conftest.rand(shape, generator(seed, device), dtype, binades=6)
+def rand(shape, seed, dtype=torch.float32):
+    return conftest.rand(shape, generator(seed, D1), dtype, binades=6)
 
 
 @contextmanager
@@ -61,69 +45,51 @@ def device1_side_stream():
 
 
 class Inputs:
-    """cuda:1 input tensors that hold stale values until fill() copies the real ones over them
-    (on device 1's current stream); reset() makes them stale again."""
+    """cuda:1 inputs that hold stale values until fill() copies the real ones over them (on device 1's current
+    stream); reset() makes them stale again."""
 
     def __init__(self):
         self.pairs = []
 
     def add(self, shape, seed, dtype=torch.float32):
-        stale, real = rand(shape, seed + 1000, dtype), rand(shape, seed, dtype)
-        self.pairs.append((stale, real, stale.clone()))
-        return stale, real
+        return self.add_tensor(rand(shape, seed + 1000, dtype), rand(shape, seed, dtype))
 
     def add_tensor(self, stale, real):
         self.pairs.append((stale, real, stale.clone()))
         return stale, real
 
     @torch.no_grad()
-    def fill(self):
-        for stale, real, _ in self.pairs:
-            stale.copy_(real)
-
-    @torch.no_grad()
-    def reset(self):
-        for stale, _, backup in self.pairs:
-            stale.copy_(backup)
+    def fill(self, reset=False):
+        for stale, real, backup in self.pairs:
+            stale.copy_(backup if reset else real)
 
 
 def run_on_device1(inputs, call, outputs=()):
-    """call() with cuda:0 current while device 1's current stream is a side stream that first
-    sleeps, then copies the real inputs in (inputs.fill()). Returns call()'s result once that
-    stream has finished. A warm-up run first loads every kernel involved on device 1 (lazy module
-    loading can wait for work already running), then inputs and `outputs` are restored."""
-    torch.cuda.synchronize(D0)
-    torch.cuda.synchronize(D1)
+    """call() with cuda:0 current while device 1's current stream is a side stream that first sleeps, then copies
+    the real inputs in; returns call()'s result once that stream has finished. A warm-up run with a short sleep first
+    loads every kernel involved on device 1 (lazy module loading can wait for work already running); inputs and
+    `outputs` are restored after it."""
     before = [o.clone() for o in outputs]
-    with device1_side_stream():
-        with torch.cuda.device(1):
-            torch.cuda._sleep(1000)
-        inputs.fill()
-        call()
-    torch.cuda.synchronize(D1)
-    inputs.reset()
-    with torch.no_grad():
-        for o, b in zip(outputs, before):
-            o.copy_(b)
-    torch.cuda.synchronize(D1)
-    with device1_side_stream() as stream:
-        with torch.cuda.device(1):
-            torch.cuda._sleep(SLEEP_CYCLES)  # on device 1's current stream
-        inputs.fill()  # tensor ops on cuda:1 tensors run on device 1's current stream
-        assert torch.cuda.current_device() == 0
-        result = call()
-        assert torch.cuda.current_device() == 0, "the op changed the current device"
-        assert not stream.query(), "the stream finished before the op was enqueued: raise SLEEP_CYCLES"
-        stream.synchronize()
+    for sleep in (1000, SLEEP_CYCLES):
+        torch.cuda.synchronize(D0)
+        torch.cuda.synchronize(D1)
+        inputs.fill(reset=True)
+        with torch.no_grad():
+            for o, b in zip(outputs, before):
+                o.copy_(b)
+        torch.cuda.synchronize(D1)
+        with device1_side_stream() as stream:
+            with torch.cuda.device(1):
+                torch.cuda._sleep(sleep)  # on device 1's current stream
+            inputs.fill()  # tensor ops on cuda:1 tensors run on device 1's current stream
+            assert torch.cuda.current_device() == 0
+            result = call()
+            assert torch.cuda.current_device() == 0, "the op changed the current device"
+            assert sleep < SLEEP_CYCLES or not stream.query(), "the stream finished before the op: raise SLEEP_CYCLES"
+            stream.synchronize()
     return result
 
 
-# ---------------------------------------------------------------------------------------------
-# every op on cuda:1, on its current stream
-
-
-@pytest.mark.gpu
-@two_gpus
 @arch_param
 def test_store_and_store_zero_on_device1(arch):
     inputs = Inputs()
@@ -157,8 +123,6 @@ def test_store_and_store_zero_on_device1(arch):
     assert same(vk, want_k) and same(vv, want_v)
 
 
-@pytest.mark.gpu
-@two_gpus
 @arch_param
 @pytest.mark.parametrize("deterministic", [True, False])
 def test_gqa_ops_on_device1(arch, deterministic):
@@ -196,8 +160,6 @@ def test_gqa_ops_on_device1(arch, deterministic):
         assert got.device == D1 and same(got, want)
 
 
-@pytest.mark.gpu
-@two_gpus
 def test_repeat_kv_on_device1():
     inputs = Inputs()
     (x, x_real), (gy, gy_real) = inputs.add((2, 2, 300, 128), 7, BF16), inputs.add((2, 8, 300, 128), 8, BF16)
@@ -215,51 +177,40 @@ def test_repeat_kv_on_device1():
     assert same(gx, want.transpose(1, 2))
 
 
-# ---------------------------------------------------------------------------------------------
-# hdim 80/96 (raised shared-memory limit) on device 1 first, in a fresh process
-
-_FRESH_PROCESS = r"""
-import torch, flash_epilogue as fe
-from flash_epilogue.reference import gqa_accumulate_reference, gqa_reduce_reference, store_reference
-torch.cuda.set_device(0)
-for dev in (1, 0):  # device 1 first: its shared-memory attributes are set before device 0's
-    for arch in (0, 80):
-        for d in (96, 80):
-            D = torch.device("cuda", dev)
-            g = torch.Generator(device=D).manual_seed(d + arch)
-            pk = torch.randn(2, 200, 6, d, device=D, generator=g)
-            pv = torch.randn(2, 200, 6, d, device=D, generator=g)
-            ok, ov = (torch.zeros(2, 200, 2, d, dtype=torch.bfloat16, device=D) for _ in range(2))
-            acc = fe.gqa_accumulator(2, d, batch=2, seqlen=200, deterministic=True, device=D, arch=arch)
-            fe.gqa_accumulate(pk, pv, acc, deterministic=True)
-            fe.gqa_postprocess(acc, ok, ov)
-            rk, rv = fe.gqa_reduce(pk, pv, num_heads_kv=2, out_dtype=torch.bfloat16, _arch=arch)
-            sk, sv = (torch.zeros(2, 200, 6, d, dtype=torch.float16, device=D) for _ in range(2))
-            fe.store(pk, pv, sk, sv, _arch=arch)
-            fe.store_zero(sk, sv, row_start=100, _arch=arch)
-            assert torch.cuda.current_device() == 0
-            torch.cuda.synchronize(D)
-            ref = [torch.zeros(2, 200, 2, d, device=D) for _ in range(2)]
-            gqa_accumulate_reference(pk, pv, *ref, num_heads_kv=2)
-            for got, want in zip(acc.to_dense(), ref):
-                assert torch.equal(got, want), ("accumulate", dev, arch, d)
-            assert torch.equal(ok, ref[0].bfloat16()), ("postprocess", dev, arch, d)
-            assert torch.equal(ov, ref[1].bfloat16()), ("postprocess", dev, arch, d)
-            for got, p in ((rk, pk), (rv, pv)):
-                want = torch.zeros_like(got)
-                gqa_reduce_reference(p, num_heads_kv=2, out=want, sequential=True)
-                assert torch.equal(got, want), ("reduce", dev, arch, d)
-            want = pk.half(); want[:, 100:] = 0
-            assert torch.equal(sk, want), ("store/store_zero", dev, arch, d)
-print("OK")
-"""
+def hdim_80_96_workload():
+    """Every op at hdim 96 and 80 on device 1 first (its shared-memory attributes set before device 0's), cuda:0
+    current throughout. Run in a fresh process by test_hdim_80_96_on_device1_first_in_a_fresh_process."""
+    torch.cuda.set_device(0)
+    for dev, arch, d in itertools.product((1, 0), (0, 80), (96, 80)):
+        D = torch.device("cuda", dev)
+        g = torch.Generator(device=D).manual_seed(d + arch)
+        pk = torch.randn(2, 200, 6, d, device=D, generator=g)
+        pv = torch.randn(2, 200, 6, d, device=D, generator=g)
+        ok, ov = (torch.zeros(2, 200, 2, d, dtype=BF16, device=D) for _ in range(2))
+        acc = fe.gqa_accumulator(2, d, batch=2, seqlen=200, deterministic=True, device=D, arch=arch)
+        fe.gqa_accumulate(pk, pv, acc, deterministic=True)
+        fe.gqa_postprocess(acc, ok, ov)
+        rk, rv = fe.gqa_reduce(pk, pv, num_heads_kv=2, out_dtype=BF16, _arch=arch)
+        sk, sv = (torch.zeros(2, 200, 6, d, dtype=F16, device=D) for _ in range(2))
+        fe.store(pk, pv, sk, sv, _arch=arch)
+        fe.store_zero(sk, sv, row_start=100, _arch=arch)
+        assert torch.cuda.current_device() == 0
+        torch.cuda.synchronize(D)
+        ref = [torch.zeros(2, 200, 2, d, device=D) for _ in range(2)]
+        gqa_accumulate_reference(pk, pv, *ref, num_heads_kv=2)
+        for got, want in zip(acc.to_dense(), ref):
+            assert torch.equal(got, want), ("accumulate", dev, arch, d)
+        assert torch.equal(ok, ref[0].bfloat16()), ("postprocess", dev, arch, d)
+        assert torch.equal(ov, ref[1].bfloat16()), ("postprocess", dev, arch, d)
+        for got, p in ((rk, pk), (rv, pv)):
+            want = torch.zeros_like(got)
+            gqa_reduce_reference(p, num_heads_kv=2, out=want, sequential=True)
+            assert torch.equal(got, want), ("reduce", dev, arch, d)
+        want = pk.half()
+        want[:, 100:] = 0
+        assert torch.equal(sk, want), ("store/store_zero", dev, arch, d)
+    print("OK")
 
 
-@pytest.mark.gpu
-@two_gpus
 def test_hdim_80_96_on_device1_first_in_a_fresh_process():
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    out = subprocess.run([sys.executable, "-c", _FRESH_PROCESS], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=300)
-    assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stdout + out.stderr
+    run_in_child(hdim_80_96_workload)

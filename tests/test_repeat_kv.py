@@ -1,22 +1,23 @@
 """flash_epilogue.repeat_kv: transformers' repeat_kv with the deterministic group reduce as backward.
 
-CPU (the errors are in test_bad_inputs.py): the forward against the original expand+reshape, the
-backward's arithmetic (plain PyTorch on the CPU), the gradient's layout, gradcheck, opcheck, torch.compile.
-GPU: the forward; the kernel backward bitwise and within a derived bound of the fp64 sum; which way the
-backward went (torch.profiler: a flash_epilogue kernel, TileStreamKernel or GqaReduceKernel, or none);
-an SDPA GQA layer against ``enable_gqa=True``; repeatability; torch.compile (inductor); a CUDA graph.
+CPU: the forward against the original expand+reshape, the backward's arithmetic (plain PyTorch), the gradient's
+layout, opcheck, torch.compile. GPU: the forward; the kernel backward bitwise and within the bound below; which way
+the backward went (torch.profiler: a flash_epilogue kernel or none); an SDPA GQA layer against enable_gqa=True;
+repeatability; torch.compile (inductor); a CUDA graph. Autograd modes: test_repeat_kv_autograd.py; errors:
+test_bad_inputs.py.
 
-Error bounds used here (u: unit roundoff of the gradient's dtype, 2^-8 bf16, 2^-11 fp16, 2^-24 fp32;
-u32 = 2^-24 the fp32 accumulator's, 2^-53 for fp64 gradients; M = sum_j |g_j| over a group of n
-query-head gradients g_j, in fp64): the backward computes rnd(fl(0 + g_0 + ... + g_{n-1})). The
-n - 1 accumulator additions after the exact first one each err by at most u32 * M, and the one
-rounding by at most u * |result| (plus half a subnormal spacing, smallest_normal * u, near 0), so
+Bound (u: the gradient dtype's unit roundoff; u32 = 2^-24, the fp32 accumulator's, 2^-53 for fp64; M = sum_j |g_j|
+over a group of n query-head gradients g_j): the backward computes rnd(fl(0 + g_0 + ... + g_{n-1})); the n - 1
+additions after the exact first each err by <= u32 * M, the rounding by <= u * |result| (+ smallest_normal * u):
 
     |result - sum_j g_j| <= u * |sum_j g_j| + 2 * n * u32 * M + smallest_normal * u.
 """
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.library import opcheck
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.profiler import ProfilerActivity, profile
 
 import flash_epilogue as fe
 from conftest import bits, cuda_graph, generator
@@ -38,25 +39,25 @@ def original_repeat_kv(x, n_rep, dim=1):
     return x[:, :, :, None, :].expand(b, s, h, n_rep, d).reshape(b, s, h * n_rep, d)
 
 
-def exact_sum_bound(grad, n_rep, dim, dtype):
-    """(fp64 group sum, the bound above) for the gradient `grad` with heads in `dim`."""
-    g64 = grad.double().unflatten(dim, (-1, n_rep))
-    exact, mag = g64.sum(dim + 1), g64.abs().sum(dim + 1)
-    u = UNIT_ROUNDOFF[dtype]
-    u_acc = 2.0**-53 if dtype == F64 else 2.0**-24
-    return exact, u * exact.abs() + 2 * n_rep * u_acc * mag + torch.finfo(dtype).smallest_normal * u
+def kv_shape(shape, dim):
+    """A (b, h, s, d) shape with its heads in `dim` (1 or 2)."""
+    return tuple(shape) if dim == 1 else (shape[0], shape[2], shape[1], shape[3])
 
 
 def assert_within_exact_bound(got, grad, n_rep, dim):
-    exact, bound = exact_sum_bound(grad, n_rep, dim, got.dtype)
+    """got within the module docstring's bound of the fp64 group sums of `grad` (heads in dim)."""
+    g64 = grad.double().unflatten(dim, (-1, n_rep))
+    exact, mag = g64.sum(dim + 1), g64.abs().sum(dim + 1)
+    u, u_acc = UNIT_ROUNDOFF[got.dtype], 2.0**-53 if got.dtype == F64 else 2.0**-24
+    bound = u * exact.abs() + 2 * n_rep * u_acc * mag + torch.finfo(got.dtype).smallest_normal * u
     err = (got.double() - exact).abs()
     bad = err > bound
     assert not bad.any(), f"{int(bad.sum())} elements off, worst excess {(err - bound).max().item():.3e}"
 
 
 def group_sum(grad, n_rep, dim=1):
-    """The backward's arithmetic: for every KV head, 0 + g_0 + ... + g_{n-1} in fp32 (fp64 for fp64
-    gradients), rounded once to the gradient's dtype."""
+    """The backward's arithmetic (independently of reference.py): for every KV head, 0 + g_0 + ... + g_{n-1} in fp32
+    (fp64 for fp64 gradients), rounded once to the gradient's dtype."""
     grouped = grad.unflatten(dim % 4, (-1, n_rep))
     acc = torch.zeros(grouped.select(dim % 4 + 1, 0).shape, dtype=torch.promote_types(grad.dtype, F32),
                       device=grad.device)
@@ -67,8 +68,6 @@ def group_sum(grad, n_rep, dim=1):
 
 def flash_kernels(fn):
     """How many flash_epilogue kernels fn launches (torch.profiler's CUDA kernel names; on the GPU)."""
-    from torch.profiler import ProfilerActivity, profile
-
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
@@ -99,8 +98,7 @@ def leading_order_storage(shape, order, dtype=F32, device="cpu", gen=None):
     return base.permute([perm.index(i) for i in range(4)])
 
 
-# ---------------------------------------------------------------------------------------------
-# forward (CPU)
+# ---- forward (CPU)
 
 
 @pytest.mark.parametrize("dim", [1, 2])
@@ -137,8 +135,7 @@ def test_forward_of_strided_inputs_and_writable_output():
         assert torch.equal(t, before)
 
 
-# ---------------------------------------------------------------------------------------------
-# backward (CPU: the plain-PyTorch path)
+# ---- backward (CPU: the plain-PyTorch path)
 
 
 def sequential_reference(grad, n_rep, dim):
@@ -153,19 +150,17 @@ def sequential_reference(grad, n_rep, dim):
 def test_backward_is_the_sequential_fp32_sum(dtype, dim):
     gen = torch.Generator().manual_seed(dim + 10 * (BF16, F16, F32).index(dtype))
     for hk, n_rep in ((2, 4), (1, 8), (3, 2)):
-        shape = (2, hk, 9, 16) if dim == 1 else (2, 9, hk, 16)
-        x = torch.randn(shape, generator=gen).to(dtype).requires_grad_()
+        x = torch.randn(kv_shape((2, hk, 9, 16), dim), generator=gen).to(dtype).requires_grad_()
         y = fe.repeat_kv(x, n_rep, dim=dim)
         # values over many binades: the order of the additions matters
         g = (torch.randn(y.shape, generator=gen) * torch.exp2(torch.randint(-10, 11, y.shape, generator=gen))).to(dtype)
-        (gx,) = torch.autograd.grad(y, x, g)
+        gx = grad_of(x, y, g)
         assert gx.dtype == dtype and gx.shape == x.shape
         assert torch.equal(bits(gx), bits(sequential_reference(g, n_rep, dim)))
         assert torch.equal(bits(gx), bits(group_sum(g, n_rep, dim)))
         assert_within_exact_bound(gx, g, n_rep, dim)
         # the original's backward: the same sum up to the order of fp32 additions
-        (g0,) = torch.autograd.grad(original_repeat_kv(x, n_rep, dim), x, g)
-        assert_within_exact_bound(g0, g, n_rep, dim)
+        assert_within_exact_bound(grad_of(x, original_repeat_kv(x, n_rep, dim), g), g, n_rep, dim)
 
 
 def test_backward_sign_of_zero_and_specials():
@@ -180,19 +175,17 @@ def test_backward_sign_of_zero_and_specials():
 @pytest.mark.ops
 def test_backward_of_empty_heads_with_a_huge_n_rep():
     # 0 KV heads divide by any n_rep: the plain-PyTorch backward once looped n_rep times over empty slices
-    grad = torch.empty(2, 0, 3, 8)
-    out = torch.ops.flash_epilogue.repeat_kv_backward(grad, 2**40, 1, [0, 1, 2])
+    out = torch.ops.flash_epilogue.repeat_kv_backward(torch.empty(2, 0, 3, 8), 2**40, 1, [0, 1, 2])
     assert out.shape == (2, 0, 3, 8)
 
 
 @pytest.mark.parametrize("dim", [1, 2])
 def test_gradient_follows_the_layout_of_x(dim):
-    shape = (2, 3, 5, 16) if dim == 1 else (2, 5, 3, 16)
     for order in ((0, 1, 2), (0, 2, 1), (1, 0, 2), (2, 1, 0)):
-        x = leading_order_storage(shape, order).requires_grad_()
+        x = leading_order_storage(kv_shape((2, 3, 5, 16), dim), order).requires_grad_()
         y = fe.repeat_kv(x, 2, dim=dim)
         g = torch.randn(y.shape)
-        (gx,) = torch.autograd.grad(y, x, g)
+        gx = grad_of(x, y, g)
         assert same_layout(gx, x), order
         assert torch.equal(gx, group_sum(g, 2, dim))
     # a head dim that is not innermost in x: the gradient's still is (dense, last dim contiguous,
@@ -201,27 +194,15 @@ def test_gradient_follows_the_layout_of_x(dim):
     x.requires_grad_()
     y = fe.repeat_kv(x, 2, dim=dim)
     g = torch.randn(y.shape)
-    (gx,) = torch.autograd.grad(y, x, g)
+    gx = grad_of(x, y, g)
     assert gx.stride(-1) == 1 and gx.untyped_storage().nbytes() == gx.numel() * gx.element_size()
-    assert [gx.stride(i) > gx.stride(j) for i, j in ((0, 1), (1, 2), (0, 2))] == \
-        [x.stride(i) > x.stride(j) for i, j in ((0, 1), (1, 2), (0, 2))]
+    pairs = ((0, 1), (1, 2), (0, 2))
+    assert [gx.stride(i) > gx.stride(j) for i, j in pairs] == [x.stride(i) > x.stride(j) for i, j in pairs]
     assert torch.equal(gx, group_sum(g, 2, dim))
-
-
-@pytest.mark.parametrize("dim", [1, 2])
-def test_gradcheck_fp64(dim):
-    for shape in ((2, 3, 4, 8), (1, 1, 3, 8)):
-        if dim == 2:
-            shape = (shape[0], shape[2], shape[1], shape[3])
-        x = torch.randn(shape, dtype=F64, requires_grad=True)
-        assert torch.autograd.gradcheck(lambda t: fe.repeat_kv(t, 3, dim=dim), (x,))
-        assert torch.autograd.gradgradcheck(lambda t: fe.repeat_kv(t, 3, dim=dim), (x,))
 
 
 @pytest.mark.ops
 def test_opcheck():
-    from torch.library import opcheck
-
     for dim, shape in ((1, (2, 3, 5, 8)), (2, (2, 5, 3, 8)), (1, (1, 1, 4, 16))):
         x = torch.randn(shape, requires_grad=True)
         opcheck(torch.ops.flash_epilogue.repeat_kv.default, (x, 2, dim))
@@ -253,20 +234,9 @@ def test_compile_fullgraph(dynamic):
         got = compiled(q, k, v)
         grads = torch.autograd.grad(got, (q, k, v), dout)
         want = block(q, k, v)
-        want_grads = torch.autograd.grad(want, (q, k, v), dout)
         assert torch.equal(got, want)
-        for a, b in zip(grads, want_grads):
+        for a, b in zip(grads, torch.autograd.grad(want, (q, k, v), dout)):
             assert torch.equal(a, b) and a.stride() == b.stride()
-
-
-def test_the_ops_and_their_autograd_are_the_extension_s():
-    if not fe.kernels_available():
-        pytest.skip(f"no extension: {fe.UNAVAILABLE_REASON}")
-    x = torch.randn(2, 2, 3, 8, requires_grad=True)
-    y = fe.repeat_kv(x, 2)
-    assert y.grad_fn.name() == "RepeatKvBackward"
-    gx = grad_of(x, y, torch.randn(y.shape, requires_grad=True), create_graph=True)
-    assert gx.grad_fn.name() == "RepeatKvBackwardBackward"
 
 
 @pytest.mark.ops
@@ -275,9 +245,7 @@ def test_backward_output_strides_are_the_fakes(dim):
     # the op allocates x's gradient itself: the same strides as its fake kernel's, size-0 and size-1 dims
     # included
     for shape in ((2, 6, 5, 8), (1, 2, 1, 8), (0, 4, 3, 8), (2, 4, 0, 8), (3, 2, 1, 1)):
-        if dim == 2:
-            shape = (shape[0], shape[2], shape[1], shape[3])
-        g = torch.randn(shape)
+        g = torch.randn(kv_shape(shape, dim))
         for layout in ([0, 1, 2], [0, 2, 1], [1, 0, 2], [1, 2, 0], [2, 0, 1], [2, 1, 0]):
             got = torch.ops.flash_epilogue.repeat_kv_backward(g, 2, dim, layout)
             with FakeTensorMode() as mode:
@@ -291,8 +259,7 @@ def test_backward_output_strides_are_the_fakes(dim):
     assert torch.equal(fe.repeat_kv(x, 2, dim=-2), fe.repeat_kv(x, 2, dim=2))
 
 
-# ---------------------------------------------------------------------------------------------
-# GPU
+# ---- GPU
 
 
 @pytest.mark.gpu
@@ -301,9 +268,7 @@ def test_backward_output_strides_are_the_fakes(dim):
 def test_gpu_forward_bitwise(dtype, dim):
     gen = generator(1)
     for shape in ((2, 8, 300, 128), (1, 1, 77, 64), (3, 4, 129, 96)):
-        if dim == 2:
-            shape = (shape[0], shape[2], shape[1], shape[3])
-        x = torch.randn(shape, device="cuda", generator=gen).to(dtype)
+        x = torch.randn(kv_shape(shape, dim), device="cuda", generator=gen).to(dtype)
         for n_rep in (1, 4, 8):
             y, want = fe.repeat_kv(x, n_rep, dim=dim), original_repeat_kv(x, n_rep, dim)
             assert torch.equal(bits(y), bits(want)) and y.shape == want.shape
@@ -317,9 +282,7 @@ def test_gpu_backward_kernel_is_bitwise_the_sequential_sum(d, dtype, profiler_se
     gen = generator(d)
     for i, (dim, hk, n_rep, order) in enumerate(((1, 2, 4, (0, 1, 2)), (1, 1, 8, (0, 2, 1)), (2, 2, 3, (0, 1, 2)),
                                                  (2, 4, 2, (0, 2, 1)))):
-        s = 131 + 64 * i
-        shape = (2, hk, s, d) if dim == 1 else (2, s, hk, d)
-        x = leading_order_storage(shape, order, dtype, "cuda", gen).requires_grad_()
+        x = leading_order_storage(kv_shape((2, hk, 131 + 64 * i, d), dim), order, dtype, "cuda", gen).requires_grad_()
         y = fe.repeat_kv(x, n_rep, dim=dim)
         g = (torch.randn(y.shape, device="cuda", generator=gen)
              * torch.exp2(torch.randint(-8, 9, y.shape, device="cuda", generator=gen))).to(dtype)
@@ -334,7 +297,7 @@ def test_gpu_backward_kernel_is_bitwise_the_sequential_sum(d, dtype, profiler_se
 
 def backward_path(grad, n_rep=4, dim=1):
     """(the gradient of x, the number of flash_epilogue kernels its backward launched) for repeat_kv's output
-    gradient `grad` (x: a leaf of grad's dtype, KV heads in `dim`)."""
+    gradient `grad` (x: a leaf of grad's dtype, KV heads in `dim`), the gradient checked bitwise."""
     shape = list(grad.shape)
     shape[dim] //= n_rep
     x = torch.zeros(shape, dtype=grad.dtype, device=grad.device, requires_grad=True)
@@ -349,13 +312,12 @@ def backward_path(grad, n_rep=4, dim=1):
 @pytest.mark.parametrize("dim", [1, 2])
 def test_gpu_backward_kernel_reads_strided_gradients(dim, profiler_sees_kernels):
     # contiguous, padded rows (a stride of 72 halves is a multiple of 16 bytes), both memory orders
-    shape = (2, 8, 9, 72) if dim == 1 else (2, 9, 8, 72)
+    shape = kv_shape((2, 8, 9, 72), dim)
     for grad in (torch.randn(shape[:3] + (64,), device="cuda").bfloat16(),
                  torch.randn(shape, device="cuda").half()[..., :64]):
         for g in (grad, grad.transpose(1, 2).contiguous().transpose(1, 2)):
             gx, launched = backward_path(g, dim=dim)
-            assert launched
-            assert gx.stride(-1) == 1
+            assert launched and gx.stride(-1) == 1
 
 
 @pytest.mark.gpu
@@ -386,24 +348,27 @@ def test_gpu_backward_falls_back_to_plain_pytorch(profiler_sees_kernels):
 
 @pytest.mark.gpu
 def test_gpu_gradcheck_against_the_fp64_sum():
-    # small shapes: bf16/fp16 kernel gradients within the derived bound of the exact fp64 sum, and
-    # torch.autograd.gradcheck in fp64 (the plain-PyTorch path on the GPU)
+    # small shapes: bf16/fp16 kernel gradients within the bound of the exact fp64 sum (fp64 gradcheck on the GPU:
+    # test_repeat_kv_autograd.py::test_gradcheck_fp64)
     gen = generator(4)
     for dtype in (BF16, F16):
         for dim, shape, n_rep in ((1, (1, 2, 5, 64), 3), (2, (2, 3, 2, 128), 2), (1, (1, 1, 1, 256), 16)):
             x = torch.randn(shape, device="cuda", generator=gen).to(dtype).requires_grad_()
             y = fe.repeat_kv(x, n_rep, dim=dim)
             g = torch.randn(y.shape, device="cuda", generator=gen).to(dtype)
-            (gx,) = torch.autograd.grad(y, x, g)
-            assert_within_exact_bound(gx, g, n_rep, dim)
-    x = torch.randn(1, 2, 3, 8, device="cuda", dtype=F64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda t: fe.repeat_kv(t, 3), (x,))
-    assert torch.autograd.gradgradcheck(lambda t: fe.repeat_kv(t, 3), (x,))
+            assert_within_exact_bound(grad_of(x, y, g), g, n_rep, dim)
 
 
 def assert_within_layer_bound(name, a, b, per_head, n_rep, dim):
-    """|a - b| <= 2u * M + u * (|a| + |b|) + 2n * 2^-24 * M + smallest_normal * u, elementwise
-    (derived in test_gpu_sdpa_layer_matches_enable_gqa), M from the per-query-head gradients."""
+    """Two gradients a, b of one GQA layer, each the sum over a group of n query heads of per-head gradients g_j that
+    the attention kernel accumulates in fp32. Each path rounds to the dtype (u) at most twice: possibly each g_j
+    before the sum (ours does: SDPA writes the per-head dK/dV of the repeated tensors in the dtype; FlashAttention's
+    GQA backward too), error <= u * M, M = sum_j |g_j| (measured on our per-head gradients, which differ from the
+    fp32 g_j by u relatively: covered by the fp32 term's slack), and once after it, <= u * |result|; the fp32 sums
+    add <= n * 2^-24 * M each. Hence, elementwise,
+
+        |a - b| <= 2u * M + u * (|a| + |b|) + 2n * 2^-24 * M + smallest_normal * u.
+    """
     u = UNIT_ROUNDOFF[a.dtype]
     m = per_head.double().abs().unflatten(dim, (-1, n_rep)).sum(dim + 1)
     bound = 2 * u * m + u * (a.double().abs() + b.double().abs()) + 2 * n_rep * 2.0**-24 * m \
@@ -418,15 +383,12 @@ def assert_within_layer_bound(name, a, b, per_head, n_rep, dim):
 def _sdpa_gqa_case(backend, dim, dtype, seed, b=2, hk=2, n_rep=4, s=256, d=128):
     """An attention layer over repeat_kv'd K/V and the same layer with enable_gqa=True, both
     pinned to `backend`: returns (ours (dk, dv), theirs (dk, dv), per-query-head (dk, dv))."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     backend = getattr(SDPBackend, backend)
     gen = generator(seed)
     hq = hk * n_rep
-    q_shape, kv_shape = ((b, hq, s, d), (b, hk, s, d)) if dim == 1 else ((b, s, hq, d), (b, s, hk, d))
-    q = torch.randn(q_shape, device="cuda", generator=gen).to(dtype)
-    k = torch.randn(kv_shape, device="cuda", generator=gen).to(dtype)
-    v = torch.randn(kv_shape, device="cuda", generator=gen).to(dtype)
+    q = torch.randn(kv_shape((b, hq, s, d), dim), device="cuda", generator=gen).to(dtype)
+    k = torch.randn(kv_shape((b, hk, s, d), dim), device="cuda", generator=gen).to(dtype)
+    v = torch.randn(kv_shape((b, hk, s, d), dim), device="cuda", generator=gen).to(dtype)
     dout = torch.randn(b, hq, s, d, device="cuda", generator=gen).to(dtype)
     heads_major = (lambda t: t) if dim == 1 else (lambda t: t.transpose(1, 2))
     sdpa = torch.nn.functional.scaled_dot_product_attention
@@ -453,22 +415,9 @@ def _sdpa_gqa_case(backend, dim, dtype, seed, b=2, hk=2, n_rep=4, s=256, d=128):
 @pytest.mark.parametrize("dim", [1, 2])
 @pytest.mark.parametrize("dtype", [BF16, F16], ids=str)
 def test_gpu_sdpa_layer_matches_enable_gqa(backend, dim, dtype, profiler_sees_kernels):
-    """dK/dV of an attention layer over repeat_kv'd K and V against SDPA's own GQA (enable_gqa=True).
-
-    Tolerance. Both compute S = sum_j g_j over the n query heads of a KV head, where g_j are the
-    per-query-head gradients the attention kernel accumulates in fp32. Each path rounds to the
-    dtype (unit roundoff u) at most twice: possibly each g_j before the sum (ours always does: the
-    SDPA backward writes per-head dK/dV of the repeated tensors in the dtype; FlashAttention's GQA
-    backward does too, other kernels may sum in fp32), error <= u * M with M = sum_j |g_j|, and
-    once after it, error <= u * |result|; the fp32 sums add <= n * 2^-24 * M each. Hence
-
-        |ours - theirs| <= 2u * M + u * (|ours| + |theirs|) + 2n * 2^-24 * M + smallest_normal * u,
-
-    with M measured from our per-head gradients (retain_grad on the repeated tensors; they differ
-    from the fp32 g_j by u relatively, covered by the slack of the fp32 term). With
-    FLASH_ATTENTION the per-head values coincide, so the results typically agree bit for bit and
-    differ by at most one unit in the last place where the two fp32 summation orders round apart.
-    """
+    # dK/dV over repeat_kv'd K and V against SDPA's own GQA (enable_gqa=True), within assert_within_layer_bound's
+    # bound (FLASH_ATTENTION: the per-head values coincide, so typically bitwise, at most one ulp apart where the two
+    # fp32 summation orders round apart)
     n_rep = 4
     case = []
     assert flash_kernels(lambda: case.append(_sdpa_gqa_case(backend, dim, dtype, seed=7 + dim, n_rep=n_rep))) >= 2
@@ -498,9 +447,9 @@ def test_gpu_sdpa_layer_gradients_are_repeatable():
     g = first[1][0]
     x = torch.zeros(g.shape[0], g.shape[1] // 4, g.shape[2], g.shape[3], dtype=BF16, device="cuda", requires_grad=True)
     y = fe.repeat_kv(x, 4)
-    want = torch.autograd.grad(y, x, g, retain_graph=True)[0]
+    want = grad_of(x, y, g, retain_graph=True)
     for _ in range(50):
-        assert torch.equal(bits(torch.autograd.grad(y, x, g, retain_graph=True)[0]), bits(want))
+        assert torch.equal(bits(grad_of(x, y, g, retain_graph=True)), bits(want))
 
 
 @pytest.mark.gpu
@@ -533,20 +482,17 @@ def test_gpu_compile_fullgraph(dynamic, profiler_sees_kernels):
             assert torch.equal(bits(a), bits(b))
         grads = []  # the compiled backward takes the kernel path (never the plain-PyTorch one)
         assert flash_kernels(lambda: grads.append(torch.autograd.grad(got, (k, v), (gk, gv)))) >= 2
-        got_grads, want_grads = grads[0], torch.autograd.grad(want, (k, v), (gk, gv))
-        for a, b in zip(got_grads, want_grads):
+        for a, b in zip(grads[0], torch.autograd.grad(want, (k, v), (gk, gv))):
             assert torch.equal(bits(a), bits(b)) and a.stride() == b.stride()
-        # a whole layer compiled (inductor may lay SDPA's inputs out differently): within the
-        # bound of test_gpu_sdpa_layer_matches_enable_gqa, M from the eager per-head gradients
+        # a whole layer compiled (inductor may lay SDPA's inputs out differently): within
+        # assert_within_layer_bound's bound, M from the eager per-head gradients
         q = torch.randn(2, 8, s, 128, device="cuda", generator=gen).bfloat16().requires_grad_()
         dout = torch.randn(2, 8, s, 128, device="cuda", generator=gen).bfloat16()
         grads.clear()
         assert flash_kernels(lambda: grads.append(torch.autograd.grad(compiled_layer(q, k, v), (k, v), dout))) >= 2
-        got_grads = grads[0]
         keep = []
-        want_out = layer(q, k, v, keep)
-        want_out.backward(dout)
-        for name, a, b, g, dim in zip(("dk", "dv"), got_grads, (k.grad, v.grad), (keep[0].grad, keep[1].grad), (1, 2)):
+        layer(q, k, v, keep).backward(dout)
+        for name, a, b, g, dim in zip(("dk", "dv"), grads[0], (k.grad, v.grad), (keep[0].grad, keep[1].grad), (1, 2)):
             assert_within_layer_bound(name, a, b, g, 4, dim)
         k.grad = v.grad = q.grad = None
 
@@ -566,8 +512,7 @@ def test_gpu_cuda_graph(debug, monkeypatch, profiler_sees_kernels):
 
     def step():
         y = fe.repeat_kv(x, 4)
-        (gx,) = torch.autograd.grad(y, x, gy)
-        return y, gx
+        return y, grad_of(x, y, gy)
 
     assert flash_kernels(step)  # the kernel path
     graph, (y, gx) = cuda_graph(step, warmup=2)

@@ -1,161 +1,154 @@
-"""GPU tests of `store`: bitwise equal to `accum.to(dtype)` on every valid element, and nothing else in
-the surrounding buffer changes (outputs are carved out of canary buffers). Every layout case runs on
-both code paths (`arch`: the sm_90 kernels, and the sm_80 path run on the same GPU: ArchTag Sm80
-collectives and FA3's Ampere tiles, always the non-TMA predicated store), with the row edges at each
-path's kBlockN; the cases about the sm_90 driver (persistent CTAs, small-problem kernels, TMA boxes)
-run on it alone. The sm_80 runs check its logic and layouts, not sm_80 code generation."""
+"""GPU tests of `store` (bitwise `accum.to(dtype)` on every valid element, nothing else in the canary buffer
+changed), and the checker test_store_zero.py shares. Layout cases run on both code paths (`arch`: sm_90, and the
+sm_80 path on the same GPU, for its logic and layouts) with row edges at the path's kBlockN; the sm_90 driver's
+cases (persistent CTAs, small-problem kernels, TMA boxes) on sm_90 alone."""
 import pytest
 import torch
 
 import flash_epilogue as fe
-from conftest import DTYPES, arch_param, assert_bits, bits, block_n, canary, cu_seqlens, int32, rand
-from flash_epilogue.reference import store_reference
+from conftest import DTYPES, arch_param, assert_bits, bits, block_n, canary, carve, cu_seqlens, int32, rand, same_view
+from flash_epilogue.reference import store_reference, store_zero_reference
 
 pytestmark = pytest.mark.gpu
 
 HEAD_DIMS = (64, 80, 96, 128, 160, 192, 256)
 DV_PAIRS = [(192, 128), (64, 128), (128, 64), (256, 128), (72, 200)]
+dtype_param = pytest.mark.parametrize("dtype", DTYPES, ids=str)
 
 
 def accum(shape):
     return rand(shape, binades=20)
 
 
-def check_store(dk_buf, dv_buf, dk, dv, dk_accum, dv_accum, arch=90, **seq):
-    """Run the kernel on (dk, dv), views into canary buffers, and compare each buffer bitwise with the
-    reference applied to a copy."""
+def check(dk_buf, dv_buf, dk, dv, arch=90, acc=None, **kw):
+    """store (acc: its accumulators, True: fresh ones) or else store_zero on (dk, dv), views into canary buffers;
+    each whole buffer must equal bitwise the reference applied to a clone. Returns the expected zeros in dk."""
     expect_k, expect_v = dk_buf.clone(), dv_buf.clone()
-    store_reference(dk_accum, dv_accum, expect_k.as_strided(dk.shape, dk.stride(), dk.storage_offset()),
-                    expect_v.as_strided(dv.shape, dv.stride(), dv.storage_offset()), **seq)
-    fe.store(dk_accum, dv_accum, dk, dv, _arch=arch, **seq)
+    acc = (accum(dk.shape), accum(dv.shape)) if acc is True else acc
+    if acc is None:  # unchecked: some cases pass out-of-range indices on purpose
+        store_zero_reference(same_view(expect_k, dk), same_view(expect_v, dv), **kw)
+        fe.store_zero(dk, dv, check_inputs=False, _arch=arch, **kw)
+    else:
+        store_reference(*acc, same_view(expect_k, dk), same_view(expect_v, dv), **kw)
+        fe.store(*acc, dk, dv, _arch=arch, **kw)
     torch.cuda.synchronize()
     assert_bits(dk_buf, expect_k, "dk")
     assert_bits(dv_buf, expect_v, "dv")
+    return int((bits(expect_k) == 0).sum())
 
 
-def check_plain(shape, dtype, arch=90, shape_v=None, **seq):
-    """store into whole canary buffers of `shape` (dv: `shape_v`)."""
-    shape_v = shape_v or shape
-    dk_buf, dv_buf = canary(shape, dtype), canary(shape_v, dtype)
-    check_store(dk_buf, dv_buf, dk_buf, dv_buf, accum(shape), accum(shape_v), arch, **seq)
+def check_carved(shape, dtype, layout="plain", arch=90, shape_v=None, **kw):
+    """check() on dk of `shape` and dv of `shape_v` (default `shape`) carved per `layout` (or (dk's, dv's))."""
+    lk, lv = (layout, layout) if isinstance(layout, str) else layout
+    (dk_buf, dk), (dv_buf, dv) = carve(shape, dtype, lk), carve(shape_v or shape, dtype, lv)
+    return check(dk_buf, dv_buf, dk, dv, arch, **kw)
 
 
-def varlen_lens(n, tail):
-    return [0, 1, n - 1, n, n + 1, 3 * n + 7, 0, tail]
+def varlen_meta(n, long=2, tail=37):
+    """(batch, cu_seqlens, seqused, total rows): lengths with edges at kBlockN `n` and empty sequences, seqused
+    0, 5 or 10 rows shorter, 9 slack rows after the last sequence."""
+    lens = [0, 1, n - 1, n, n + 1, long * n + 7, 0, tail]
+    cu = cu_seqlens(lens)
+    return len(lens), cu, int32(*[max(0, x - (i % 3) * 5) for i, x in enumerate(lens)]), int(cu[-1]) + 9
 
 
 @arch_param
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@dtype_param
 @pytest.mark.parametrize("d", HEAD_DIMS)
 @pytest.mark.parametrize("seq_idx", range(7))
 @pytest.mark.parametrize("batch,heads", [(1, 1), (2, 3)])
 def test_store_batched(dtype, d, seq_idx, batch, heads, arch):
     n = block_n(d, arch=arch)
-    seqlen = (0, 1, n - 1, n, n + 1, 1000, 4096)[seq_idx]
-    check_plain((batch, seqlen, heads, d), dtype, arch)
+    check_carved((batch, (0, 1, n - 1, n, n + 1, 1000, 4096)[seq_idx], heads, d), dtype, arch=arch, acc=True)
 
 
 @arch_param
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@dtype_param
 def test_store_empty_batch(dtype, arch):
-    shape = (0, 128, 4, 128)
-    fe.store(accum(shape), accum(shape), canary(shape, dtype), canary(shape, dtype), _arch=arch)
-    torch.cuda.synchronize()
+    check_carved((0, 128, 4, 128), dtype, arch=arch, acc=True)
 
 
 @arch_param
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@dtype_param
 @pytest.mark.parametrize("d", (64, 128, 192, 256))
 def test_store_bhsd_layout(dtype, d, arch):
-    # outputs stored (batch, heads, seqlen, d) and passed as (batch, seqlen, heads, d) views
+    # outputs stored (batch, heads, seqlen, d), passed as (batch, seqlen, heads, d) views; inputs in another layout
     b, h, s = 2, 4, 777
     dk_buf, dv_buf = canary((b, h, s, d), dtype), canary((b, h, s, d), dtype)
-    accum_k = accum((b, h, s, d)).transpose(1, 2)
-    accum_v = accum((b, s, h, d))  # the inputs need not share the outputs' layout
-    check_store(dk_buf, dv_buf, dk_buf.transpose(1, 2), dv_buf.transpose(1, 2), accum_k, accum_v, arch)
+    acc = accum((b, h, s, d)).transpose(1, 2), accum((b, s, h, d))
+    check(dk_buf, dv_buf, dk_buf.transpose(1, 2), dv_buf.transpose(1, 2), arch, acc)
 
 
 @arch_param
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@dtype_param
 @pytest.mark.parametrize("d", (64, 96, 128, 192, 256))
 def test_store_strided_views(dtype, d, arch):
-    # dk/dv carved out of wider buffers: padded rows, extra heads, padded head dim, and a batch stride
-    # with slack; everything outside the view must keep its canary
+    # dk/dv carved out of wider buffers: padded rows, extra heads, padded head dim, and a batch stride with slack
     b, s, h = 3, 300, 2
-    dk_buf = canary((b + 1, s + 5, h + 2, d + 16), dtype)
-    dv_buf = canary((b, s, 2 * h, d + 8), dtype)
-    dk = dk_buf[1:, 2 : s + 2, 1 : h + 1, :d]
-    dv = dv_buf[:, :, ::2, :d]
-    check_store(dk_buf, dv_buf, dk, dv, accum((b, s, h, d + 4))[..., :d], accum((b, s, h, d)), arch)
+    dk_buf, dv_buf = canary((b + 1, s + 5, h + 2, d + 16), dtype), canary((b, s, 2 * h, d + 8), dtype)
+    dk, dv = dk_buf[1:, 2 : s + 2, 1 : h + 1, :d], dv_buf[:, :, ::2, :d]
+    check(dk_buf, dv_buf, dk, dv, arch, (accum((b, s, h, d + 4))[..., :d], accum((b, s, h, d))))
 
 
 @arch_param
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@dtype_param
 def test_store_size_one_dims_with_odd_strides(dtype, arch):
     # batch 1 and heads 1 with strides no one could use: normalized, not rejected
     s, d = 200, 128
-    base = canary((s * d + 64,), dtype)
-    dk = base.as_strided((1, s, 1, d), (3, d, 5, 1))
-    dv_buf = canary((1, s, 1, d), dtype)
-    dv = dv_buf.as_strided((1, s, 1, d), (7, d, 1, 1))
+    base, dv_buf = canary((s * d + 64,), dtype), canary((1, s, 1, d), dtype)
+    dk, dv = base.as_strided((1, s, 1, d), (3, d, 5, 1)), dv_buf.as_strided((1, s, 1, d), (7, d, 1, 1))
     acc = accum((1, s, 1, d)).as_strided((1, s, 1, d), (1, d, 3, 1))
-    check_store(base, dv_buf, dk, dv, acc, accum((1, s, 1, d)), arch)
+    check(base, dv_buf, dk, dv, arch, (acc, accum((1, s, 1, d))))
 
 
 @arch_param
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@dtype_param
 @pytest.mark.parametrize("d,dv", DV_PAIRS)
 def test_store_dv_differs_from_d(dtype, d, dv, arch):
-    b, s, h = 2, 333, 3
-    check_plain((b, s, h, d), dtype, arch, shape_v=(b, s, h, dv))
+    check_carved((2, 333, 3, d), dtype, arch=arch, shape_v=(2, 333, 3, dv), acc=True)
 
 
 @arch_param
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@dtype_param
 @pytest.mark.parametrize("d", HEAD_DIMS)
 def test_store_varlen_and_seqused(dtype, d, arch):
-    lens = varlen_lens(block_n(d, arch=arch), 500 if arch == 90 else 50)
-    cu = cu_seqlens(lens)
-    total, h = int(cu[-1]) + 9, 2  # slack rows after the last sequence stay untouched
-    used = int32(*[max(0, x - (i % 3) * 5) for i, x in enumerate(lens)])
-    # and every sequence empty: nothing written
+    _, cu, used, total = varlen_meta(block_n(d, arch=arch), 3, 500 if arch == 90 else 50)
+    # the last: every sequence empty, nothing written
     for seq in ({"cu_seqlens": cu}, {"cu_seqlens": cu, "seqused": used}, {"cu_seqlens": int32(0, 0, 0, 0, 0)}):
-        check_plain((total, h, d), dtype, arch, **seq)
+        check_carved((total, 2, d), dtype, arch=arch, acc=True, **seq)
 
 
 @arch_param
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@dtype_param
 def test_store_seqused_batched(dtype, arch):
-    b, s, h, d = 4, 400, 2, 128
-    check_plain((b, s, h, d), dtype, arch, seqused=int32(0, 1, block_n(d, arch=arch) + 1, 400))
+    check_carved((4, 400, 2, 128), dtype, arch=arch, acc=True, seqused=int32(0, 1, block_n(128, arch=arch) + 1, 400))
 
 
 def many_tiles_heads(tiles_per_head, waves=20):
-    """Heads for at least `waves` tiles per SM: the sm_90 driver's persistent CTAs then walk many tiles
-    each and their ring of input stages wraps several times."""
+    """Heads for at least `waves` tiles per SM: the sm_90 driver's persistent CTAs then walk many tiles each and
+    their ring of input stages wraps several times."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     return max(2, -(-waves * sms // (2 * tiles_per_head)))
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@dtype_param
 @pytest.mark.parametrize("d", (64, 96, 128, 192, 256))
 def test_store_many_tiles_per_cta(dtype, d):
     b, s = 2, 8 * block_n(d) + 5  # a partial last tile per sequence
     h = many_tiles_heads(b * 9)
     dk_buf, dv_buf = canary((b, s + 3, h, d), dtype), canary((b, s + 3, h, d), dtype)
-    dk, dv = dk_buf[:, 1 : s + 1], dv_buf[:, 2 : s + 2]  # rows outside the views stay untouched
-    check_store(dk_buf, dv_buf, dk, dv, accum((b, s, h, d)), accum((b, s, h, d)))
+    dk, dv = dk_buf[:, 1 : s + 1], dv_buf[:, 2 : s + 2]
+    check(dk_buf, dv_buf, dk, dv, acc=True)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@dtype_param
 @pytest.mark.parametrize("d", (128, 192, 256))
 @pytest.mark.parametrize("extra_heads", (0, 1))
 @pytest.mark.parametrize("metadata", ("none", "cu_seqlens", "seqused"))
 def test_store_at_the_small_problem_threshold(dtype, d, extra_heads, metadata):
-    # sm_90 small problems take other kernels: at hdim 128 up to one tile per SM (dK's and dV's)
-    # streams 64-row tiles with two CTAs per SM, at hdim 192/256 up to two take one CTA per tile;
-    # one tile more takes the streaming kernel. Both sides of each switch, a partial tile per head,
-    # batched, packed as one varlen sequence (the same tile count) and batched with seqused.
+    # sm_90 small problems take other kernels: at hdim 128 up to one tile per SM (dK's and dV's) streams 64-row tiles
+    # with two CTAs per SM, at hdim 192/256 up to two take one CTA per tile; one tile more: the streaming kernel. Both
+    # sides of each switch, a partial tile per head: batched, as one varlen sequence (same tiles), with seqused.
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     s, h = block_n(d) - 3, (sms // 2 if d == 128 else sms) + extra_heads
     lead = (s + 2,) if metadata == "cu_seqlens" else (1, s + 2)
@@ -163,24 +156,22 @@ def test_store_at_the_small_problem_threshold(dtype, d, extra_heads, metadata):
     rows = slice(1, s + 1)
     dk, dv = (dk_buf[rows], dv_buf[rows]) if metadata == "cu_seqlens" else (dk_buf[:, rows], dv_buf[:, rows])
     seq = {"none": {}, "cu_seqlens": {"cu_seqlens": int32(0, s)}, "seqused": {"seqused": int32(s - 5)}}[metadata]
-    check_store(dk_buf, dv_buf, dk, dv, accum(dk.shape), accum(dv.shape), **seq)
+    check(dk_buf, dv_buf, dk, dv, acc=True, **seq)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@dtype_param
 @pytest.mark.parametrize("d", (128, 256))
 def test_store_varlen_many_tiles_per_cta(dtype, d):
-    # random lengths (zeros included) and a seqused that empties some tiles: the CTAs skip those in
-    # the same order as their loads
+    # random lengths (zeros too) and a seqused emptying some tiles: the CTAs skip those in the order of their loads
     n = block_n(d)
     gen = torch.Generator().manual_seed(d)
     lens = torch.randint(0, 4 * n, (48,), generator=gen)
     lens[::7] = 0
     cu = cu_seqlens(lens.tolist())
     used = (lens - torch.randint(0, 2 * n, (48,), generator=gen)).clamp(min=0).to(torch.int32).cuda()
-    total = int(cu[-1]) + 11
     h = many_tiles_heads(int(lens.sum()) // n + 48)
     for seq in ({"cu_seqlens": cu}, {"cu_seqlens": cu, "seqused": used}):
-        check_plain((total, h, d), dtype, **seq)
+        check_carved((int(cu[-1]) + 11, h, d), dtype, acc=True, **seq)
 
 
 @arch_param
@@ -188,10 +179,10 @@ def test_store_varlen_many_tiles_per_cta(dtype, d):
 def test_store_matches_plain_to_on_both_paths(d, arch):
     # the spec in one line: bitwise accum.to(dtype), so the same bits on both paths
     acc = accum((2, 1000, 4, d))
-    out, out_v = torch.empty_like(acc, dtype=torch.bfloat16), torch.empty_like(acc, dtype=torch.bfloat16)
-    torch.ops.flash_epilogue.store(acc, acc, out, out_v, _arch=arch)
-    assert torch.equal(bits(out), bits(acc.to(torch.bfloat16)))
-    assert torch.equal(bits(out_v), bits(acc.to(torch.bfloat16)))
+    outs = torch.empty_like(acc, dtype=torch.bfloat16), torch.empty_like(acc, dtype=torch.bfloat16)
+    torch.ops.flash_epilogue.store(acc, acc, *outs, _arch=arch)
+    for out in outs:
+        assert torch.equal(bits(out), bits(acc.to(torch.bfloat16)))
 
 
 @arch_param
@@ -202,15 +193,13 @@ def test_store_matches_plain_to_on_both_paths(d, arch):
     ([0, 300, 100], None),  # decreasing
 ])
 def test_store_bad_metadata_unchecked_stays_inside_the_tensor(cu, used, arch):
-    # contents are not checked by default (no host sync); the kernels clamp every row range to the
-    # tensor, so whatever lands inside, nothing outside the tensor's memory may change
+    # contents are not checked by default (no host sync); the kernels clamp every row range to the tensor, so
+    # whatever lands inside, nothing outside the tensor's memory may change
     total, h, d = 300, 2, 128
     buf_k, buf_v = canary((total + 64, h, d)), canary((total + 64, h, d))
     dk, dv = buf_k[32 : 32 + total], buf_v[32 : 32 + total]
     before_k, before_v = buf_k.clone(), buf_v.clone()
-    seq = {"cu_seqlens": int32(*cu)}
-    if used is not None:
-        seq["seqused"] = int32(*used)
+    seq = {"cu_seqlens": int32(*cu), **({} if used is None else {"seqused": int32(*used)})}
     acc = accum((total, h, d))
     fe.store(acc, acc, dk, dv, **seq, check_inputs=False, _arch=arch)
     fe.store_zero(dk, dv, **seq, check_inputs=False, _arch=arch)
@@ -224,17 +213,16 @@ def test_store_bad_metadata_unchecked_stays_inside_the_tensor(cu, used, arch):
 
 @pytest.mark.parametrize("d", (64, 96, 128, 256))
 def test_store_varlen_full_tiles_strided(d):
-    # sm_90 stores a varlen tile by TMA when all its rows lie inside the sequence (and seqused), by
-    # predicated stores otherwise. Tiles ending exactly at a sequence's end or at seqused, a sequence
-    # of full tiles only, and strided views (padding columns and rows around them) whose canaries a
-    # box one row or column too long would overwrite.
+    # sm_90 stores a varlen tile by TMA when all its rows lie inside the sequence (and seqused), by predicated
+    # stores otherwise: tiles ending exactly at a sequence's end or at seqused, a sequence of full tiles only, and
+    # strided views whose canaries a box one row or column too long would overwrite
     n = block_n(d)
     cu = cu_seqlens([2 * n, n + 3, 3 * n, 1, 4 * n + 1])
     total, h = int(cu[-1]), 3
     for seq in ({"cu_seqlens": cu}, {"cu_seqlens": cu, "seqused": int32(2 * n, n, 2 * n, 1, 3 * n - 1)}):
         dk_buf, dv_buf = canary((total + 5, h, d + 16)), canary((total + 5, h + 1, d))
         dk, dv = dk_buf[2 : 2 + total, :, :d], dv_buf[3 : 3 + total, 1:]
-        check_store(dk_buf, dv_buf, dk, dv, accum((total, h, d)), accum((total, h, d)), **seq)
+        check(dk_buf, dv_buf, dk, dv, acc=True, **seq)
 
 
 @arch_param
@@ -242,6 +230,6 @@ def test_store_varlen_full_tiles_strided(d):
 def test_store_varlen_dv_differs_from_d(d, dv, arch):
     lens = [0, 1, 95, 96, 97, 300]
     cu = cu_seqlens(lens)
-    total, h = int(cu[-1]) + 3, 3
-    check_plain((total, h, d), torch.bfloat16, arch, shape_v=(total, h, dv), cu_seqlens=cu,
-                seqused=int32(*[max(0, x - 7) for x in lens]))
+    total = int(cu[-1]) + 3
+    check_carved((total, 3, d), torch.bfloat16, arch=arch, shape_v=(total, 3, dv), acc=True, cu_seqlens=cu,
+                 seqused=int32(*[max(0, x - 7) for x in lens]))

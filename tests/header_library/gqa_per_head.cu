@@ -1,4 +1,4 @@
-// sm_90's per-query-head gqa_accumulate as a torch extension, for tests/test_gqa_per_head.py: GqaAccumulateKernel
+// sm_90's per-query-head gqa_accumulate as a torch extension, for tests/test_gqa.py: GqaAccumulateKernel
 // adds each query head's tile through CollectiveEpilogueBwdGQA's bulk reduce-adds, the protocol an attention
 // kernel calls (FA3's mainloop, through fa3/epilogue_bwd.hpp). The op adds whole groups per CTA on sm_90
 // (GqaAccumulateStreamKernel), so this keeps the collective's sm_90 adds under test, against the op.
