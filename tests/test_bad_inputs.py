@@ -39,7 +39,8 @@ SELF = (r"memory: expected no two elements at one address \(no stride 0 or overl
         r"> 1\), got shape {}, strides {}")
 CONTIGUOUS_OR_SELF = r"(strides: expected \(.*\) \(contiguous\), got \(.*\)|" + SELF.format(".*", ".*") + ")"
 OVER, CPU = r"memory: expected no overlap with {}, got bytes", r"device: expected a CUDA tensor, got a tensor on cpu"
-DEV1 = r"device: expected cuda:0 \(the device of {}\), got cuda:1"
+DEV0 = r"device: expected cuda:0 \(the device of {}\), got {}"  # a tensor on another device than the first
+DEV1 = DEV0.format("{}", "cuda:1")
 # the GQA accumulator
 ACC = (r"shape: expected {} \(the accumulator of {}, {} KV heads and head dim {d} in the tile of head dim {c} on the "
        r"sm_{a} path: allocate it with flash_epilogue\.gqa_accumulator\), got {}")
@@ -137,7 +138,7 @@ ROWS = [
     R("store", "seqused: " + NUMEL.format(r"dk\.shape\[0\]", 3), seqused=ints(1, 2, 3)),
     R("store_varlen", "seqused: " + NUMEL.format(r"cu_seqlens\.numel\(\) - 1", 1), seqused=ints(3)),
     R("store", "dk_accum: " + DT.format("float32", "float16"), TYPE, dk_accum=on(lambda t: t.cpu().half())),
-    R("store", "seqused: " + CPU, cpu=False, seqused=ints(S, 3, dev="cpu")),
+    R("store", "seqused: " + DEV0.format("dk_accum", "cpu"), cpu=False, seqused=ints(S, 3, dev="cpu")),
     R("store", "seqused: " + DEV1.format("dk_accum"), gpus=2, seqused=ints(S, 3, dev="cuda:1")),
     R("store_varlen", r"cu_seqlens\[0\]: expected >= 0, got -4", cu_seqlens=ints(-4, 30, 80), **CHECKED),
     R("store", STATIC.format(1), seqused=ints(S, S + 1), **CHECKED),
