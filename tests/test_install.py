@@ -1,12 +1,14 @@
 """Installing: a non-editable install ships the collectives' headers (get_include() names existing directories inside
 the installed package, and the example kernel compiles against them), writes nothing into the source tree, and a
-pure-Python one (FLASH_EPILOGUE_SKIP_CUDA_BUILD=1) imports, names why it has no kernels and runs repeat_kv. A build
-of one head dim (FLASH_EPILOGUE_HEAD_DIMS=64; a real compile, run with the GPU suite) refuses another head dim naming
-the knob.
+pure-Python one (FLASH_EPILOGUE_SKIP_CUDA_BUILD=1) imports, names why it has no kernels and runs repeat_kv; a source
+distribution holds every source the build reads and nothing of a local build. A build of one head dim
+(FLASH_EPILOGUE_HEAD_DIMS=64; a real compile, run with the GPU suite) refuses another head dim naming the knob.
 """
 import os
+import shutil
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -75,6 +77,28 @@ print("INCLUDE", *fe.get_include())
            str(tmp_path / "kernel.o"), *[f"-I{d}" for d in includes]]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+
+def test_a_source_distribution_holds_what_the_build_reads(tmp_path):
+    # from a copy of the checkout's files: setuptools would otherwise reuse a local egg-info's file list
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True,
+                           text=True).stdout.split()
+    tree = tmp_path / "tree"
+    for f in files:
+        if (ROOT / f).is_file():
+            (tree / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / f, tree / f)
+    proc = subprocess.run([sys.executable, "setup.py", "-q", "sdist", "--dist-dir", str(tmp_path)], cwd=tree,
+                          capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, FLASH_EPILOGUE_SKIP_CUDA_BUILD="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (sdist,) = tmp_path.glob("*.tar.gz")
+    with tarfile.open(sdist) as tar:
+        names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
+    needed = [f for f in files if f.startswith(("csrc/", "flash_epilogue/", "scripts/generate_instantiations"))]
+    assert needed and not set(needed) - names, sorted(set(needed) - names)[:10]
+    assert not [n for n in names if n.endswith((".so", ".pyc", "_build_info.py"))]  # nothing of a local build
 
 
 @pytest.mark.gpu  # a real build: run where the GPU suite runs (a many-core machine)
