@@ -11,7 +11,7 @@ the baselines of benchmarks/baselines.py), the shape (benchmarks/common.py), ms,
 each impl's outputs against torch eager's, from the same initial state. gqa_accumulate_det's baseline
 rows are gqa_accumulate's ("shared_with"). store_varlen runs on the varlen batch and on each batched
 shape packed as equal-length sequences. Writes DIR/NAME.json (rows, targets, environment, regressions
-over 5% against the last committed NAME.json), DIR/NAME.csv and DIR/NAME.png.
+over 5% against the last committed NAME.json), DIR/NAME.csv and DIR/NAME.png; the JSON and the PNG are committed.
 """
 from __future__ import annotations
 

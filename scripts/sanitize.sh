@@ -153,7 +153,8 @@ for line in open(runs_path).read().splitlines() if os.path.exists(runs_path) els
     ok = ok and entry["errors"] == 0 and not entry["timed_out"] and entry["configs_failed"] == 0 \
         and entry["runs"] == entry["configs_total"] and rc == "0"
 summary["ok"] = ok
-json.dump(summary, open(os.path.join(out, "sanitize.json"), "w"), indent=1)
+with open(os.path.join(out, "sanitize.json"), "w") as f:  # a line per entry: compact and diffable
+    f.write("{\n" + ",\n".join(f" {json.dumps(k)}: {json.dumps(v)}" for k, v in summary.items()) + "\n}\n")
 print(json.dumps(summary, indent=1))
 sys.exit(0 if ok else 1)
 PY
