@@ -31,9 +31,12 @@ ONLY_SITE = "import sys; sys.meta_path[:] = [f for f in sys.meta_path if 'editab
 
 def run_installed(site: Path, code: str) -> str:
     """`code` in a new process that imports the package installed in `site` (not the checkout)."""
+    # the rest of PYTHONPATH may hold the dependencies (the cutlass wheel); the checkout itself is left out
+    rest = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p).resolve() != ROOT]
+    path = [str(site), *rest]
     proc = subprocess.run([sys.executable, "-c", ONLY_SITE + code], cwd=site.parent, capture_output=True, text=True,
                           timeout=600,
-                          env=dict(os.environ, PYTHONPATH=str(site), FLASH_EPILOGUE_DISABLE_KERNELS="0"))
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join(path), FLASH_EPILOGUE_DISABLE_KERNELS="0"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
 
