@@ -114,8 +114,7 @@ char const* launch_gqa_accumulate_per_head(GqaAccumulateLaunchArgs const& args, 
   using Collective = typename Kernel::Collective;
   bool const varlen = args.cu_seqlens != nullptr;
   int const batch_extent = varlen ? 1 : args.batch;
-  // One collective per accumulator. The semaphore buffer (2 * counters + 1 ints, as the binding sizes it):
-  // dK's counters, dV's, then the ticket.
+  // One collective per accumulator. The semaphore buffer: dK's counters, dV's, then the ticket.
   auto coll_args = [&](AccumDesc const& accum, int* semaphores, int64_t num_semaphores) {
     typename Collective::Arguments a{accum.ptr,       nullptr,      accum.head_stride, accum.batch_stride,
                                      accum.num_tiles, batch_extent, args.num_heads_q,  args.num_heads_kv,

@@ -1,7 +1,6 @@
 #pragma once
 
-// The interface between the bindings and the kernels: plain pointers, extents and element strides, no
-// CUTLASS types, so the host compiler that builds the bindings never parses CuTe.
+// The bindings' interface to the kernels: no CUTLASS types, so the host compiler never parses CuTe.
 
 #include <cstdint>
 #include <vector>
@@ -114,8 +113,7 @@ char const* launch_gqa_postprocess(GqaPostprocessLaunchArgs const& args, cudaStr
 template <OutputDType kDType, int kHeadDim, int kArch>
 char const* launch_gqa_reduce(GqaReduceLaunchArgs const& args, cudaStream_t stream);
 
-// The slabs an accumulator tile `width` columns wide holds: those covering its columns where slabs split
-// them (slab_cols > 0), else all.
+// The slabs an accumulator tile `width` columns wide holds: those covering its columns, or all (slab_cols 0).
 constexpr int accum_slabs(int width, int slab_cols, int num_slabs) {
   return slab_cols ? (width + slab_cols - 1) / slab_cols : num_slabs;
 }

@@ -131,8 +131,7 @@ dim3 row_tile_grid(int rows, int heads, int batch, bool varlen) {
   return dim3(static_cast<unsigned>(row_tiles<kBlockN>(rows, batch, varlen)), heads, varlen ? 1 : batch);
 }
 
-// Launch a one-CTA-per-output-tile driver of args.dk and, with count 2, args.dv over grid
-// (count * row tiles, heads, batch) (see locate_output_tile).
+// Launch a one-CTA-per-output-tile driver of args.dk and, with count 2, args.dv (see locate_output_tile).
 template <class Kernel, class LaunchArgs>
 char const* launch_output_tiles(LaunchArgs const& args, int count, int heads, typename Kernel::Params& params,
                                 cudaStream_t stream) {

@@ -60,8 +60,7 @@ struct TensorAndHead {
   int head;
 };
 
-// An index over dK's items then dV's (`per_tensor` each) -> (tensor, index within it); Index int64_t
-// where 2 * per_tensor may pass 2^31.
+// An index over dK's items then dV's (`per_tensor` each) -> (tensor, index within it).
 template <class Index>
 struct TensorSplit {
   int tensor;  // 0: dK, 1: dV

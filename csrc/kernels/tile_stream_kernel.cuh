@@ -96,8 +96,7 @@ struct StreamRing {
     cutlass::arch::fence_barrier_init();
   }
 
-  // Producer: `load_index`'s stage once every consumer warp released its previous fill (a fresh barrier
-  // passes parity 1).
+  // Producer: `load_index`'s stage once every consumer warp released it (a fresh barrier passes parity 1).
   CUTLASS_DEVICE int acquire(int load_index) const {
     int const stage = load_index % kStages;
     Barrier::wait(&empty[stage], ((load_index / kStages) & 1) ^ 1);

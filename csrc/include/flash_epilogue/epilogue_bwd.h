@@ -39,8 +39,7 @@ namespace flash_epilogue {
 
 namespace detail {
 
-// The widest GMMA K-major shared-memory atom whose width divides kBlockK (SW128 for 64 columns
-// of 16-bit elements, then SW64, SW32, interleaved).
+// The widest GMMA K-major shared-memory atom whose width divides kBlockK (SW128, SW64, SW32, interleaved).
 template <class Element, int kBlockK>
 constexpr auto smem_layout_atom_k_major() {
   using namespace cute;
@@ -236,8 +235,7 @@ struct CollectiveEpilogueBwd {
     }
   }
 
-  // tdKrdK / tdVrdV: fp32 C fragments of `tiled_mma`'s slice for thread_idx, covering
-  // (BLK_N, BLK_D) (or (BLK_D, BLK_N) with dKV_swapAB). block_coord = (n_block, head, batch).
+  // tdKrdK / tdVrdV: fp32 C fragments of tiled_mma's slice for thread_idx; block_coord = (n_block, head, batch).
   template <class FrgTensor, class TiledMma>
   CUTLASS_DEVICE void store(Params const& params, FrgTensor const& tdKrdK, FrgTensor const& tdVrdV,
                             TensorStorage& storage, TiledMma const& tiled_mma, int thread_idx,
