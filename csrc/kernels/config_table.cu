@@ -1,5 +1,4 @@
-// The one table of compiled tile configurations, for the host code that must not parse CuTe:
-// every (head dim of FLASH_EPILOGUE_HEAD_DIMS, arch path), read off BwdTileConfig and GqaTraits.
+// The table of compiled (head dim, arch path) tile configurations, for host code that must not parse CuTe.
 
 #include <initializer_list>
 

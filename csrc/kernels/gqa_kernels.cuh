@@ -1,13 +1,11 @@
 #pragma once
 
 // Drivers of the GQA path:
-//   GqaAccumulateKernel  per-q-head fp32 partials -> C fragments -> CollectiveEpilogueBwdGQA::store (sm_80)
-//   GqaAccumulateStreamKernel  accumulator tile + a group's partials, streamed, in head order -> the tile (sm_90)
-//   GqaPostprocessKernel accumulator -> C fragments (same TiledMma) * scale -> CollectiveEpilogueBwd
-//   GqaDenseKernel       accumulator -> row-major fp32 (debugging and tests)
-//   GqaReduceKernel      all partials of a group summed in registers, in head order -> store
-//                        (the sm_80 path; sm_90 runs TileStreamKernel, tile_stream_kernel.cuh)
-// Tiles are located as in every driver (tile_schedule.cuh).
+//   GqaAccumulateKernel        per-q-head fp32 partials -> CollectiveEpilogueBwdGQA::store (sm_80)
+//   GqaAccumulateStreamKernel  accumulator tile + a group's partials, streamed, summed in head order (sm_90)
+//   GqaPostprocessKernel       accumulator -> C fragments * scale -> CollectiveEpilogueBwd
+//   GqaDenseKernel             accumulator -> row-major fp32 (debugging and tests)
+//   GqaReduceKernel            a group's partials summed in head order -> store (sm_80; sm_90: TileStreamKernel)
 
 #include <cute/tensor.hpp>
 
@@ -21,8 +19,7 @@
 
 namespace flash_epilogue {
 
-// Everything a GQA driver derives from (head dim config, arch path). The C layout does not depend
-// on bf16 vs fp16, so the accumulator side uses the bf16 TiledMma.
+// What a GQA driver derives from (config, arch path). The C layout does not depend on bf16 vs fp16.
 template <class Config, class ArchTag>
 struct GqaTraits {
   using TiledMmaConfig = BwdTiledMma<Config, cutlass::bfloat16_t, ArchTag>;
@@ -34,12 +31,10 @@ struct GqaTraits {
   static constexpr int kAccumTileElems = kFragElems * kNumThreads;
   using TileShape_MNK = cute::Shape<cute::_64, cute::Int<Config::kBlockN>, cute::Int<Config::kHeadDim>>;
   using Collective = CollectiveEpilogueBwdGQA<TileShape_MNK, ArchTag, kNumThreads, kAccumTileElems>;
-  // A tile is one slab of kSlabElems floats per warpgroup (sm_90; sm_80: one slab), thread t's in
-  // slab slab_of(t). Where the warpgroups split the columns, one GMMA atom (64 of D) each along D
-  // (swapAB, one warpgroup along N: hdim 192), slab w holds columns [64 w, 64 w + 64) and an
-  // accumulator narrower than the tile keeps only the slabs covering its width (its floats per tile:
-  // CompiledTileConfig::accum_tile_elems_for); kSlabCols is then 64, else 0 (every slab spans all
-  // columns: hdim 256's warpgroups each take two 64-column blocks of D, 128 apart; the others split N).
+  // A tile is one slab of kSlabElems floats per warpgroup (sm_80: one slab), thread t's in slab_of(t).
+  // Where each warpgroup holds one 64-column GMMA atom of D (hdim 192), slab w holds columns
+  // [64 w, 64 w + 64) and a narrower accumulator keeps only the slabs covering its width: kSlabCols = 64.
+  // Else 0: every slab spans all columns (hdim 256's warpgroups take 64-column blocks 128 apart).
   static constexpr int kNumSlabs = Collective::kNumWarpGroups;
   static constexpr int kSlabElems = Collective::kSlabElems;
   static constexpr int kSlabCols =
@@ -50,8 +45,7 @@ struct GqaTraits {
   CUTLASS_HOST_DEVICE static int slab_of(int thread_idx) {
     return kNumSlabs > 1 ? thread_idx / cutlass::NumThreadsPerWarpGroup : 0;
   }
-  // Two CTAs per SM (one loads while the other stores) where registers allow without spilling;
-  // the 384-thread hdim-192 config keeps one.
+  // Two CTAs per SM (one loads while the other stores) where registers allow without spilling.
   static constexpr int kMinBlocksPerSm = kNumThreads <= 256 ? 2 : 1;
 };
 
@@ -92,14 +86,10 @@ struct GqaAccumulateKernel {
     int const thread_idx = threadIdx.x;
     int tile_x, q_head, batch_z, tensor;
     if (params.ticket) {
-      // Deterministic: claim work from a ticket. A unit is (tile, tensor, kv_head); its group
-      // members add in order 0..g-1. Tickets run over chunks of `chunk_units` units, member-major
-      // inside a chunk: member g of a unit gets a ticket chunk_units after member g-1's, so
-      //  * the CTA it waits on took an earlier ticket and is already running: the collective's wait
-      //    always ends, whatever order blocks are scheduled in;
-      //  * that CTA was handed out about a wave of CTAs earlier, so it has usually finished and the
-      //    wait is short (a (tile, kv_head, member) order makes the members of a tile wait in turn);
-      //  * a chunk's accumulator tiles (sized on the host to a part of L2) stay in L2 between adds.
+      // Deterministic: work from a ticket. A unit is (tile, tensor, kv_head). Tickets run over chunks of
+      // chunk_units units, member-major inside a chunk, so member g's ticket comes chunk_units after
+      // member g-1's: the CTA it waits on is already running (the wait always ends), was started about
+      // a wave earlier (the wait is short), and a chunk's accumulator tiles stay in L2 between adds.
       __shared__ int claimed;
       if (thread_idx == 0) { claimed = atomicAdd(params.ticket, 1); }
       __syncthreads();
@@ -118,13 +108,9 @@ struct GqaAccumulateKernel {
       tile_x = tile_linear % params.tiles_x;
       batch_z = tile_linear / params.tiles_x;
     } else {
-      // Grid (2 * tiles_x, h_q, tiles_z), shaped like every one-CTA-per-tile grid (see
-      // locate_output_tile) but run in the order (tensor, q_head, tile): (x, y) is read as the
-      // linear index y * gridDim.x + x of that order. Every head of dK, then every head of dV, so a
-      // group's members add to an accumulator tile one tensor's sweep apart: with dK's and dV's tiles
-      // of a head side by side, the accumulator tiles between two members' adds were twice as many,
-      // more than L2 holds in varlen (measured: docs/design.md). 64-bit: 2 * tiles_x * h_q
-      // may pass 2^31.
+      // Grid (2 * tiles_x, h_q, tiles_z), (x, y) read as the linear index y * gridDim.x + x of the
+      // order (tensor, q_head, tile): all of dK, then all of dV, so the accumulator tiles touched
+      // between two members' adds fit L2 (docs/design.md). 64-bit: 2 * tiles_x * h_q may pass 2^31.
       auto const [t, rest] = split_by_tensor<int64_t>(int64_t(blockIdx.y) * gridDim.x + blockIdx.x,
                                                       int64_t(params.tiles_x) * params.num_heads_q);
       tensor = t;
@@ -149,9 +135,8 @@ struct GqaAccumulateKernel {
   }
 };
 
-// The accumulator tiles of one tensor, read into and written from C fragments: (n_block, kv_head, batch).
-// A tile holds its first num_slabs slabs (GqaTraits): a thread of a later slab has only columns past the
-// tensor's width, read as zeros and never written.
+// The accumulator tiles of one tensor. A tile holds its first num_slabs slabs (GqaTraits): a thread of a
+// later slab has only columns past the tensor's width, read as zeros and never written.
 template <class Traits>
 struct AccumTiles {
   float* ptr;
@@ -166,7 +151,6 @@ struct AccumTiles {
   // The tile's first float, or -1 for a tile outside [0, num_tiles) (inconsistent sequence metadata).
   template <class SeqInfo>
   CUTLASS_DEVICE int64_t tile_offset(SeqInfo const& info, bool varlen, int n_block, int kv_head, int bidb) const {
-    // 64-bit, as the collective's locate: bad metadata puts the sum past 2^31.
     int64_t const tile = (varlen ? info.offset_padded / Traits::Collective::kBlockN : 0) + n_block;
     if (tile < 0 || tile >= num_tiles) { return -1; }
     return (varlen ? 0 : bidb) * batch_stride + kv_head * head_stride + tile * tile_elems;
@@ -186,20 +170,10 @@ struct AccumTiles {
   }
 };
 
-// The sm_90 gqa_accumulate: persistent CTAs, one per SM, walk the accumulator tiles (KV heads of dK,
-// then of dV, fastest; then row tiles; then batch, as TileStreamKernel walks its outputs) and stream
-// each tile's inputs through a StreamRing: first the accumulator tile itself (one 1-D bulk copy: its
-// floats are in fragment order, read back as conflict-free float4), then the group's partials (TMA
-// tiles). The consumers add the partials to the tile in head order, ((acc + p_0) + p_1) + ..., in fp32
-// (subnormals kept; rows past valid_rows and columns past d keep the accumulator's value, as the
-// per-head adds do), write it over the last partial's stage in fragment order, and one thread
-// bulk-copies it back (a tile of fewer slabs, AccumTiles, moves only those; the warpgroups of the
-// others keep the ring's turns). Each accumulator tile moves through memory once per call, where the
-// collective's per-query-head bulk adds (GqaAccumulateKernel, the sm_80 path and what an attention
-// kernel calls) move it g times. No other CTA touches the tile, so the sum is deterministic without
-// counters, and bitwise that of the ordered per-head adds (each an fp32 add of the same operands in
-// the same order). Streamed, the loads in flight no longer depend on the registers: one CTA per tile
-// reading into registers ran latency-bound at 16 warps per SM (docs/design.md).
+// The sm_90 gqa_accumulate: persistent CTAs stream each accumulator tile (a 1-D bulk copy), then its
+// group's partials (TMA), through a StreamRing, add them in head order in fp32 (elements outside the valid
+// rows and columns kept as they are) and bulk-copy the sum back: each tile moves once instead of g times,
+// no other CTA touches it, and the bits are those of the ordered per-head adds, without counters.
 template <class Config_>
 struct GqaAccumulateStreamKernel {
   using Config = Config_;
@@ -233,8 +207,7 @@ struct GqaAccumulateStreamKernel {
     int const* seqused;
   };
 
-  // A tile of the walk, and its accumulator tile's first float (-1: nothing to do, no valid rows or a
-  // tile outside the accumulator).
+  // A tile of the walk and its accumulator tile's first float (-1: nothing to do).
   struct TileWork : TensorAndHead, RowTile<kBlockN> {
     int64_t offset;
   };
@@ -263,7 +236,7 @@ struct GqaAccumulateStreamKernel {
     __syncthreads();  // the only CTA-wide barrier: the roles part here
 
     if (warp_idx >= Ring::kNumConsumerWarps) {
-      // Producer: per tile, the accumulator tile, then its group's partials in head order.
+      // Producer: per tile, the accumulator tile, then the partials in head order.
       cutlass::arch::warpgroup_reg_dealloc<Ring::kProducerRegisters>();
       if (warp_idx == Ring::kNumConsumerWarps && cute::elect_one_sync()) {
         for (auto const& t : params.tensors) { prefetch_tma_descriptor(t.tma_load_in.get_tma_descriptor()); }
@@ -284,7 +257,7 @@ struct GqaAccumulateStreamKernel {
       return;
     }
 
-    // Consumers: the config's threads, the accumulator's fragment layout.
+    // Consumers: the config's threads.
     cutlass::arch::warpgroup_reg_alloc<Ring::kConsumerRegisters>();
     typename Traits::TiledMma tiled_mma;
     auto thr_mma = tiled_mma.get_thread_slice(thread_idx);
@@ -294,7 +267,7 @@ struct GqaAccumulateStreamKernel {
       TileWork const work = decode(params, tile);
       if (work.offset < 0) { continue; }
       TensorParams const& t = params.tensors[work.tensor];
-      // A warpgroup whose slab the tile lacks (all its columns past the width) only keeps the ring's turns.
+      // A warpgroup whose slab the tile lacks only keeps the ring's turns.
       bool const holds = t.accum.holds(thread_idx);
       int stage = ring.wait(load_index++);
       if (holds) { Traits::Collective::load_fragment(frag, ring.stage_ptr(stage), thread_idx); }
@@ -308,8 +281,7 @@ struct GqaAccumulateStreamKernel {
         }
         if (member + 1 < params.group) { ring.release(stage); }
       }
-      // The sum over the last partial's stage, once every consumer has read that partial; the
-      // bulk copy reads it once every thread's writes are visible to the async proxy.
+      // The sum over the last partial's stage once every consumer has read it; then fence for the bulk copy.
       named_barrier_sync(Ring::kNumConsumerThreads, kDefaultEpilogueBarrierId);
       if (holds) { Traits::Collective::store_fragment(frag, ring.stage_ptr(stage), thread_idx); }
       cutlass::arch::fence_view_async_shared();
@@ -417,14 +389,10 @@ struct GqaReduceKernel {
   static constexpr int kBlockN = Config::kBlockN;
   static constexpr int kHeadDim = Config::kHeadDim;
   static constexpr int kNumThreads = Config::kNumThreads;
-  // The swapAB configs read the partials through StagedTileSum: straight in fragment order their
-  // loads run down columns (4-byte pieces for fp32, 2-byte for 16-bit). The others read the
-  // fragment directly: staging 16-bit partials there was slower (measured when this kernel was
-  // also the sm_90 path: see docs/design.md).
+  // swapAB configs stage through StagedTileSum: in fragment order their loads run down columns. The
+  // others read the fragment directly (staging was slower: docs/design.md).
   static constexpr bool kStaged = Config::kSwapAB;
-  // Two CTAs per SM (one loads while the other stores); also for a staged 384-thread config, which
-  // then gets 80 registers and spills a little, and still ran faster than with one CTA (measured:
-  // see docs/design.md).
+  // Two CTAs per SM; a staged 384-thread config spills a little at 80 registers and is still faster.
   static constexpr int kMinBlocksPerSm = (kNumThreads <= 256 || kStaged) ? 2 : 1;
   using Staged = StagedTileSum<kBlockN, kHeadDim, kNumThreads, Config::kSwapAB, ElementIn>;
 
@@ -457,8 +425,7 @@ struct GqaReduceKernel {
                                             tile.n_block);
       };
       int const num_cols = get<1>(work.shape_partial);
-      // 0 + p_0 + p_1 + ... in head order, per element: the same bits whatever the launch order and
-      // whichever path reads the partials.
+      // 0 + p_0 + p_1 + ... in head order: the same bits whichever path reads the partials.
       if constexpr (kStaged) {
         Staged::run(acc, thr_mma, tile_of, params.group, tile.valid_rows, num_cols, work.scale,
                     reinterpret_cast<float*>(smem), threadIdx.x, Epilogue::BarrierId);

@@ -16,8 +16,7 @@ namespace flash_epilogue {
 
 namespace detail {
 
-// The kernels' view of an accumulator `width` columns wide (each of its tiles the slabs covering them),
-// or why its floats per tile are not that (the binding sizes them the same way).
+// The kernels' view of an accumulator `width` columns wide, or why its floats per tile do not match.
 template <class Traits>
 char const* tiles_of(AccumDesc const& a, int width, AccumTiles<Traits>& tiles) {
   int const slabs = accum_slabs(width, Traits::kSlabCols, Traits::kNumSlabs);
@@ -58,7 +57,6 @@ char const* launch_gqa_reduce_variant(GqaReduceLaunchArgs const& args, cudaStrea
   return launch_output_tiles<Kernel>(args, has_dv ? 2 : 1, args.num_heads_kv, params, stream);
 }
 
-// The sm_90 path: TileStreamKernel sums each group's partials as they stream through shared memory.
 template <class Element, class ElementIn, int kHeadDim>
 char const* launch_gqa_reduce_streamed(GqaReduceLaunchArgs const& args, cudaStream_t stream) {
   using Config = BwdTileConfig<kHeadDim, cutlass::arch::Sm90>;
@@ -70,8 +68,7 @@ char const* launch_gqa_reduce_streamed(GqaReduceLaunchArgs const& args, cudaStre
       tensors, num_tensors, args.rows, args.num_heads_kv, group, args.batch, args.cu_seqlens, args.seqused, stream);
 }
 
-// The sm_90 path, both modes: persistent CTAs stream each accumulator tile and its group's partials
-// (GqaAccumulateStreamKernel); deterministic by construction, so the semaphores are not used.
+// The sm_90 path, both modes: deterministic by construction, so the semaphores are not used.
 template <int kHeadDim>
 char const* launch_gqa_accumulate_streamed(GqaAccumulateLaunchArgs const& args, cudaStream_t stream) {
   using Config = BwdTileConfig<kHeadDim, cutlass::arch::Sm90>;
@@ -85,7 +82,6 @@ char const* launch_gqa_accumulate_streamed(GqaAccumulateLaunchArgs const& args, 
     if (char const* why = tma_input_strides_fit(*partial, sizeof(float))) { return why; }
   }
   if (num_tiles == 0) { return nullptr; }
-  // Each is a distinct accumulator tile of at least 16 KB: so many cannot be allocated.
   if (num_tiles > kMaxStreamedTiles) { return "more than 2^31 - 2^16 accumulator tiles"; }
   typename Kernel::Params params{{},
                                  args.num_heads_kv,
@@ -109,8 +105,7 @@ char const* launch_gqa_accumulate_streamed(GqaAccumulateLaunchArgs const& args, 
 
 }  // namespace detail
 
-// The sm_80 path: GqaAccumulateKernel, each query head's tile added through the collective (atomics, or in
-// deterministic mode ordered load-add-stores).
+// The sm_80 path: each query head's tile added through the collective.
 template <int kHeadDim, int kArch>
 char const* launch_gqa_accumulate_per_head(GqaAccumulateLaunchArgs const& args, cudaStream_t stream) {
   using ArchTag = arch_tag_of<kArch>;
@@ -119,8 +114,7 @@ char const* launch_gqa_accumulate_per_head(GqaAccumulateLaunchArgs const& args, 
   using Collective = typename Kernel::Collective;
   bool const varlen = args.cu_seqlens != nullptr;
   int const batch_extent = varlen ? 1 : args.batch;
-  // One collective per accumulator (the driver splits dK and dV over CTAs); dV's counters follow dK's, then the
-  // ticket (the buffer: 2 * counters + 1 ints, as the binding's AccumLayout::semaphore_numel sizes it).
+  // One collective per accumulator. The semaphore buffer: dK's counters, dV's, then the ticket.
   auto coll_args = [&](AccumDesc const& accum, int* semaphores, int64_t num_semaphores) {
     typename Collective::Arguments a{accum.ptr,       nullptr,      accum.head_stride, accum.batch_stride,
                                      accum.num_tiles, batch_extent, args.num_heads_q,  args.num_heads_kv,
@@ -142,8 +136,7 @@ char const* launch_gqa_accumulate_per_head(GqaAccumulateLaunchArgs const& args, 
   if (char const* why = Collective::can_implement(dk_args)) { return why; }
   if (char const* why = Collective::can_implement(dv_args)) { return why; }
   dim3 const tiles = row_tile_grid<Config::kBlockN>(args.rows, args.num_heads_q, args.batch, varlen);
-  // Deterministic: one CTA per (tile, tensor, q_head) in a 1-D grid (x holds 2^31 - 1; the ticket
-  // and the decode are int).
+  // Deterministic: one CTA per (tile, tensor, q_head) in a 1-D grid; the ticket and decode are int.
   int64_t const work_items = int64_t(tiles.x) * 2 * tiles.y * tiles.z;
   if (args.semaphores && work_items > INT_MAX) { return "more than 2^31 - 1 tiles x heads x 2 (deterministic mode)"; }
   int* const ticket = args.semaphores ? args.semaphores + 2 * counters : nullptr;
@@ -157,14 +150,12 @@ char const* launch_gqa_accumulate_per_head(GqaAccumulateLaunchArgs const& args, 
   params.tensors[0].collective = Collective::to_underlying_arguments(dk_args);
   params.tensors[1].collective = Collective::to_underlying_arguments(dv_args);
   if (args.semaphores) {
-    // Counters and ticket start at zero on this stream, before every launch (graph-capturable).
+    // Zeroed on this stream before every launch (graph-capturable).
     if (cudaMemsetAsync(args.semaphores, 0, (2 * counters + 1) * sizeof(int), stream) != cudaSuccess) {
       return nullptr;
     }
-    // One CTA per work item, in ticket order (see GqaAccumulateKernel). A chunk's accumulator tiles
-    // take about 12 MB, a fifth of the H200's 60 MB L2: they stay there between members' adds beside
-    // the streamed partials. Smaller chunks and larger ones (24 MB: the tiles no longer stay) made
-    // the deterministic mode slower (measured: see docs/design.md).
+    // A chunk's accumulator tiles take about 12 MB of the H200's 60 MB L2, so they stay there between
+    // members' adds beside the streamed partials; smaller and larger chunks were slower (docs/design.md).
     int64_t const units = static_cast<int64_t>(tiles.x) * tiles.z * 2 * args.num_heads_kv;
     int64_t const tile_bytes = static_cast<int64_t>(Kernel::Traits::kAccumTileElems) * sizeof(float);
     params.num_units = static_cast<int>(units);

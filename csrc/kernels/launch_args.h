@@ -1,8 +1,6 @@
 #pragma once
 
-// The torch-free interface between the bindings (validation, dispatch) and the kernels: plain
-// pointers, extents and element strides. No CUTLASS types here, so the host compiler that builds
-// the bindings never parses CuTe.
+// The bindings' interface to the kernels: no CUTLASS types, so the host compiler never parses CuTe.
 
 #include <cstdint>
 #include <vector>
@@ -13,9 +11,8 @@ namespace flash_epilogue {
 
 enum class OutputDType : int { kBFloat16 = 0, kFloat16 = 1 };
 
-// One (rows, d, heads, batch) tensor. Batched: rows = seqlen. Varlen: rows = total tokens and
-// batch = 1 (sequences are located through cu_seqlens). Strides are in elements; the head-dim
-// stride is 1. Size-1 dims must already carry a legal (16-byte multiple) stride.
+// One (rows, d, heads, batch) tensor; varlen: rows = total tokens, batch = 1. Element strides (head-dim
+// stride 1); size-1 dims must already carry a legal (16-byte multiple) stride.
 struct TensorDesc {
   void* ptr = nullptr;
   int64_t row_stride = 0;
@@ -50,8 +47,7 @@ struct StoreZeroLaunchArgs {
   int row_end = 0;
 };
 
-// GQA accumulators: fp32, contiguous (batch_extent, h_k, num_tiles, tile_elems); tile_elems as
-// CompiledTileConfig::accum_tile_elems_for sizes it for the tensor's head dim.
+// GQA accumulators: fp32 (batch_extent, h_k, num_tiles, tile_elems), tile_elems from accum_tile_elems_for.
 struct AccumDesc {
   float* ptr = nullptr;
   int64_t head_stride = 0;   // floats
@@ -96,18 +92,15 @@ struct GqaReduceLaunchArgs {
   float scale_dk = 1.f, scale_dv = 1.f;
 };
 
-// Each returns nullptr on success, else why the arguments cannot run (a launch error is left for
-// cudaGetLastError). Instantiated per (dtype, compiled head dim, arch path) in csrc/instantiations/;
-// kArch 90 is the sm_90 path (TMA when possible), 80 the sm_80 path (ArchTag Sm80 collectives,
-// also runnable on sm_90).
+// Each returns nullptr, else why the arguments cannot run (a launch error is left for cudaGetLastError).
+// kArch 90: the sm_90 path; 80: the sm_80 path (Sm80 collectives, also runnable on sm_90).
 template <OutputDType kDType, int kHeadDim, int kArch>
 char const* launch_store(StoreLaunchArgs const& args, cudaStream_t stream);
 
 template <OutputDType kDType, int kHeadDim, int kArch>
 char const* launch_store_zero(StoreZeroLaunchArgs const& args, cudaStream_t stream);
 
-// The accumulator's order depends on the TiledMma's C layout, not on the 16-bit type: one kernel
-// per (head dim, arch path).
+// The accumulator's order depends on the C layout, not on the 16-bit type.
 template <int kHeadDim, int kArch>
 char const* launch_gqa_accumulate(GqaAccumulateLaunchArgs const& args, cudaStream_t stream);
 
@@ -120,16 +113,13 @@ char const* launch_gqa_postprocess(GqaPostprocessLaunchArgs const& args, cudaStr
 template <OutputDType kDType, int kHeadDim, int kArch>
 char const* launch_gqa_reduce(GqaReduceLaunchArgs const& args, cudaStream_t stream);
 
-// The slabs an accumulator tile `width` columns wide holds: those covering its columns where slabs
-// split them (slab_cols > 0; dV of 128 at hdim 192: two of three), else all num_slabs.
+// The slabs an accumulator tile `width` columns wide holds: those covering its columns, or all (slab_cols 0).
 constexpr int accum_slabs(int width, int slab_cols, int num_slabs) {
   return slab_cols ? (width + slab_cols - 1) / slab_cols : num_slabs;
 }
 
-// One compiled (head dim, arch path): FA3's dK/dV tile (BwdTileConfig) and the GQA accumulator's
-// floats per tile. accum_tile_elems >= block_n * head_dim (the TiledMma may pad). slab_cols (GqaTraits):
-// where the warpgroups' slabs of slab_elems floats split the columns (slab w: [w * slab_cols, (w + 1) *
-// slab_cols)), the columns of each; else 0.
+// One compiled (head dim, arch path): BwdTileConfig and the GQA accumulator's floats per tile
+// (>= block_n * head_dim: the TiledMma may pad) and slabs (GqaTraits).
 struct CompiledTileConfig {
   int head_dim, arch, block_n, num_threads; bool swap_ab; int atom_layout_n, accum_tile_elems, slab_cols, slab_elems;
   int accum_tile_elems_for(int width) const {

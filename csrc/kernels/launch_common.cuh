@@ -1,9 +1,7 @@
 #pragma once
 
-// What the launches share: the one __global__ entry point of the drivers, the launch itself
-// (shared-memory limit, empty grids), the device's SM count, the translation of launch_args.h's
-// descriptors into the collective's arguments (checked before any TMA descriptor is encoded), and
-// the launch of TileStreamKernel, the sm_90 path of `store` and `gqa_reduce`.
+// What the launches share: the drivers' __global__ entry point, the launch, descriptors -> collective
+// arguments (checked before any TMA descriptor is encoded), and the launch of TileStreamKernel.
 
 #include <algorithm>
 #include <atomic>
@@ -19,9 +17,8 @@
 
 namespace flash_epilogue {
 
-// One entry point for every driver. An sm_90 kernel built into an sm_80 binary
-// (FLASH_EPILOGUE_CUDA_ARCHS="80;90a") compiles to an empty body there: it is never launched on
-// such a device, and its TMA/stmatrix code cannot be emitted for sm_80.
+// An sm_90 kernel compiles to an empty body for sm_80 (FLASH_EPILOGUE_CUDA_ARCHS="80;90a"): it is never
+// launched there, and its TMA/stmatrix code cannot be emitted.
 template <class Kernel>
 __global__ void __launch_bounds__(Kernel::kNumThreads, Kernel::kMinBlocksPerSm)
     epilogue_device_kernel(CUTE_GRID_CONSTANT typename Kernel::Params const params) {
@@ -40,10 +37,8 @@ __global__ void __launch_bounds__(Kernel::kNumThreads, Kernel::kMinBlocksPerSm)
 template <OutputDType kDType>
 using element_of = std::conditional_t<kDType == OutputDType::kBFloat16, cutlass::bfloat16_t, cutlass::half_t>;
 
-// Raise Kernel's dynamic shared-memory limit once per device (the attribute is per device).
-// Keyed by the kernel class, not by the kernel's function-pointer type: two kernels with the same
-// Params (a driver derived from another) have the same pointer type, and a cache shared between
-// them skipped the second kernel's attribute, whose launch then failed with "invalid argument".
+// Raise Kernel's dynamic shared-memory limit once per device. Keyed by the kernel class: two kernels with
+// the same Params share a function-pointer type, and a cache keyed by it skipped the second's attribute.
 template <class Kernel>
 cudaError_t set_smem_limit_once(int smem_bytes) {
   constexpr int kMaxDevices = 64;
@@ -53,8 +48,7 @@ cudaError_t set_smem_limit_once(int smem_bytes) {
   if (device < kMaxDevices && configured_bytes[device].load(std::memory_order_relaxed) >= smem_bytes) {
     return cudaSuccess;
   }
-  // Always raise it: the default 48 KB limit counts the kernel's static shared memory too, so a
-  // 48 KB dynamic request plus a few static bytes fails to launch ("invalid argument").
+  // Always raise it: the default 48 KB limit counts static shared memory too.
   cudaError_t err = cudaFuncSetAttribute(epilogue_device_kernel<Kernel>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          smem_bytes);
   if (err == cudaSuccess && device < kMaxDevices) {
@@ -63,8 +57,7 @@ cudaError_t set_smem_limit_once(int smem_bytes) {
   return err;
 }
 
-// Launch Kernel over `grid` with its shared storage (nothing for an empty grid). Returns nullptr:
-// a launch error is left for the caller's cudaGetLastError.
+// Launch Kernel over `grid` (nothing for an empty grid); a launch error is left for cudaGetLastError.
 template <class Kernel>
 char const* launch_kernel(dim3 grid, typename Kernel::Params const& params, cudaStream_t stream) {
   if (grid.x == 0 || grid.y == 0 || grid.z == 0) { return nullptr; }
@@ -87,16 +80,14 @@ inline int multiprocessor_count() {
   return count;
 }
 
-// The grid of a persistent driver: kMinBlocksPerSm CTAs per SM (each holds that share of the SM's
-// shared memory), fewer when there are fewer tiles.
+// The grid of a persistent driver: kMinBlocksPerSm CTAs per SM, fewer when there are fewer tiles.
 template <class Kernel>
 int persistent_grid(int64_t num_tiles) {
   int64_t const resident = int64_t(Kernel::kMinBlocksPerSm) * std::max(multiprocessor_count(), 1);
   return static_cast<int>(std::min(num_tiles, resident));
 }
 
-// A TensorDesc's (rows, d, heads, batch extent) shape and element strides, as the drivers' Params
-// and the collectives' arguments hold them.
+// A TensorDesc's (rows, d, heads, batch extent) shape and element strides.
 inline cute::Shape<int32_t, int32_t, int32_t, int32_t> shape_of(TensorDesc const& t, int rows, int heads, int batch) {
   return {rows, t.head_dim, heads, batch};
 }
@@ -104,9 +95,7 @@ inline cute::Stride<int64_t, cute::_1, int64_t, int64_t> stride_of(TensorDesc co
   return {t.row_stride, cute::_1{}, t.head_stride, t.batch_stride};
 }
 
-// Whether a launch takes the kernels' batched instantiation (the collective's Varlen = false: TMA
-// stores only, no sequence metadata). With cu_seqlens / seqused the Varlen one stores the tiles
-// inside their sequence by TMA and the rest through predicated stores (sm_90).
+// Whether a launch takes the batched instantiation (the collective's Varlen = false).
 template <class LaunchArgs>
 bool without_sequence_metadata(LaunchArgs const& args) {
   return args.cu_seqlens == nullptr && args.seqused == nullptr;
@@ -120,11 +109,9 @@ typename Epilogue::Arguments epilogue_arguments(TensorDesc const& dk, TensorDesc
           static_cast<Element*>(dv.ptr), shape_of(dv, rows, heads, batch_extent), stride_of(dv), cu_seqlens, seqused};
 }
 
-// The collective's Params for outputs[0, count), each as the collective's dK (no dV), into
-// params[i]; or the reason the first output that cannot be stored gives. Every output is checked
-// before any is encoded: to_underlying_arguments encodes a TMA descriptor, and make_tma_copy
-// asserts on one the driver would reject. Callers return before this when there is nothing to
-// launch (TMA cannot encode an empty tensor).
+// The collective's Params of outputs[0, count), each as its dK (no dV), or the first reason one cannot be
+// stored. All are checked before any TMA descriptor is encoded. Callers return before this when there is
+// nothing to launch (TMA cannot encode an empty tensor).
 template <class Epilogue, class Element>
 char const* output_epilogue_params(TensorDesc const* outputs, int count, int rows, int heads, int batch_extent,
                                    int const* cu_seqlens, int const* seqused, typename Epilogue::Params* params) {
@@ -144,10 +131,7 @@ dim3 row_tile_grid(int rows, int heads, int batch, bool varlen) {
   return dim3(static_cast<unsigned>(row_tiles<kBlockN>(rows, batch, varlen)), heads, varlen ? 1 : batch);
 }
 
-// Launch a one-CTA-per-output-tile driver (StoreKernel, GqaPostprocessKernel, GqaReduceKernel) of
-// outputs args.dk and, with count 2, args.dv, each with `heads` heads: their collective Params
-// (every output checked first) into params.tensors[i].epilogue, over grid (count * row tiles,
-// heads, batch) (see locate_output_tile in tile_schedule.cuh).
+// Launch a one-CTA-per-output-tile driver of args.dk and, with count 2, args.dv (see locate_output_tile).
 template <class Kernel, class LaunchArgs>
 char const* launch_output_tiles(LaunchArgs const& args, int count, int heads, typename Kernel::Params& params,
                                 cudaStream_t stream) {
@@ -175,12 +159,10 @@ inline char const* tma_input_strides_fit(TensorDesc const& t, size_t element_byt
   return nullptr;
 }
 
-// The most tiles one launch of a persistent driver walks: its tile index is an int (the per-tile
-// decode stays 32-bit), and the walk's last step, tile + gridDim.x, must not pass INT_MAX either.
+// The most tiles one persistent launch walks: the tile index, and tile + gridDim.x, stay ints.
 constexpr int64_t kMaxStreamedTiles = INT_MAX - (1 << 16);
 
-// One output of a TileStreamKernel launch: a 16-bit (rows, d, heads, batch) tensor, its input
-// (rows, d, heads * group, batch) and the scale of the sum (kReduce kernels only).
+// One output of a TileStreamKernel launch, its input (rows, d, heads * group, batch) and scale (kReduce).
 struct StreamedTensor {
   TensorDesc out;
   TensorDesc in;
@@ -204,8 +186,7 @@ char const* launch_tile_stream(StreamedTensor const* tensors, int num_tensors, i
   }
   if (num_tiles == 0) { return nullptr; }
   if (num_tiles > kMaxStreamedTiles) {
-    // More tiles (up to 65535 heads of 65535 short sequences) run as several launches over ranges
-    // of heads, each output and input offset to its first head: the same tiles, the same bits.
+    // More tiles run as launches over ranges of heads, each tensor offset to its first head: same bits.
     int64_t const per_head = n_tiles * num_tensors * batch_extent;
     if (per_head > kMaxStreamedTiles) { return "more than 2^31 - 2^16 tiles per head"; }
     int const chunk = static_cast<int>(kMaxStreamedTiles / per_head);
@@ -247,8 +228,7 @@ char const* launch_tile_stream(StreamedTensor const* tensors, int num_tensors, i
   return launch_kernel<Kernel>(dim3(persistent_grid<Kernel>(num_tiles)), params, stream);
 }
 
-// launch_tile_stream of the TileStreamKernel instantiation the call's sequence metadata needs
-// (kVarlen when cu_seqlens or seqused is given).
+// launch_tile_stream of the instantiation the call's sequence metadata needs.
 template <class Config, class Element, class ElementIn, bool kReduce, int kCtasPerSm = 1>
 char const* launch_tile_stream_for(StreamedTensor const* tensors, int num_tensors, int rows, int num_heads, int group,
                                    int batch, int const* cu_seqlens, int const* seqused, cudaStream_t stream) {

@@ -1,17 +1,11 @@
 #pragma once
 
-// Runtime value -> compile-time constant, in the style of FlashAttention's static_switch.h: the
-// body is a lambda in which NAME is a constexpr copy of the matched value. Torch-free, so the host
-// bindings and the device-side config table share it. Every switch ends in a `default` that
-// returns a value of the body's type built from the first case, so the caller must check the value
-// beforehand (the argument checker does); the default is reached only for a value outside the table.
-//
+// Runtime value -> compile-time constant, as in FlashAttention's static_switch.h:
 //   return HEADDIM_SWITCH(head_dim, kHeadDim, [&] { return launch<kHeadDim>(args); });
+// A value outside the table falls to the first case: callers check values beforehand.
 
-// The tile head dims (tile widths), FA3's: FLASH_EPILOGUE_ALL_HEAD_DIMS. A build may leave some out
-// (setup.py's FLASH_EPILOGUE_HEAD_DIMS defines FLASH_EPILOGUE_DISABLE_HDIM<d>): FLASH_EPILOGUE_HEAD_DIMS are the
-// ones compiled, and HEADDIM_SWITCH reaches only those. Keep scripts/generate_instantiations.py's HEAD_DIMS equal to
-// the full list (a test checks it against the table flash_epilogue._C exports).
+// FA3's tile head dims; a build may disable some (FLASH_EPILOGUE_DISABLE_HDIM<d>, from setup.py), and
+// FLASH_EPILOGUE_HEAD_DIMS lists those compiled. Keep scripts/generate_instantiations.py's HEAD_DIMS equal.
 #define FLASH_EPILOGUE_ALL_HEAD_DIMS 64, 96, 128, 192, 256
 
 #ifdef FLASH_EPILOGUE_DISABLE_HDIM64
@@ -44,7 +38,7 @@
 #define FLASH_EPILOGUE_HEAD_DIMS \
   FE_IF_HDIM64(64, ) FE_IF_HDIM96(96, ) FE_IF_HDIM128(128, ) FE_IF_HDIM192(192, ) FE_IF_HDIM256(256, )
 
-// The smallest compiled head dim: the switch's default.
+// The switch's default.
 #if !defined(FLASH_EPILOGUE_DISABLE_HDIM64)
 #define FE_FIRST_HEAD_DIM 64
 #elif !defined(FLASH_EPILOGUE_DISABLE_HDIM96)
@@ -78,7 +72,6 @@
     return __VA_ARGS__();                                        \
   }()
 
-// A boolean as a constant (bf16 vs fp16 outputs, batched vs varlen).
 #define BOOL_SWITCH(COND, NAME, ...)                             \
   [&] {                                                          \
     if (COND) { constexpr static bool NAME = true; return __VA_ARGS__(); } \

@@ -1,11 +1,8 @@
 #pragma once
 
-// The `store` driver of the sm_80 path, and of sm_90 at head dims <= 64 and on small problems at
-// head dims 192/256 (elsewhere sm_90 runs TileStreamKernel, tile_stream_kernel.cuh; launch_store
-// chooses): one CTA per (n_block, head, batch) tile loads the fp32 dK or dV of that tile from
-// global memory straight into the C fragment of FA3's dK/dV TiledMma (as if the mainloop had just
-// computed it) and hands it to CollectiveEpilogueBwd::store. Its body (store_output_tile) is also
-// that of the GQA drivers that write one output tile per CTA.
+// The one-CTA-per-tile `store` driver (sm_80; sm_90 where launch_store chooses it): the CTA loads the
+// fp32 dK or dV of its tile straight into the C fragment, as the mainloop would leave it, and hands it to
+// CollectiveEpilogueBwd::store. store_output_tile is also the body of the GQA one-tile-per-CTA drivers.
 
 #include <cute/tensor.hpp>
 #include <cutlass/arch/arch.h>
@@ -50,9 +47,8 @@ struct StoreKernel {
 
   static constexpr int kSharedStorageSize = sizeof(typename Epilogue::TensorStorage);
 
-  // A one-CTA-per-output-tile driver (this one, GqaPostprocessKernel, GqaReduceKernel): this CTA's
-  // tile (locate_output_tile), its C fragment filled by fill(frag, thr_mma, work, tile) (false:
-  // nothing to store), then stored by the collective. DriverParams: tensors[2] with .epilogue, batch.
+  // This CTA's tile, its fragment filled by fill(frag, thr_mma, work, tile) (false: nothing to store),
+  // then stored by the collective. DriverParams: tensors[2] with .epilogue, batch.
   template <class DriverParams, class Fill>
   CUTLASS_DEVICE static void store_output_tile(DriverParams const& params, char* smem, Fill&& fill) {
     using namespace cute;

@@ -1,8 +1,6 @@
 #pragma once
 
-// Host side of `store`: TileStreamKernel on the sm_90 path (StoreKernel<Sm90> at head dims <= 64
-// and for small problems at head dims 192/256), StoreKernel on the sm_80 path. Which kernel runs a
-// problem was chosen by measurement on the H200: see docs/design.md.
+// Host side of `store`. Which kernel runs a problem was chosen by measurement on the H200 (docs/design.md).
 
 #include <cstdint>
 
@@ -29,14 +27,13 @@ char const* launch_store_variant(StoreLaunchArgs const& args, cudaStream_t strea
   return launch_output_tiles<Kernel>(args, 2, args.num_heads, params, stream);
 }
 
-// StoreKernel (one CTA per tile) in the instantiation the call's sequence metadata needs.
+// StoreKernel in the instantiation the call's sequence metadata needs.
 template <class Element, int kHeadDim, class ArchTag>
 char const* launch_store_one_cta_per_tile(StoreLaunchArgs const& args, cudaStream_t stream) {
   return BOOL_SWITCH(!without_sequence_metadata(args), kVarlen,
                      [&] { return launch_store_variant<Element, kHeadDim, ArchTag, kVarlen>(args, stream); });
 }
 
-// store's dK and dV streamed by TileStreamKernel.
 template <class Config, class Element, int kCtasPerSm>
 char const* launch_store_streamed(StoreLaunchArgs const& args, cudaStream_t stream) {
   StreamedTensor const tensors[2] = {{args.dk, args.dk_accum}, {args.dv, args.dv_accum}};
@@ -49,27 +46,22 @@ char const* launch_store(StoreLaunchArgs const& args, cudaStream_t stream) {
   using Element = element_of<kDType>;
   using ArchTag = arch_tag_of<kArch>;
   if constexpr (kArch >= 90 && kHeadDim <= 64) {
-    // Small tiles (32 KB of fp32): one CTA per tile, two per SM, was faster than streaming them,
-    // batched and varlen.
+    // Small tiles (32 KB of fp32): one CTA per tile, two per SM, beat streaming.
     return launch_store_one_cta_per_tile<Element, kHeadDim, ArchTag>(args, stream);
   } else if constexpr (kArch >= 90) {
     using Config = BwdTileConfig<kHeadDim, ArchTag>;
-    // Output tiles of dK and dV together, at Config's tile size: small problems take other kernels.
+    // Small problems (output tiles of dK and dV, at Config's size) take other kernels.
     bool const is_varlen = args.cu_seqlens != nullptr;
     [[maybe_unused]] int64_t const output_tiles = 2 * row_tiles<Config::kBlockN>(args.rows, args.batch, is_varlen) *
                                                   args.num_heads * (is_varlen ? 1 : args.batch);
     if constexpr (kHeadDim > 128) {
-      // Up to two tiles per SM at hdim 192/256 (72-80 KB tiles, two or three stages), the streaming
-      // kernel's prologue is not paid back: one CTA per tile is faster, more so with cu_seqlens /
-      // seqused (at hdim 128 it is slower).
+      // Up to two 72-80 KB tiles per SM, the streaming kernel's prologue is not paid back.
       if (output_tiles <= 2 * int64_t(multiprocessor_count())) {
         return launch_store_one_cta_per_tile<Element, kHeadDim, ArchTag>(args, stream);
       }
     }
     if constexpr (kHeadDim == 128) {
-      // At most one 128-row tile per SM (dK's and dV's): (64, 128) tiles, two CTAs per SM of 3
-      // stages each, are faster, batched and varlen; above that (and on the large shapes) one CTA
-      // per SM with 128-row tiles stays faster.
+      // At most one 128-row tile per SM: (64, 128) tiles, two CTAs per SM, are faster.
       using SmallProblemConfig = BwdTileConfigSm90Base<128, 64, 256, /*kSwapAB=*/false, /*kAtomLayoutNdKV=*/1>;
       if (output_tiles <= multiprocessor_count()) {
         return launch_store_streamed<SmallProblemConfig, Element, /*kCtasPerSm=*/2>(args, stream);

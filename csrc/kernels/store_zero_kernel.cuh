@@ -1,12 +1,7 @@
 #pragma once
 
-// The `store_zero` driver: zeros the valid rows of chosen (sequence, head) pairs through
-// CollectiveEpilogueBwd::store_zero, which a backward uses for KV tiles no query block touched.
-// Callers name sequences, heads and a row window; the mapping to kBlockN tiles stays here.
-//
-// Grid: (tiles, heads selected, sequences selected). With every sequence selected in varlen, the
-// tiles run over the padded tile space as in `store` (sized from shapes); with a selection, over
-// the window's tiles of the longest possible sequence. Tiles with nothing to zero exit at once.
+// The `store_zero` driver: zeros a row window of chosen (sequence, head) pairs. Grid (tiles, heads, sequences
+// selected): the padded tile space when varlen selects every sequence, else the window's tiles.
 
 #include <cute/tensor.hpp>
 
@@ -26,8 +21,7 @@ struct StoreZeroKernel {
   static constexpr int kNumThreads = Config::kNumThreads;
   static constexpr int kMinBlocksPerSm = 1;
   using TileShape_MNK = cute::Shape<cute::_64, cute::Int<kBlockN>, cute::Int<kHeadDim>>;
-  // store_zero writes from registers through predicated stores on every arch: the collective's
-  // Sm80 instantiation has that path alone, and no TMA descriptors to encode on the host.
+  // Sm80 on every arch: store_zero is predicated anyway, and no TMA descriptors to encode.
   using Epilogue = CollectiveEpilogueBwd<TileShape_MNK, Element, cutlass::arch::Sm80, kNumThreads, /*Varlen=*/true,
                                          Config::kSwapAB, Config::kAtomLayoutKdKV>;
 

@@ -1,8 +1,6 @@
 #pragma once
 
-// Tile I/O between a C fragment of FA3's dK/dV TiledMma and a (BLK_N, BLK_D) tile in global or
-// shared memory: element visits in fragment order, loads (optionally adding, or summing a group of
-// tiles through shared memory) and the fp32 store. Every driver reads its inputs through these.
+// Tile I/O between a C fragment of FA3's dK/dV TiledMma and a (BLK_N, BLK_D) tile in global or shared memory.
 
 #include <cstdint>
 
@@ -17,8 +15,8 @@ namespace flash_epilogue {
 using ShapeRowsHeadBatch = cute::Shape<int32_t, int32_t, int32_t, int32_t>;    // (rows, d, head, batch)
 using StrideRowsHeadBatch = cute::Stride<int64_t, cute::_1, int64_t, int64_t>;
 
-// The (BLK_N, BLK_D) tile n_block of (head, batch_coord) of a (rows, d, head, batch) tensor, in the
-// sequence starting at row `offset`; the tensor in global memory at `ptr`, or given (a TMA tensor).
+// Tile n_block of (head, batch_coord) of a (rows, d, head, batch) tensor, in the sequence starting at row
+// `offset`; the tensor given (a TMA tensor) or in global memory at `ptr`.
 template <int kBlockN, int kHeadDim, class Tensor4>
 CUTLASS_DEVICE auto rows_tile(Tensor4 const& m, int head, int batch_coord, int offset, int n_block) {
   using namespace cute;
@@ -33,11 +31,9 @@ CUTLASS_DEVICE auto rows_tile(T* ptr, ShapeT const& shape, StrideT const& stride
                                       n_block);
 }
 
-// Visit the C fragment of `thr_mma` over a (BLK_N, BLK_D) tile (global, or a swizzled stage in
-// shared memory): fn(i, row, col, pointer) for element i. Without swapAB the fragment's element pairs
-// (2i, 2i+1) are adjacent columns of one row (GMMA and SM80 C layouts) and fn gets them together
-// (i even, two elements); with swapAB (the MMA holds dK^T) the tile is seen as (BLK_D, BLK_N) and
-// pairs run down a column, so fn gets one element at a time.
+// fn(width, i, row, col, pointer) for each element i of `thr_mma`'s C fragment over a tile (global, or a
+// swizzled smem stage). Without swapAB pairs (2i, 2i+1) are adjacent columns of a row and come together
+// (width 2); with swapAB the tile is seen as (BLK_D, BLK_N), pairs run down a column: one at a time.
 template <bool kSwapAB, int kBlockN, int kHeadDim, class ThrMma, class GmemTensor, class Fn>
 CUTLASS_DEVICE void for_each_fragment_element(ThrMma const& thr_mma, GmemTensor const& gtile, Fn&& fn) {
   using namespace cute;
@@ -64,10 +60,9 @@ CUTLASS_DEVICE void for_each_fragment_element(ThrMma const& thr_mma, GmemTensor 
   }
 }
 
-// Load one (BLK_N, BLK_D) tile (fp32, or 16-bit widened to fp32) into the C fragment `frag`
-// (kAdd: add it to `frag`), as zeros outside [0, valid_rows) x [0, num_cols). kKeepOutside (with
-// kAdd): the elements outside are left as they are, not + 0.f (which turns -0.0 into +0.0 and
-// quiets a NaN's payload). Pairs are read as one 8-byte (fp32) or 4-byte (16-bit) access.
+// Load a tile (fp32, or 16-bit widened) into `frag` (kAdd: add to it), zeros outside [0, valid_rows) x
+// [0, num_cols). kKeepOutside: elements outside are left as they are, not + 0.f (which turns -0.0 into
+// +0.0 and quiets a NaN's payload). Pairs are one 8-byte (fp32) or 4-byte (16-bit) access.
 template <bool kSwapAB, int kBlockN, int kHeadDim, bool kAdd = false, bool kKeepOutside = false, class Fragment,
           class ThrMma, class GmemTensor>
 CUTLASS_DEVICE void load_accum_tile(Fragment& frag, ThrMma const& thr_mma, GmemTensor const& gtile, int valid_rows,
@@ -95,13 +90,9 @@ CUTLASS_DEVICE void load_accum_tile(Fragment& frag, ThrMma const& thr_mma, GmemT
   for_each_fragment_element<kSwapAB, kBlockN, kHeadDim>(thr_mma, gtile, load);
 }
 
-// The sum of `group` (BLK_N, BLK_D) tiles (group 1: one tile), read row-major with 16-byte
-// vectors, staged in shared memory as fp32 and read back in C-fragment order. gqa_reduce uses it
-// where reading straight in fragment order is slow: 16-bit partials (the fragment reads 2- or
-// 4-byte pieces) and the swapAB configs (the fragment runs down columns, 4-byte pieces). Store and
-// the sm_80 gqa_accumulate read their fp32 tiles straight in fragment order: staged, the per-head
-// adds ran slower (measured: see docs/design.md). `smem` needs kSmemBytes and may alias the
-// collective's storage: the collectives start with a barrier before writing theirs.
+// The sum of `group` tiles read row-major with 16-byte vectors, staged in shared memory as fp32 and read
+// back in C-fragment order: for gqa_reduce's swapAB configs, whose fragment order runs down columns.
+// `smem` (kSmemBytes) may alias the collective's storage, whose store starts with a barrier.
 template <int kBlockN, int kHeadDim, int kNumThreads, bool kSwapAB, class ElementIn>
 struct StagedTileSum {
   static constexpr int kVec = 16 / sizeof(ElementIn);            // elements per 16-byte load
@@ -110,16 +101,13 @@ struct StagedTileSum {
   static constexpr int kRowsPerPass = kNumThreads / kThreadsPerRow;
   static constexpr int kColIters = kHeadDim / kVec / kThreadsPerRow;
   static constexpr int kRowIters = (kBlockN + kRowsPerPass - 1) / kRowsPerPass;
-  // Running sums per thread: 32 floats, 16 for the 384-thread config (two CTAs per SM leave it
-  // 80 registers).
+  // Running sums per thread: 16 floats for the 384-thread config (80 registers at two CTAs per SM).
   static constexpr int kSumFloats = kNumThreads > 256 ? 16 : 32;
   static constexpr int kChunkRowIters = cute::max(1, kSumFloats / (kColIters * kVec));
-  // Row pitch in floats. Fragment-order reads are then conflict-free: 8-byte pairs of 8 rows per
-  // half-warp want a pitch of 8 mod 32 words, swapAB's 4-byte reads (rows 2 apart) 4 mod 32.
+  // Row pitch for conflict-free fragment reads: 8 mod 32 words for 8-byte pairs, 4 for swapAB's 4-byte ones.
   static constexpr int kPitch = kHeadDim + (kSwapAB ? 4 : 8);
   static constexpr int kSmemBytes = kBlockN * kPitch * sizeof(float);
 
-  // The staging buffer as a (BLK_N, BLK_D) tile.
   CUTLASS_DEVICE static auto stage_tile(float* smem) {
     using namespace cute;
     return make_tensor(make_smem_ptr(smem),
@@ -133,8 +121,7 @@ struct StagedTileSum {
     using namespace cute;
     int const row0 = thread_idx / kThreadsPerRow;
     int const col0 = (thread_idx % kThreadsPerRow) * kVec;
-    // A chunk of row passes at a time: its loads for one head are in flight together, and the
-    // running sums (kSumFloats) leave registers for two CTAs per SM without spilling.
+    // A chunk of row passes at a time: its loads for a head overlap, and the sums leave room for two CTAs.
 #pragma unroll
     for (int r0 = 0; r0 < kRowIters; r0 += kChunkRowIters) {
       float sum[kChunkRowIters][kColIters][kVec];
@@ -178,11 +165,10 @@ struct StagedTileSum {
     }
     named_barrier_sync(kNumThreads, barrier_id);
     load_accum_tile<kSwapAB, kBlockN, kHeadDim>(frag, thr_mma, stage_tile(smem), kBlockN, kHeadDim);
-    // The collective's store starts with a barrier: nobody overwrites the staging before all read it.
   }
 };
 
-// The inverse for fp32 outputs: write the fragment's elements inside [0, valid_rows) x [0, num_cols).
+// The inverse for fp32 outputs, inside [0, valid_rows) x [0, num_cols).
 template <bool kSwapAB, int kBlockN, int kHeadDim, class Fragment, class ThrMma, class GmemTensor>
 CUTLASS_DEVICE void store_fragment_tile(Fragment const& frag, ThrMma const& thr_mma, GmemTensor const& gtile,
                                         int valid_rows, int num_cols) {

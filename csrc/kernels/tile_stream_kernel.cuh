@@ -1,26 +1,10 @@
 #pragma once
 
-// The sm_90 driver of `store` and `gqa_reduce`: persistent CTAs, one per SM (two for small `store`
-// problems, kCtasPerSm), each walking its share of the tiles. A producer warp streams the inputs of
-// the next tiles into a ring of shared-memory stages through TMA loads; the consumer warps (the
-// collective's epilogue threads) read each tile out of its stage into the C fragment (as the
-// mainloop would leave it), and CollectiveEpilogueBwd converts and stores it. Full/empty
-// mbarriers per stage hand the stages back and forth.
-//
-// Why not one CTA per tile with loads straight into registers (StoreKernel, GqaReduceKernel: the
-// sm_80 path)? There an SM alternates between loading and storing, and gqa_reduce's swapAB configs
-// read their partials down fragment columns. Here up to kStages - 1 tiles' loads stay in flight
-// whatever the consumers do, and every config reads its stage conflict-free. Why a producer warp
-// rather than consumer thread 0 issuing the loads? The issue work (tile decode,
-// arrive_and_expect_tx, TMA instructions) then sat on every tile's critical path: each CTA-wide
-// barrier waited for warp 0. Both measured faster: see docs/design.md.
-//
-// Work order: tile t of the CTA's walk is (tensor and head, n_tile, batch), heads fastest,
-// t = blockIdx.x + k * gridDim.x. A tile of `group` members (gqa_reduce: the group's query heads;
-// store: 1) takes `group` consecutive loads of the stream; load i uses stage i % kStages.
-//
-// StreamRing (below) is the part the sm_90 gqa_accumulate driver shares (gqa_kernels.cuh): the
-// roles, the stages and their barriers.
+// The sm_90 driver of `store` and `gqa_reduce`: persistent CTAs walk tiles t = blockIdx.x + k * gridDim.x
+// ((tensor and head, n_tile, batch), heads fastest). A producer warp TMA-loads the next tiles' inputs (a
+// tile of `group` members: `group` consecutive loads) into a ring of smem stages; the consumers read each
+// into the C fragment and CollectiveEpilogueBwd stores it. Unlike one CTA per tile loading into registers,
+// loads stay in flight whatever the consumers do, off their critical path, and reads are conflict-free.
 
 #include <type_traits>
 
@@ -37,24 +21,18 @@
 
 namespace flash_epilogue {
 
-// Host: a TMA load of (rows, d, head, batch) ElementIn tiles of TileShape into stages laid out as
-// SmemLayout. StreamRing::TmaLoad is its type.
+// Host: a TMA load of (rows, d, head, batch) ElementIn tiles of TileShape into stages laid out as SmemLayout.
 template <class SmemLayout, class TileShape, class ElementIn>
 auto make_stage_tma_load(ElementIn const* ptr, ShapeRowsHeadBatch const& shape, StrideRowsHeadBatch const& stride) {
   return cute::make_tma_copy(cute::SM90_TMA_LOAD{}, cute::make_tensor(cute::make_gmem_ptr(ptr), shape, stride),
                              SmemLayout{}, TileShape{}, cute::_1{});
 }
 
-// The roles and the shared memory of a persistent sm_90 driver that streams (BLK_N, BLK_D) ElementIn
-// tiles through TMA-loaded stages.
-//   Roles: the config's kNumThreads consumer threads (whole warpgroups, the collective's epilogue
-//   threads) and one producer warpgroup, one thread of which issues the loads and walks the tiles,
-//   off the consumers' path. The producer gives its registers to the consumers (setmaxnreg), who
-//   hold a whole fp32 tile in registers: without that, a 288-thread CTA's 168-register cap spilled
-//   the varlen store.
-//   Shared memory: kStages stages of one tile each, swizzled as TMA writes it; kExtraBytes for the
-//   driver; the stages' full and empty mbarriers. Load i of the CTA's stream uses stage i % kStages.
-// Device side, a CTA's view of its ring: acquire / load_tile (producer), wait / release (consumers).
+// The roles and shared memory of a persistent sm_90 driver streaming (BLK_N, BLK_D) tiles (also used by
+// GqaAccumulateStreamKernel): the config's consumer warpgroups and one producer warpgroup, one thread of
+// which walks the tiles and issues the loads. The producer gives its registers to the consumers
+// (setmaxnreg), who hold a whole fp32 tile: without that a 288-thread CTA's 168-register cap spilled.
+// Shared memory: kStages swizzled stages, kExtraBytes for the driver, the full and empty mbarriers.
 template <class Config, class ElementIn, int kCtasPerSm, int kExtraBytes = 0>
 struct StreamRing {
   static constexpr int kBlockN = Config::kBlockN;
@@ -71,8 +49,7 @@ struct StreamRing {
   static_assert(kConsumerRegisters >= kRegistersAtLaunch, "the consumers must not lose registers to the producer");
   using TileShape = cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>;
 
-  // Reading a stage in C-fragment order is conflict-free: 8-byte fp32 pairs of 8 rows take the
-  // minimum two wavefronts, swapAB's column walks (4 rows 2 apart) one.
+  // Conflict-free in C-fragment order: 8-byte fp32 pairs of 8 rows take two wavefronts, swapAB's walks one.
   using SmemLayoutIn =  // (BLK_N, BLK_D)
       decltype(cute::tile_to_shape(detail::smem_layout_atom_k_major<ElementIn, kHeadDim>(), TileShape{}));
   static constexpr int kStageElems = kBlockN * kHeadDim;
@@ -92,7 +69,6 @@ struct StreamRing {
 
   using TmaLoad = decltype(make_stage_tma_load<SmemLayoutIn, TileShape>(static_cast<ElementIn const*>(nullptr),
                                                                          ShapeRowsHeadBatch{}, StrideRowsHeadBatch{}));
-  // Host: the load descriptor of one input, (rows, d, head, batch) at `ptr`.
   static TmaLoad make_tma_load(ElementIn const* ptr, ShapeRowsHeadBatch const& shape,
                                StrideRowsHeadBatch const& stride) {
     return make_stage_tma_load<SmemLayoutIn, TileShape>(ptr, shape, stride);
@@ -120,19 +96,16 @@ struct StreamRing {
     cutlass::arch::fence_barrier_init();
   }
 
-  // Producer: load `load_index`'s stage, once every consumer warp has released its previous fill
-  // (fill f waits for release number f / kStages - 1; a fresh barrier passes parity 1).
+  // Producer: `load_index`'s stage once every consumer warp released it (a fresh barrier passes parity 1).
   CUTLASS_DEVICE int acquire(int load_index) const {
     int const stage = load_index % kStages;
     Barrier::wait(&empty[stage], ((load_index / kStages) & 1) ^ 1);
     return stage;
   }
 
-  // Producer: TMA-load the (BLK_N, BLK_D) tile n_block of head `head` (rows from `offset`) into
-  // `stage`. Rows past the tensor and columns past d arrive as zeros; rows of the next sequence
-  // (varlen) are loaded too and never used. No L2 eviction hint: EVICT_FIRST, the obvious one for
-  // inputs read once, was slower than no hint or EVICT_NORMAL for store and gqa_reduce (measured:
-  // see docs/design.md).
+  // Producer: TMA-load tile n_block of `head` (rows from `offset`) into `stage`. Rows past the tensor and
+  // columns past d arrive as zeros; a next sequence's rows are loaded and never used. No L2 hint:
+  // EVICT_FIRST was slower than none (docs/design.md).
   CUTLASS_DEVICE void load_tile(TmaLoad const& tma, ShapeRowsHeadBatch const& shape, int head, int batch_coord,
                                 int offset, int n_block, int stage) const {
     using namespace cute;
@@ -144,8 +117,7 @@ struct StreamRing {
     copy(tma.with(full[stage]), cta_tma.partition_S(g_in), cta_tma.partition_D(s_in));
   }
 
-  // Producer: one 1-D bulk copy of `bytes` (a multiple of 16, at most a stage's) from 16-byte aligned
-  // global memory to the start of the stage.
+  // Producer: one 1-D bulk copy of `bytes` (a multiple of 16, at most a stage) from 16-byte aligned gmem.
   CUTLASS_DEVICE void load_bytes(void const* src, int bytes, int stage) const {
     Barrier::arrive_and_expect_tx(&full[stage], bytes);
     cute::SM90_BULK_COPY_G2S::copy(src, &full[stage], stage_ptr(stage), bytes);
@@ -158,18 +130,15 @@ struct StreamRing {
     return stage;
   }
 
-  // Each consumer warp: done with `stage` once all its lanes are (a stage a TMA store or bulk copy
-  // reads: once its issuing thread, in one of the warps, has waited for that read).
+  // Each consumer warp, once all its lanes are done (and a TMA store's issuer has waited for its read).
   CUTLASS_DEVICE void release(int stage) const {
     __syncwarp();
     if (cute::elect_one_sync()) { Barrier::arrive(&empty[stage]); }
   }
 };
 
-// kReduce: the tile is 0 + p_0 + ... + p_{group-1} in head order, times the tensor's scale
-// (gqa_reduce; the same bits as GqaReduceKernel). Otherwise the single input tile as it is (store:
-// an exact cast, -0.0 stays -0.0). kCtasPerSm: CTAs sharing an SM, each with that share of its
-// shared memory and registers (2: small problems, see launch_store).
+// kReduce: the tile is (0 + p_0 + ... + p_{group-1}) * scale in head order (GqaReduceKernel's bits);
+// else the single input tile as it is (store: -0.0 stays -0.0). kCtasPerSm: CTAs sharing an SM.
 template <class Config_, class Element_, class ElementIn_, bool kVarlen_, bool kReduce_, int kCtasPerSm = 1>
 struct TileStreamKernel {
   using Config = Config_;
@@ -188,9 +157,8 @@ struct TileStreamKernel {
   static constexpr int kBlockN = Config::kBlockN;
   static constexpr int kHeadDim = Config::kHeadDim;
 
-  // The collective's shared memory. An fp32 stage is as large as the collective's storage (two
-  // 16-bit tiles), so the tile's last stage serves as its output buffer once read into registers;
-  // 16-bit stages are half that size and the collective gets a region of its own.
+  // An fp32 stage holds the collective's storage (two 16-bit tiles), so the tile's last stage serves as
+  // its output buffer; 16-bit stages are half that size and the collective gets a region of its own.
   using OutputStorage = typename Epilogue::TensorStorage;
   static constexpr bool kOutputInStage =
       kBlockN * kHeadDim * static_cast<int>(sizeof(ElementIn)) >= static_cast<int>(sizeof(OutputStorage));
@@ -220,9 +188,7 @@ struct TileStreamKernel {
 
   using TileWork = OutputTile<kBlockN>;
 
-  // Heads (of dK, then of dV) fastest: the CTAs running at one time read the same rows of every
-  // head, neighbours in a (rows, heads, d) layout. Against n_tile fastest: faster at hdim 192/256,
-  // the same elsewhere (measured: see docs/design.md).
+  // Heads fastest: concurrent CTAs read neighbouring rows of a (rows, heads, d) layout (docs/design.md).
   CUTLASS_DEVICE static TileWork decode(Params const& params, int tile) {
     int const heads_y = params.num_tensors * params.num_heads;
     auto const [tensor, head] = split_by_tensor(tile % heads_y, params.num_heads);
@@ -240,8 +206,7 @@ struct TileStreamKernel {
     __syncthreads();  // the only CTA-wide barrier: the roles part here
 
     if (warp_idx >= Ring::kNumConsumerWarps) {
-      // Producer: one thread walks the same tiles as the consumers, skipping the same empty ones, and
-      // refills each stage as soon as all consumer warps have released it.
+      // Producer: one thread walks the consumers' tiles, skipping the same empty ones.
       cutlass::arch::warpgroup_reg_dealloc<Ring::kProducerRegisters>();
       if (warp_idx == Ring::kNumConsumerWarps && cute::elect_one_sync()) {
         for (int i = 0; i < params.num_tensors; ++i) {
@@ -289,9 +254,7 @@ struct TileStreamKernel {
       }
       auto& output = *reinterpret_cast<OutputStorage*>(
           kOutputInStage ? reinterpret_cast<char*>(ring.stage_ptr(stage)) : smem + Ring::kExtraOffset);
-      // The collective starts with a barrier over the consumer threads, so nobody writes the stage
-      // before everyone has read it; its TMA store's issuer waits for the store's read before its
-      // warp releases the stage.
+      // The collective starts with a barrier, so nobody writes the stage before everyone has read it.
       Epilogue{}.store(t.epilogue, acc, acc, output, tiled_mma, thread_idx,
                        make_tuple(work.n_block, work.head, work.batch));
       if constexpr (kOutputInStage) {

@@ -1,8 +1,7 @@
 #pragma once
 
-// The project's own wrappers for Hopper's bulk reduce-add from shared to global memory
-// (cp.reduce.async.bulk ... .add.f32, no TMA descriptor: works on any 16-byte aligned range, so
-// also for varlen) and the bulk-group waits around it. CUTLASS 4.2 has no such copy op.
+// Hopper's bulk reduce-add from shared to global memory (no TMA descriptor: any 16-byte aligned range)
+// and its bulk-group waits. CUTLASS 4.2 has no such copy op.
 
 #include <cstdint>
 
@@ -14,8 +13,7 @@ namespace flash_epilogue {
 inline constexpr uint64_t kCacheHintEvictNormal = 0x1000000000000000ull;
 inline constexpr uint64_t kCacheHintEvictLast = 0x14F0000000000000ull;
 
-// The instructions below exist from sm_90 on; below it these functions compile to nothing (an sm_80
-// build never calls them).
+// Below sm_90 these compile to nothing (an sm_80 build never calls them).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define FLASH_EPILOGUE_SM90_ASM(...) asm volatile(__VA_ARGS__)
 #else

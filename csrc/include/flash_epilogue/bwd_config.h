@@ -1,26 +1,9 @@
 #pragma once
 
-// FlashAttention-3's dK/dV tile configuration per head dim, and the dK/dV TiledMma it implies.
-// Only the MMA's C-fragment layout matters to the epilogue (no MMA is issued here), but it must
-// be exactly the mainloop's: the epilogue's shared-memory copies and the GQA accumulator's
-// element order are derived from it.
-//
-//   head dim | kBlockN | threads | dKV_swapAB | AtomLayoutNdKV | AtomLayoutKdKV
-//   64       | 128     | 256     | no         | 2              | 1
-//   96       | 128     | 256     | no         | 2              | 1
-//   128      | 128     | 256     | no         | 2              | 1
-//   192      | 96      | 384     | yes        | 1              | 3
-//   256      | 80      | 256     | yes        | 1              | 2
-//
+// FlashAttention-3's dK/dV tile configuration per head dim (sm_90, and the sm_80 fallback of 8 warps of
+// the 16x8x16 MMA), and the dK/dV TiledMma it implies. No MMA is issued here, but the C-fragment layout
+// must be exactly the mainloop's: the shared-memory copies and the GQA accumulator's order derive from it.
 // With dKV_swapAB the MMA computes dK^T: its C fragment covers a (kHeadDim, kBlockN) tile.
-//
-// sm_80 (the Ampere fallback: 8 warps of the 16x8x16 fp32-accumulate MMA, 256 threads):
-//   head dim | kBlockN | dKV_swapAB | warp grid
-//   64       | 128     | no         | 4 x 2 over (N, D)
-//   96       | 128     | no         | 4 x 2 over (N, D)
-//   128      | 128     | no         | 2 x 4 over (N, D)
-//   192      | 80      | yes        | 4 x 2 over (D, N)
-//   256      | 64      | no         | 2 x 4 over (N, D)
 
 #include <cute/tensor.hpp>
 #include <cute/atom/mma_atom.hpp>

@@ -1,47 +1,25 @@
 #pragma once
 
-// CollectiveEpilogueBwd: the last step of an attention backward for one KV tile. The dK and dV
-// accumulators of tile (n_block, head, batch) sit in registers as the C fragment of the dK/dV
-// TiledMma (fp32); `store` converts them to the 16-bit output type and writes them to global
-// memory, `store_zero` writes zeros to a tile that no query block touched.
+// CollectiveEpilogueBwd: the fp32 dK/dV C fragments of tile (n_block, head, batch) -> 16-bit dK/dV in
+// global memory (`store`), or zeros to a tile no query block touched (`store_zero`). Two paths:
+//   * TMA (sm_90): stmatrix to smem, one elected thread issues both TMA stores (TMA clips at the tensor's
+//     bounds). Varlen tiles whose kBlockN rows all lie in their sequence take it too (a plain box of the
+//     packed tensor): nearly every tile of a long sequence, and TMA beats predicated stores.
+//   * predicated (sm_80; sm_90 varlen tiles that end a sequence): smem -> 16-byte global stores on rows <
+//     the tile's valid rows (SeqlenInfo, clamped to the row extent) and columns < d: nothing out of bounds.
 //
-// Two paths:
-//   * TMA (sm_90): registers -> shared memory (stmatrix) -> one elected thread issues two TMA
-//     stores. TMA clips rows >= seqlen and columns >= d (dV: >= dv) by itself. Varlen tiles take
-//     it too when all kBlockN rows lie inside their sequence (and seqused): such a tile is a plain
-//     box at row offset + n_block * kBlockN of the packed tensor.
-//   * predicated (every sm_80 tile; on sm_90 the Varlen tiles that end a sequence): registers ->
-//     shared memory -> 16-byte vectors -> global stores predicated on rows < the tile's valid rows
-//     and columns < d (dv). Rows are located through SeqlenInfo (cu_seqlens / seqused, both
-//     optional at run time) and clamped to the tensor's row extent, so nothing past a row or
-//     column bound is ever written.
-//   Why TMA for varlen's full tiles: the predicated path streamed slower than TMA stores
-//   (measured: see docs/design.md), and in a long sequence nearly every tile is full.
-//
-// Contract for a kernel that embeds the collective:
-//   * NumEpilogueThreads threads (whole warps, thread_idx in [0, NumEpilogueThreads)) call
-//     `store` / `store_zero` together, with the fragments of `tiled_mma`'s thread slice.
-//   * Shared memory: one TensorStorage, passed in. `store` first syncs named barrier BarrierId
-//     over NumEpilogueThreads threads (so all warps are done with whatever aliased that memory);
-//     the TMA path then hands the tile to its issuing warp through barrier BarrierId + 1 over
-//     NumEpilogueThreads + 32 threads. Two ids, because a named barrier must never be used with
-//     two thread counts at once: the warps that only arrive at the hand-off can reach the next
-//     `store`'s first barrier while the issuing warp has not yet synced the hand-off, and one id
-//     for both then faults ("an illegal instruction was encountered"; FA3's epilogue shares one
-//     id and is safe only because a mainloop separates its calls). Calling `store` again
-//     (persistent kernels) is safe: the thread that issued the TMA store waits for its read of
-//     shared memory before it reaches the next call's first barrier.
-//   * dK and dV may have different head dims (d, dv <= kHeadDim): each has its own shape,
-//     stride and TMA descriptor; the tile is sized for kHeadDim = max(d, dv).
-//   * dV is optional: with ptr_dV == nullptr only dK is written (tdVrdV is ignored), e.g. for a
-//     single-tensor group reduce.
-//   * Ranges: the row extent (seqlen, or total tokens in varlen) in [0, 2^31), heads and the batch
-//     extent ints >= 0; block_coord's batch in [0, batch) and n_block any int (a tile with no valid
-//     rows writes nothing); cu_seqlens / seqused entries any int32, consistent or not (SeqlenInfo
-//     forms its sums in 64-bit and clamps them: nothing outside the tensor is written). A stored
-//     tile starts at a row offset + n_block * kBlockN in [0, 2^31) (the TMA path's int32
-//     coordinate); global addresses are 64-bit (64-bit strides). store_zero's row window is any
-//     [row_begin, row_end) of ints.
+// Contract:
+//   * NumEpilogueThreads threads call `store` / `store_zero` together with their `tiled_mma` slice's
+//     fragments and one TensorStorage. `store` first syncs barrier BarrierId over them (the smem may alias
+//     other buffers); the TMA path then hands the tile to its issuing warp through BarrierId + 1 over
+//     NumEpilogueThreads + 32. Two ids, because a named barrier used at two thread counts at once faults
+//     ("illegal instruction"): warps that only arrive at the hand-off can reach the next `store`'s first
+//     barrier first (FA3 shares one id, safe only because a mainloop separates its calls). Repeated calls
+//     (persistent kernels) are safe: the TMA issuer waits for the smem read.
+//   * dK and dV have their own shape, stride and TMA descriptor (d, dv <= kHeadDim); ptr_dV == nullptr
+//     writes dK only.
+//   * Ranges: row extent in [0, 2^31); n_block any int (no valid rows: nothing written); cu_seqlens /
+//     seqused any int32 (nothing outside the tensor is written). A TMA tile's start row must be < 2^31.
 
 #include <climits>
 
@@ -61,8 +39,7 @@ namespace flash_epilogue {
 
 namespace detail {
 
-// The widest GMMA K-major shared-memory atom whose width divides kBlockK (SW128 for 64 columns
-// of 16-bit elements, then SW64, SW32, interleaved).
+// The widest GMMA K-major shared-memory atom whose width divides kBlockK (SW128, SW64, SW32, interleaved).
 template <class Element, int kBlockK>
 constexpr auto smem_layout_atom_k_major() {
   using namespace cute;
@@ -81,25 +58,13 @@ constexpr auto smem_layout_atom_k_major() {
 
 }  // namespace detail
 
-// Template parameters:
-//   TileShape_MNK       (BLK_M, BLK_N, BLK_D) of the mainloop; BLK_N rows of K/V per tile, BLK_D =
-//                       kHeadDim = max(d, dv), a multiple of 8. BLK_M is not used here.
-//   Element             the 16-bit output type (cutlass::bfloat16_t or cutlass::half_t).
-//   ArchTag             cutlass::arch::Sm90 (TMA path possible) or Sm80 (predicated path only).
-//   NumEpilogueThreads  threads that hold the dK/dV fragments and call store (whole warps; on sm_90
-//                       whole warpgroups, the MMA warpgroups of the mainloop).
-//   Varlen              true: cu_seqlens and/or seqused honoured (sm_90: TMA stores for the tiles
-//                       inside their sequence, predicated stores for the rest); false: no
-//                       sequence metadata (sm_90: TMA stores only).
-//   dKV_swapAB          the MMA computed dK^T/dV^T: fragments cover (BLK_D, BLK_N).
-//   AtomLayoutKdKV      warpgroups along the head dim (shapes the TMA path's smem atom).
-//   BarrierId           the first of the two named barriers the collective uses, BarrierId and
-//                       BarrierId + 1, in 1..15 (default 8, 9: above the ids CUTLASS reserves,
-//                       1..7; a kernel already using them passes another).
+// TileShape_MNK (BLK_M unused, BLK_D = max(d, dv)); Element bf16 or fp16; ArchTag Sm90 or Sm80 (predicated
+// only); NumEpilogueThreads (whole warpgroups on sm_90); Varlen: cu_seqlens / seqused honoured at run time;
+// dKV_swapAB: fragments cover (BLK_D, BLK_N); AtomLayoutKdKV: warpgroups along D; BarrierId: see above.
 template <class TileShape_MNK_, class Element_, class ArchTag_, int NumEpilogueThreads_, bool Varlen_, bool dKV_swapAB_,
           int AtomLayoutKdKV_ = 1, int BarrierId_ = kDefaultEpilogueBarrierId>
 struct CollectiveEpilogueBwd {
-  using TileShape_MNK = TileShape_MNK_;  // (BLK_M, BLK_N, BLK_D); BLK_M is the mainloop's, unused here
+  using TileShape_MNK = TileShape_MNK_;
   using Element = Element_;
   using ArchTag = ArchTag_;
   static constexpr int NumEpilogueThreads = NumEpilogueThreads_;
@@ -131,9 +96,8 @@ struct CollectiveEpilogueBwd {
       cute::Layout<cute::Shape<cute::_1, cute::Int<kGmemElemsPerStore>>>{}));  // one vector per thread and step
   static constexpr bool kEvenN = kBlockN % kGmemRowsPerPass == 0;
 
-  // ---- shared memory. sm_90 uses GMMA's K-major swizzled atoms (what TMA expects; the predicated
-  // path reads them too, in 16-byte chunks); sm_80 a plain XOR swizzle on 16-byte chunks
-  // (conflict-free 16-byte reads).
+  // ---- shared memory: GMMA's K-major swizzled atoms on sm_90 (what TMA expects), a plain XOR
+  // swizzle on 16-byte chunks on sm_80 (conflict-free 16-byte reads).
   using SmemLayoutAtomdKVTMA = decltype(detail::smem_layout_atom_k_major<Element, kHeadDim / AtomLayoutKdKV>());
   using SmemLayoutdKVTMA = decltype(cute::tile_to_shape(SmemLayoutAtomdKVTMA{}, cute::select<1, 2>(TileShape_MNK{})));
   static constexpr int kBlockKSmem = kHeadDim % 64 == 0 ? 64 : (kHeadDim % 32 == 0 ? 32 : 16);
@@ -160,9 +124,8 @@ struct CollectiveEpilogueBwd {
       ArchTag::kMinComputeCapability >= 90 ? cutlass::detail::alignment_for_swizzle(SmemLayoutdKV{}) : 128;
   static_assert(SmemAlignmentdKV >= 128, "shared-memory tiles need at least 128-byte alignment");
 
-  // No empty base (cute::aligned_struct): kernels put this in a union inside a SharedStorage that itself derives
-  // from an aligned_struct, and two empty bases of one type may not share an address, so the compiler would move
-  // the union by its alignment (1 KB more shared memory). The members carry the alignment.
+  // No empty aligned_struct base: inside a union in an aligned_struct-derived SharedStorage, two empty bases of one
+  // type may not share an address, which would cost 1 KB of shared memory. The members carry the alignment.
   struct TensorStorage {
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutdKV>, SmemAlignmentdKV> smem_dk;
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutdKV>, SmemAlignmentdKV> smem_dv;
@@ -205,9 +168,8 @@ struct CollectiveEpilogueBwd {
     int const* seqused;
   };
 
-  // Why `args` cannot run on this collective, or nullptr if it can. Building a TMA descriptor from
-  // arguments that fail here is undefined (make_tma_copy asserts, or under NDEBUG silently encodes
-  // garbage), so call this first.
+  // Why `args` cannot run, or nullptr. Call it first: make_tma_copy on failing arguments asserts, or
+  // under NDEBUG encodes garbage.
   static char const* can_implement(Arguments const& args) {
     auto check_one = [](Element const* ptr, ShapedKV const& shape, StridedKV const& stride) -> char const* {
       int const d = cute::get<1>(shape);
@@ -273,8 +235,7 @@ struct CollectiveEpilogueBwd {
     }
   }
 
-  // tdKrdK / tdVrdV: fp32 C fragments of `tiled_mma`'s slice for thread_idx, covering
-  // (BLK_N, BLK_D) (or (BLK_D, BLK_N) with dKV_swapAB). block_coord = (n_block, head, batch).
+  // tdKrdK / tdVrdV: fp32 C fragments of tiled_mma's slice for thread_idx; block_coord = (n_block, head, batch).
   template <class FrgTensor, class TiledMma>
   CUTLASS_DEVICE void store(Params const& params, FrgTensor const& tdKrdK, FrgTensor const& tdVrdV,
                             TensorStorage& storage, TiledMma const& tiled_mma, int thread_idx,
@@ -282,14 +243,13 @@ struct CollectiveEpilogueBwd {
     using namespace cute;
     auto [n_block, bidh, bidb] = block_coord;
     bool const has_dv = params.ptr_dV != nullptr;
-    Tensor sdK =
-        as_position_independent_swizzle_tensor(make_tensor(make_smem_ptr(storage.smem_dk.data()), SmemLayoutdKV{}));
-    Tensor sdV =
-        as_position_independent_swizzle_tensor(make_tensor(make_smem_ptr(storage.smem_dv.data()), SmemLayoutdKV{}));
-    Tensor sdKt =
-        as_position_independent_swizzle_tensor(make_tensor(make_smem_ptr(storage.smem_dk.data()), SmemLayoutdKVt{}));
-    Tensor sdVt =
-        as_position_independent_swizzle_tensor(make_tensor(make_smem_ptr(storage.smem_dv.data()), SmemLayoutdKVt{}));
+    auto smem_tensor = [](Element* ptr, auto layout) {
+      return as_position_independent_swizzle_tensor(make_tensor(make_smem_ptr(ptr), layout));
+    };
+    Tensor sdK = smem_tensor(storage.smem_dk.data(), SmemLayoutdKV{});
+    Tensor sdV = smem_tensor(storage.smem_dv.data(), SmemLayoutdKV{});
+    Tensor sdKt = smem_tensor(storage.smem_dk.data(), SmemLayoutdKVt{});
+    Tensor sdVt = smem_tensor(storage.smem_dv.data(), SmemLayoutdKVt{});
 
     auto smem_tiled_copy_dKV = make_tiled_copy_C(SmemCopyAtomdKV{}, tiled_mma);
     auto smem_thr_copy_dKV = smem_tiled_copy_dKV.get_thread_slice(thread_idx);
@@ -299,9 +259,7 @@ struct CollectiveEpilogueBwd {
     Tensor taccdVsdV = smem_thr_copy_dKV.partition_D(
         cute::conditional_return<!dKV_swapAB>(sdV, sdVt));  // ((Atom,AtomNum), PIPE_M, PIPE_N)
 
-    // Convert one fragment and copy it to its shared-memory tile. One tensor at a time, so only one
-    // 16-bit copy is live (a driver holding a single fp32 fragment stays small enough for two CTAs
-    // per SM).
+    // One tensor at a time, so only one 16-bit copy is live (keeps two CTAs per SM for the drivers).
     auto to_smem = [&](FrgTensor const& frag, auto& smem_partition) {
       Tensor frag_out = make_tensor_like<Element>(frag);
       convert_fragment(frag, frag_out);
@@ -309,9 +267,8 @@ struct CollectiveEpilogueBwd {
       if constexpr (decltype(size(tdKrdK))::value * NumEpilogueThreads <= kBlockN * kHeadDim) {
         cute::copy(smem_tiled_copy_dKV, tacc_frag, smem_partition);
       } else {
-        // The TiledMma's tile does not divide (kBlockN, kHeadDim) (FA3's sm_80 hdim-192 config: N = 80
-        // in steps of 32), so the fragment has padding elements whose smem address lies outside the
-        // tile. Copy element by element, only those inside.
+        // The TiledMma's tile does not divide the block (FA3's sm_80 hdim 192: N = 80 in steps of 32):
+        // copy only the elements inside it, one by one.
         auto tile_shape =
             cute::conditional_return<!dKV_swapAB>(select<1, 2>(TileShape_MNK{}), select<2, 1>(TileShape_MNK{}));
         Tensor taccdKVcdKV = smem_thr_copy_dKV.partition_D(make_identity_tensor(tile_shape));
@@ -322,13 +279,11 @@ struct CollectiveEpilogueBwd {
       }
     };
 
-    // Every epilogue warp is done with whatever last lived in this shared memory.
     named_barrier_sync(NumEpilogueThreads, BarrierId);
     if (has_dv) { to_smem(tdVrdV, taccdVsdV); }
     to_smem(tdKrdK, taccdKsdK);
 
-    // Varlen: a tile whose rows all lie inside its sequence is stored by TMA like a batched one.
-    // The same answer in every thread (one tile), so the paths' barriers match.
+    // Varlen: a full tile is stored by TMA; the answer is the same in every thread, so barriers match.
     int const rows = get<0>(params.shape_dK);
     SeqlenInfo<kBlockN> const seqlen_info = Varlen ? SeqlenInfo<kBlockN>{bidb, rows, params.cu_seqlens, params.seqused}
                                                    : SeqlenInfo<kBlockN>{bidb, rows, nullptr, nullptr};
@@ -346,31 +301,26 @@ struct CollectiveEpilogueBwd {
     }
   }
 
-  // Nothing is left in flight after `store` returns; kept for the mainloop/epilogue interface.
+  // Nothing is left in flight after `store`; kept for the mainloop/epilogue interface.
   CUTLASS_DEVICE void store_tail() const {}
 
-  // Zeros to the valid rows and columns of tile (n_block, head, batch), through the predicated
-  // path whatever Varlen is (no shared memory, no barrier). Optionally only the rows of the tile
-  // inside [row_begin, row_end), counted from the sequence's start (so callers can zero a row
-  // range that does not align to kBlockN).
+  // Zeros to the valid rows and columns of the tile, predicated whatever Varlen is (no shared memory,
+  // no barrier); only rows in [row_begin, row_end), counted from the sequence's start.
   CUTLASS_DEVICE void store_zero(Params const& params, int thread_idx,
                                  cute::tuple<int32_t, int32_t, int32_t> const& block_coord, int row_begin = 0,
                                  int row_end = INT_MAX) const {
     using namespace cute;
     auto [n_block, bidh, bidb] = block_coord;
     SeqlenInfo<kBlockN> const seqlen_info{bidb, get<0>(params.shape_dK), params.cu_seqlens, params.seqused};
-    // The tile-relative window in 64-bit (n_block * kBlockN may pass 2^31), clamped to [0, kBlockN]
-    // before it goes back to int: rows outside it are never written anyway.
+    // Tile-relative window in 64-bit (n_block * kBlockN may pass 2^31), clamped to [0, kBlockN].
     auto clamp_rows = [](int64_t r) { return static_cast<int>(r < 0 ? 0 : (r > kBlockN ? kBlockN : r)); };
     int64_t const tile_start = int64_t(n_block) * kBlockN;
     int const first_row = clamp_rows(row_begin - tile_start);
     int const end_row = clamp_rows(row_end - tile_start);
     int const valid_rows = cute::min(seqlen_info.valid_rows(n_block, get<0>(params.shape_dK)), end_row);
     if (valid_rows <= 0 || first_row >= valid_rows) { return; }
-    Tensor gdK =
-        tile_of(params.ptr_dK, params.shape_dK, params.stride_dK, params, seqlen_info, block_coord);  // (BLK_N, BLK_D)
-    Tensor gdV =
-        tile_of(params.ptr_dV, params.shape_dV, params.stride_dV, params, seqlen_info, block_coord);  // (BLK_N, BLK_D)
+    Tensor gdK = tile_of(params.ptr_dK, params.shape_dK, params.stride_dK, params, seqlen_info, block_coord);
+    Tensor gdV = tile_of(params.ptr_dV, params.shape_dV, params.stride_dV, params, seqlen_info, block_coord);
     bool const has_dv = params.ptr_dV != nullptr;
 
     GmemTiledCopydKV gmem_tiled_copy_dKV;
@@ -389,14 +339,13 @@ struct CollectiveEpilogueBwd {
   }
 
  private:
-  // Both shared-memory tiles -> global through TMA: tile n_block of rows [row_offset, ...) of
-  // (head, batch). Every epilogue thread calls it after writing shared memory.
+  // Both smem tiles -> tile n_block of rows [row_offset, ...) of (head, batch) by TMA; every thread calls it.
   template <class SmemTensor>
   CUTLASS_DEVICE static void tma_store_tile(Params const& params, SmemTensor const& sdK, SmemTensor const& sdV,
                                             int thread_idx, int n_block, int head, int batch, int row_offset) {
     using namespace cute;
     cutlass::arch::fence_view_async_shared();  // generic-proxy smem writes -> visible to TMA
-    // Everyone arrives; only the last warp waits, so the others move on at once.
+    // Everyone arrives; only the issuing (last) warp waits.
     named_barrier_arrive(NumEpilogueThreads + cutlass::NumThreadsPerWarp, StoreBarrierId);
     auto tile = [&](auto const& tma, auto const& shape) {
       Tensor m =
@@ -420,8 +369,7 @@ struct CollectiveEpilogueBwd {
         tma_store_arrive();
       }
     }
-    // Only the issuing thread has a bulk group: it waits until TMA has read shared memory.
-    tma_store_wait<0>();
+    tma_store_wait<0>();  // only the issuing thread has a bulk group: until TMA has read smem
   }
 
   // The (BLK_N, BLK_D) global tile of one output, offset to its sequence's start in varlen.
@@ -454,10 +402,8 @@ struct CollectiveEpilogueBwd {
     using namespace cute;
     int const n_block = get<0>(block_coord);
     int const valid_rows = seqlen_info.valid_rows(n_block, get<0>(params.shape_dK));
-    Tensor gdK =
-        tile_of(params.ptr_dK, params.shape_dK, params.stride_dK, params, seqlen_info, block_coord);  // (BLK_N, BLK_D)
-    Tensor gdV =
-        tile_of(params.ptr_dV, params.shape_dV, params.stride_dV, params, seqlen_info, block_coord);  // (BLK_N, BLK_D)
+    Tensor gdK = tile_of(params.ptr_dK, params.shape_dK, params.stride_dK, params, seqlen_info, block_coord);
+    Tensor gdV = tile_of(params.ptr_dV, params.shape_dV, params.stride_dV, params, seqlen_info, block_coord);
 
     GmemTiledCopydKV gmem_tiled_copy_dKV;
     auto gmem_thr_copy_dKV = gmem_tiled_copy_dKV.get_thread_slice(thread_idx);
@@ -470,8 +416,7 @@ struct CollectiveEpilogueBwd {
     Tensor tdKVcdKV = gmem_thr_copy_dKV.partition_D(make_identity_tensor(select<1, 2>(TileShape_MNK{})));
     Tensor all_columns = make_tensor<bool>(make_shape(size<2>(tdKVcdKV)));
     fill(all_columns, true);
-    // Shared memory holds the whole tile: read it all (only rows past kBlockN when the thread
-    // layout does not divide kBlockN are skipped).
+    // Read the whole smem tile (rows past kBlockN skipped when the thread layout does not divide it).
     bool const has_dv = params.ptr_dV != nullptr;
     if (has_dv) { copy_predicated<!kEvenN>(gmem_tiled_copy_dKV, tdKVsdV, tdKVrdV, tdKVcdKV, all_columns, kBlockN); }
     copy_predicated<!kEvenN>(gmem_tiled_copy_dKV, tdKVsdK, tdKVrdK, tdKVcdKV, all_columns, kBlockN);

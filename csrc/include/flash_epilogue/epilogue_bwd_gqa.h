@@ -1,51 +1,33 @@
 #pragma once
 
-// CollectiveEpilogueBwdGQA: the dK/dV epilogue when several query heads share a KV head. Each
-// CTA holds the fp32 dK/dV of one (n_block, q_head, batch) tile as C fragments and adds them into
-// fp32 accumulators dKaccum/dVaccum of the KV head q_head / (h_q / h_k). A postprocess (built with
-// the same TiledMma and thread count: load_fragment below) turns the accumulators into dK/dV.
+// CollectiveEpilogueBwdGQA: the dK/dV epilogue when several query heads share a KV head. The CTA of
+// (n_block, q_head, batch) adds its fp32 C fragments into fp32 accumulators dKaccum/dVaccum of KV head
+// q_head / (h_q / h_k); a postprocess with the same TiledMma and thread count reads them (load_fragment).
 //
-// Accumulator layout: one contiguous tile of kAccumTileElems floats per (tile, kv_head, batch),
-//   tile start = batch * stride_batch + kv_head * stride_head + tile * kAccumTileElems,
-//   tile = n_block (batched) or offset_padded / kBlockN + n_block (varlen, batch extent 1),
-// formed in 64-bit; a tile outside [0, num_tiles) is skipped (see locate).
+// Accumulator layout: one contiguous tile of kAccumTileElems floats per (tile, kv_head, batch) at
+//   batch * stride_batch + kv_head * stride_head + tile * kAccumTileElems (64-bit),
+//   tile = n_block (batched) or offset_padded / kBlockN + n_block (varlen, batch extent 1);
+// a tile outside [0, num_tiles) is skipped. Inside a tile, register-fragment order (accum_offset):
+//   sm_90: one slab per warpgroup; thread t's 16-byte chunk j at j * 512 + 4 * (t % 128) of its slab
+//          (a conflict-free float4 smem store, then one bulk copy);
+//   sm_80: element i of thread t at i * NumEpilogueThreads + t (coalesced atomics).
+// kAccumTileElems may exceed kBlockN * kHeadDim when the TiledMma pads (padding elements are zeros).
 //
-// Ranges (the contract): block_coord's n_block any int, q_head in [0, num_heads_q), batch in
-// [0, batch); cu_seqlens / seqused entries any int32 (see seqlen_info.h: bad contents add nothing
-// outside the accumulators); num_tiles, num_heads_q, num_heads_kv, static_seqlen ints >= 0 (heads
-// >= 1); the accumulators' offsets and counter indices are 64-bit.
-// Inside a tile the floats are in register-fragment order, not row-major (accum_offset):
-//   sm_90: one slab per warpgroup; thread t's 16-byte chunk j at j * 512 + 4 * (t % 128) of its
-//          slab (a conflict-free float4 store to shared memory, then one bulk copy).
-//   sm_80: fragment element i of thread t at i * NumEpilogueThreads + t (coalesced atomics).
-// kAccumTileElems = size(fragment) * NumEpilogueThreads, which exceeds kBlockN * kHeadDim when
-// the TiledMma's tile does not divide the block (its padding elements are zeros).
+// Adding (dV, then dK): sm_90 stages the fragment in smem and one thread issues a bulk reduce-add (no TMA
+// descriptor, so varlen works); sm_80 uses fp32 atomics, or in deterministic mode ordered plain
+// load-add-stores (atomics flush subnormals).
 //
-// Adding: sm_90 copies the fragment to shared memory and one thread issues a bulk reduce-add
-// (cp.reduce.async.bulk .add.f32; no TMA descriptor, so varlen works); sm_80 uses fp32 atomics,
-// except in deterministic mode, where each member in turn loads, adds and stores its tile (plain
-// fp32 adds keep subnormals; atomics flush them). dV first, then dK, reusing the one shared buffer.
+// Deterministic mode (dk_semaphores set): a zeroed int32 counter per (tile, kv_head) of each accumulator:
+//   kPaddedTile    (batch * num_tiles + tile) * h_k + kv_head: collision-free, sized from the shapes.
+//   kSequenceBlock (n_block * num_batch + batch) * h_k + kv_head: FA3's order, which fits the
+//                  ceil(max_seqlen_k / kBlockN) * batch * h_k counters its host allocates.
+// Member g waits until the counter equals g, adds, waits until its add is *complete* in global memory,
+// then increments: adds land in head order. The waits end only if member g-1 runs while member g waits:
+// hand out work so member g starts after member g-1 (e.g. an atomic ticket); never rely on lower block
+// indices being scheduled first.
 //
-// Deterministic mode (dk_semaphores != nullptr): one int32 counter per (tile, kv_head) for each accumulator,
-// in a buffer of its own (dk_semaphores, dv_semaphores), in one of two orders (CounterOrder):
-//   kPaddedTile    (batch * num_tiles + tile) * h_k + kv_head, tile as in the accumulator (the padded
-//                  tile space in varlen, batch 0): collision-free, sized from the shapes alone
-//                  (batch_extent * num_tiles * h_k). The default; csrc/kernels uses it.
-//   kSequenceBlock (n_block * num_batch + batch) * h_k + kv_head, n_block counted from the sequence's
-//                  start: FlashAttention-3's order, which fits the ceil(max_seqlen_k / kBlockN) * batch * h_k
-//                  counters its host allocates (n_block < ceil(seqlen_b / kBlockN) for consistent metadata;
-//                  the collective itself bounds n_block by num_tiles).
-// The CTA of group member g waits until the counter equals g, adds, waits until its add is *complete* in
-// global memory, then increments: the adds land in head order 0..g-1, so results are bitwise reproducible.
-// Counters must be zero before the launch. The waits cannot deadlock only if member g-1 of a tile is
-// guaranteed to run while member g waits: the caller must hand out work so that member g of a tile is
-// started after member g-1 (e.g. an atomic ticket in (tile, kv_head, g) order, as csrc/kernels does), never
-// rely on the hardware scheduling lower block indices first.
-//
-// Contract: NumEpilogueThreads threads call `store` (or `store_zero`) together; named barrier BarrierId over them;
-// TensorStorage (sm_90: kAccumTileElems floats) passed in. The members match CollectiveEpilogueBwd's (Element,
-// Varlen, TensorStorage, Arguments, Params, can_implement, to_underlying_arguments, prefetch_tma_descriptors,
-// store, store_tail, store_zero), so a kernel can switch between the two with std::conditional_t.
+// Contract: NumEpilogueThreads threads call `store` / `store_zero` together (barrier BarrierId, one
+// TensorStorage); the members match CollectiveEpilogueBwd's, so a kernel can pick either.
 
 #include <cute/tensor.hpp>
 #include <cutlass/arch/arch.h>
@@ -59,16 +41,10 @@
 
 namespace flash_epilogue {
 
-// The order of deterministic mode's counters (see the layout comment above).
 enum class CounterOrder { kPaddedTile, kSequenceBlock };
 
-// Template parameters:
-//   TileShape_MNK       (BLK_M, BLK_N, BLK_D) of the mainloop (BLK_M unused).
-//   ArchTag             cutlass::arch::Sm90 (bulk reduce-add through shared memory) or Sm80 (atomics).
-//   NumEpilogueThreads  threads holding the fragments (whole warpgroups on sm_90).
-//   kAccumTileElems     floats per accumulator tile: size(fragment) * NumEpilogueThreads (may exceed
-//                       BLK_N * BLK_D when the TiledMma pads; see the layout above).
-//   BarrierId           the named barrier used (default 8); 1..15.
+// TileShape_MNK (BLK_M unused); ArchTag Sm90 (bulk reduce-add) or Sm80 (atomics); NumEpilogueThreads
+// (whole warpgroups on sm_90); kAccumTileElems = size(fragment) * NumEpilogueThreads; BarrierId in 1..15.
 template <class TileShape_MNK_, class ArchTag_, int NumEpilogueThreads_, int kAccumTileElems_,
           int BarrierId_ = kDefaultEpilogueBarrierId>
 struct CollectiveEpilogueBwdGQA {
@@ -96,8 +72,7 @@ struct CollectiveEpilogueBwdGQA {
   static constexpr int kNumWarpGroups = Use_BulkReduce ? NumEpilogueThreads / cutlass::NumThreadsPerWarpGroup : 1;
   static constexpr int kSlabElems = kAccumTileElems / kNumWarpGroups;
 
-  // No empty base: see CollectiveEpilogueBwd::TensorStorage (an aligned_struct<128> base here grew a kernel's
-  // SharedStorage, itself an aligned_struct<128>, by 1 KB).
+  // No empty base: see CollectiveEpilogueBwd::TensorStorage.
   struct TensorStorageBulk {
     cute::array_aligned<float, kAccumTileElems, 128> smem_dkv;
   };
@@ -123,9 +98,8 @@ struct CollectiveEpilogueBwdGQA {
     int num_batch = 1;  // the batch size (kSequenceBlock only; in varlen batch_extent is 1)
   };
 
-  // Counters deterministic mode needs per accumulator: one per (tile, kv_head) of each batch the order
-  // tells apart (kPaddedTile: batch_extent * num_tiles * h_k, in varlen the padded tile space, total_tokens /
-  // kBlockN + batch tiles; kSequenceBlock: num_batch * num_tiles * h_k). Indices are 64-bit.
+  // Counters per accumulator in deterministic mode: batches * num_tiles * h_k, batches being batch_extent
+  // (kPaddedTile) or num_batch (kSequenceBlock).
   static int64_t semaphore_count(Arguments const& args) {
     int const batches = args.counter_order == CounterOrder::kPaddedTile ? args.batch_extent : args.num_batch;
     return static_cast<int64_t>(batches) * args.num_tiles * args.num_heads_kv;
@@ -191,7 +165,7 @@ struct CollectiveEpilogueBwdGQA {
     }
   }
 
-  // The postprocess side: read this thread's fragment back from an accumulator tile.
+  // The postprocess side: this thread's fragment from an accumulator tile.
   template <class Fragment>
   CUTLASS_DEVICE static void load_fragment(Fragment& frag, float const* tile, int thread_idx) {
     static_assert(decltype(cute::size(frag))::value == kFragElems, "fragment of another TiledMma or thread count");
@@ -210,8 +184,7 @@ struct CollectiveEpilogueBwdGQA {
     }
   }
 
-  // The inverse: write this thread's fragment into an accumulator tile (a driver that owns the whole tile,
-  // e.g. one that adds a whole group in registers; no other CTA may touch the tile meanwhile).
+  // The inverse, for a driver that owns the whole tile (no other CTA touches it meanwhile).
   template <class Fragment>
   CUTLASS_DEVICE static void store_fragment(Fragment const& frag, float* tile, int thread_idx) {
     static_assert(decltype(cute::size(frag))::value == kFragElems, "fragment of another TiledMma or thread count");
@@ -227,8 +200,7 @@ struct CollectiveEpilogueBwdGQA {
     }
   }
 
-  // The accumulator tile of (n_block, kv_head, batch) and its counter index; not valid if
-  // (inconsistent) sequence metadata puts it outside the accumulator.
+  // The accumulator tile of (n_block, kv_head, batch) and its counter; not valid if bad metadata puts it outside.
   struct TileLocation {
     int64_t offset;
     int64_t semaphore;
@@ -248,13 +220,11 @@ struct CollectiveEpilogueBwdGQA {
     return {offset, semaphore, tile >= 0 && tile < params.num_tiles && counter_in_range};
   }
 
-  // No TMA descriptor to prefetch: kept so that one kernel can call either collective.
+  // Kept so that one kernel can call either collective.
   CUTLASS_DEVICE static void prefetch_tma_descriptors(Params const&) {}
 
-  // block_coord = (n_block, q_head, batch). Adds dV then dK of this tile into the accumulators; with
-  // ptr_dVaccum null only dK (tdVrdV ignored), e.g. for a driver that gives dK and dV their own CTAs.
-  // tiled_mma is not used (the fragment order is accum_offset's); the argument makes the call that of
-  // CollectiveEpilogueBwd::store.
+  // block_coord = (n_block, q_head, batch). Adds dV then dK; with ptr_dVaccum null only dK (tdVrdV ignored).
+  // tiled_mma is unused (the order is accum_offset's): the call is CollectiveEpilogueBwd::store's.
   template <class FrgTensor, class TiledMma>
   CUTLASS_DEVICE void store(Params const& params, FrgTensor const& tdKrdK, FrgTensor const& tdVrdV,
                             TensorStorage& storage, TiledMma const& /*tiled_mma*/, int thread_idx,
@@ -273,12 +243,10 @@ struct CollectiveEpilogueBwdGQA {
     add_tile(tdKrdK, params.ptr_dKaccum + loc.offset, sem_dk, group_idx, storage, thread_idx);
   }
 
-  // Nothing is left in flight after `store` returns.
   CUTLASS_DEVICE void store_tail() const {}
 
-  // A member with nothing to add to tile block_coord (e.g. no query rows reach it): the accumulators are
-  // left as they are (adding zeros changes nothing); in deterministic mode it still takes its turn, so
-  // members after it in the group do not wait for it forever.
+  // A member with nothing to add leaves the accumulators as they are, but in deterministic mode still
+  // takes its turn, so the members after it do not wait forever.
   CUTLASS_DEVICE void store_zero(Params const& params, int thread_idx,
                                  cute::tuple<int32_t, int32_t, int32_t> const& block_coord) const {
     if (params.dk_semaphores == nullptr) { return; }
@@ -303,11 +271,7 @@ struct CollectiveEpilogueBwdGQA {
       float* smem = storage.smem_dkv.data();
       // The previous add's bulk copy has read the buffer (its issuer waited before this barrier).
       named_barrier_sync(NumEpilogueThreads, BarrierId);
-#pragma unroll
-      for (int i = 0; i < kFragElems; i += 4) {
-        *reinterpret_cast<float4*>(smem + accum_offset(thread_idx, i)) =
-            make_float4(frag(i), frag(i + 1), frag(i + 2), frag(i + 3));
-      }
+      store_fragment(frag, smem, thread_idx);
       cutlass::arch::fence_view_async_shared();  // generic-proxy smem writes -> visible to the bulk copy
       named_barrier_sync(NumEpilogueThreads, BarrierId);
       if (thread_idx == 0) {
@@ -326,13 +290,10 @@ struct CollectiveEpilogueBwdGQA {
         }
       }
     } else if (semaphore) {
-      // Deterministic: the members take turns, so a plain load-add-store has no race. Not atomics:
-      // global fp32 atomics (RED.F32.FTZ) flush subnormals to zero, and the sum would no longer be
-      // bitwise that of gqa_reduce (0 + p_0 + p_1 + ... in IEEE fp32, subnormals kept; nvcc's
-      // default -ftz=false). The loads and stores are ld/st.relaxed.gpu: never served from a
-      // stale L1 line, and, being asm volatile with a memory clobber, not moved across the wait,
-      // the barriers or the fence. A chunk's loads are all issued before its first store, so they
-      // overlap; chunks of 16 keep the extra registers few (the fragment is live beside them).
+      // Deterministic: members take turns, so a plain load-add-store has no race. Not atomics: fp32
+      // atomics (RED.F32.FTZ) flush subnormals, and the sum would no longer match gqa_reduce's bits.
+      // ld/st.relaxed.gpu: never a stale L1 line, and (asm volatile, memory clobber) not moved across
+      // the wait, barriers or fence. A chunk's loads overlap; chunks of 16 keep the registers few.
       if (thread_idx == 0) { semaphore_wait_eq(semaphore, group_idx); }
       named_barrier_sync(NumEpilogueThreads, BarrierId);  // the previous member's adds are visible (acquire + barrier)
       constexpr int kChunk = kFragElems < 16 ? kFragElems : 16;
@@ -354,7 +315,7 @@ struct CollectiveEpilogueBwdGQA {
       named_barrier_sync(NumEpilogueThreads, BarrierId);  // every thread's stores are performed
       if (thread_idx == 0) { semaphore_release_inc(semaphore); }
     } else {
-      // Unordered: fp32 atomics (these flush subnormal sums to zero: RED.F32.FTZ).
+      // Unordered: fp32 atomics (RED.F32.FTZ: subnormal sums flush to zero).
 #pragma unroll
       for (int i = 0; i < kFragElems; ++i) { atomicAdd(gmem_tile + accum_offset(thread_idx, i), frag(i)); }
     }

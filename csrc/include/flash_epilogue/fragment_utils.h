@@ -1,16 +1,14 @@
 #pragma once
 
-// Small CuTe helpers the collectives share: packed fragment conversion and a tiled copy with
-// separate row and column predicates.
+// Packed fragment conversion and a tiled copy with separate row and column predicates.
 
 #include <cute/tensor.hpp>
 #include <cutlass/numeric_conversion.h>
 
 namespace flash_epilogue {
 
-// Convert a register fragment into `dst` (same size), rounding to nearest even. The whole
-// fragment goes through one NumericArrayConverter, so pairs use the packed
-// cvt.rn.bf16x2.f32 / cvt.rn.f16x2.f32.
+// Convert a fragment into `dst` (same size), round to nearest even, through one NumericArrayConverter so
+// pairs use the packed cvt.rn.bf16x2.f32 / cvt.rn.f16x2.f32.
 template <class EngineIn, class LayoutIn, class EngineOut, class LayoutOut>
 CUTLASS_DEVICE void convert_fragment(cute::Tensor<EngineIn, LayoutIn> const& src,
                                      cute::Tensor<EngineOut, LayoutOut>& dst) {
@@ -24,10 +22,8 @@ CUTLASS_DEVICE void convert_fragment(cute::Tensor<EngineIn, LayoutIn> const& src
       converter(*reinterpret_cast<cutlass::Array<From, kNumel> const*>(src.data()));
 }
 
-// Tiled copy of a (CPY, CPY_M, CPY_K) partition, writing only rows with coordinate in
-// [min_rows, max_rows) and column blocks whose predicate is set. `identity` is the same partition
-// of an identity tensor, giving each element's (row, col) in the tile. With kCheckRows = false
-// every row is copied (the caller knows the tile is full).
+// Tiled copy of a (CPY, CPY_M, CPY_K) partition: only rows in [min_rows, max_rows) (all with kCheckRows
+// false) and column blocks whose predicate is set. `identity`: the same partition of an identity tensor.
 template <bool kCheckRows = true, class TiledCopy, class SrcTensor, class DstTensor, class IdentityTensor,
           class ColPredTensor>
 CUTLASS_DEVICE void copy_predicated(TiledCopy const& tiled_copy, SrcTensor const& src, DstTensor&& dst,

@@ -1,7 +1,6 @@
 #pragma once
 
-// Counters in global memory that order CTAs: one thread waits until a counter reaches a value
-// (acquire), another publishes its writes and increments it (release).
+// Global-memory counters that order CTAs: wait for a value (acquire); publish writes and increment (release).
 
 #include <cutlass/cutlass.h>
 

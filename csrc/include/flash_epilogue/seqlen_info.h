@@ -1,24 +1,17 @@
 #pragma once
 
-// Where one batch's rows live, for the batched layout (batch, seqlen, ...) and the packed
-// varlen layout (total_tokens, ...), following FlashAttention's conventions:
-//   offset        = cu_seqlens[b]                       (0 without cu_seqlens)
-//   offset_padded = round_down(cu_seqlens[b] + b * kBlockN, kBlockN)
-//                   (the start of batch b in a kBlockN-aligned workspace; batch b's tiles never
-//                    reach batch b+1's because each batch adds one tile of slack), formed as
-//                   (cu_seqlens[b] / kBlockN + b) * kBlockN (the same for cu_seqlens[b] >= 0)
-//   seqlen        = seqused[b] if given, else cu_seqlens[b+1] - cu_seqlens[b], else the static
-//                   length. The start always comes from cu_seqlens, the length from seqused.
+// Where batch b's rows live, batched (batch, seqlen, ...) or packed varlen (total_tokens, ...), as in
+// FlashAttention:
+//   offset        = cu_seqlens[b] (0 without cu_seqlens)
+//   offset_padded = round_down(cu_seqlens[b] + b * kBlockN, kBlockN): batch b's start in a kBlockN-aligned
+//                   workspace (one tile of slack per batch keeps batches apart)
+//   seqlen        = seqused[b], else cu_seqlens[b+1] - cu_seqlens[b], else the static length.
 //
-// Ranges (the contract): cu_seqlens and seqused entries may be any int32, consistent or not (a
-// caller that skips the content checks must not be able to write outside the tensor); batch_idx
-// in [0, batch), batch < 65536; the row extent (seqlen, or total tokens) in [0, 2^31). Sums can pass
-// 2^31 (cu_seqlens[b] + b * kBlockN for valid inputs once the token count is within batch * kBlockN
-// of 2^31; differences of arbitrary entries), so none is formed where it can wrap: offset_padded
-// is 64-bit (it may exceed 2^31 - 1; first_padded_tile is its tile, an int), seqlen is the length
-// formed in 64-bit and clamped to [0, 2^31 - 1] (a negative length and a length past the row extent
-// write the same rows as the clamped one), and valid_rows returns a count in [0, kBlockN] without
-// forming offset + n_block * kBlockN past the row extent. A tile index n_block may be any int.
+// Ranges: cu_seqlens / seqused entries any int32, consistent or not (nothing may be written outside the
+// tensor); batch_idx in [0, batch), batch < 65536; the row extent in [0, 2^31); n_block any int. Sums can
+// pass 2^31 (cu_seqlens[b] + b * kBlockN near the int32 limit; differences of bad entries), so none is
+// formed where it can wrap: offset_padded is 64-bit, seqlen is formed in 64-bit and clamped to
+// [0, 2^31 - 1], and valid_rows never forms offset + n_block * kBlockN past the row extent.
 
 #include <cstdint>
 
@@ -42,20 +35,15 @@ struct SeqlenInfo {
     seqlen = static_cast<int>(length < 0 ? 0 : (length > INT32_MAX ? INT32_MAX : length));
   }
 
-  // offset_padded / kBlockN, the first tile of batch b in the padded tile space: cu_seqlens[b] /
-  // kBlockN + b, which equals (cu_seqlens[b] + b * kBlockN) / kBlockN for cu_seqlens[b] >= 0 and,
-  // unlike that sum, never wraps (|cu_seqlens[b]| / kBlockN + b < 2^31). For negative (bad) entries
-  // it is some int: valid_rows gives every tile of such a batch no rows.
+  // offset_padded / kBlockN: equals (cu_seqlens[b] + b * kBlockN) / kBlockN for cu_seqlens[b] >= 0 and,
+  // unlike that sum, never wraps. For negative (bad) entries valid_rows gives the batch no rows.
   CUTLASS_HOST_DEVICE static int first_padded_tile(int b, int const* cu_seqlens) {
     return cu_seqlens[b] / kBlockN + b;
   }
 
-  // Rows of tile `n_block` that may be written, clamped to [0, kBlockN] and to the tensor's row
-  // extent, so inconsistent metadata (offsets past the end, negative lengths or tiles) writes
-  // nothing outside the tensor instead of corrupting memory. offset + n_block * kBlockN can pass
-  // 2^31, so it is formed only once the tile is known to start inside [0, row_extent) (n_block <=
-  // (row_extent - 1 - offset) / kBlockN): every value below is then an int in range (32-bit, once
-  // per tile), and every row the tile writes is < 2^31.
+  // Rows of tile n_block that may be written, in [0, kBlockN] and inside the row extent (bad metadata
+  // writes nothing outside the tensor). offset + n_block * kBlockN is formed only once the tile is known
+  // to start inside [0, row_extent): every value below is then an int in range.
   CUTLASS_HOST_DEVICE
   int valid_rows(int n_block, int row_extent) const {
     if (offset < 0 || n_block < 0 || offset >= row_extent || n_block > (row_extent - 1 - offset) / kBlockN) {

@@ -1,28 +1,15 @@
 #pragma once
 
-// FlashAttention-3's backward epilogue interface over flash_epilogue's collectives: a drop-in for FA3's
-// hopper/epilogue_bwd.hpp. It declares flash::CollectiveEpilogueBwd and flash::CollectiveEpilogueBwdGQA with
-// FA3's template parameters, Arguments fields in FA3's order, and FA3's store(params, dK, dV, SharedStorage&,
-// tiled_mma, thread_idx, block_coord), and implements them with flash_epilogue::CollectiveEpilogueBwd and
-// flash_epilogue::CollectiveEpilogueBwdGQA. Copy this file over hopper/epilogue_bwd.hpp and put flash_epilogue's
-// headers on the include path (e.g. copy csrc/include/flash_epilogue to hopper/flash_epilogue): FA3's mainloop,
-// scheduler, launch code, postprocess and host allocations stay as they are. scripts/fa3_check.py builds FA3
-// both ways and compares the backward's outputs and times.
-//
-// Where the result differs from FA3's own epilogue:
-//   * Deterministic GQA: a group member lets the next one add only once its bulk reduce-add has completed in
-//     global memory (FA3's waits only until the bulk copy has read shared memory, so the next member's add may
-//     overtake it). store_zero takes its turn in the order, so a member with nothing to add never stalls the
-//     ones after it. The counters are in FA3's order (CounterOrder::kSequenceBlock) and stay inside the
-//     ceil(max_seqlen_k / kBlockN) * batch * h_k per tensor that FA3's host allocates.
-//   * MHA: the store's start and its TMA hand-off use two named barriers (ids 1 and 2; FA3 syncs id 1 at two
-//     thread counts). FA3's backward uses hardware barrier ids 1 (its epilogue), 4-5 (the tile scheduler) and
-//     9-15 (the mainloop), so 1 and 2 are free once this file replaces its epilogue.
-//   * Varlen MHA on sm_90: a tile whose rows all lie in its sequence is stored by TMA; the rest by predicated
-//     stores (FA3: every varlen tile by predicated stores). Same bits.
-//   * Host: to_underlying_arguments checks the arguments (can_implement) and throws std::invalid_argument with
-//     the reason for ones the collectives cannot run, instead of launching (FA3's checked calls never reach it;
-//     how FA3's binding turns the exception into a Python error is FA3's).
+// A drop-in for FA3's hopper/epilogue_bwd.hpp (FA3's template parameters, Arguments and store) implemented
+// with flash_epilogue's collectives; see docs/collectives.md. Where it differs from FA3's own epilogue:
+//   * Deterministic GQA: the next member may add only once this member's bulk reduce-add has completed in
+//     global memory (FA3 waits only for the smem read, so the next add may overtake it). store_zero takes
+//     its turn. The counters are FA3's (CounterOrder::kSequenceBlock), inside the allocation FA3 makes.
+//   * MHA: the store's start and its TMA hand-off use barrier ids 1 and 2 (FA3 syncs id 1 at two thread
+//     counts). FA3's backward uses ids 1 (its epilogue), 4-5 (scheduler) and 9-15 (mainloop): 2 is free.
+//   * Varlen MHA on sm_90: tiles inside their sequence go out by TMA (FA3: all predicated). Same bits.
+//   * Host: to_underlying_arguments throws std::invalid_argument with can_implement's reason instead of
+//     launching arguments the collectives cannot run.
 //   * cu_seqlens / seqused are ignored when Varlen is false, as in FA3.
 
 #include <stdexcept>
@@ -105,10 +92,8 @@ struct CollectiveEpilogueBwd
   }
 };
 
-// dK/dV of GQA: each query head's fp32 fragments added into its KV head's fp32 accumulators, which FA3's
-// postprocess turns into dK/dV. FA3's accumulator layout: (seqlen_k_rounded * d_rounded, h_k, batch) floats
-// with strides (1, head, batch), one kBlockN * kHeadDim tile after another, in the fragment order FA3's
-// postprocess reads (flash_epilogue's sm_90 slabs and sm_80 interleave are that order).
+// dK/dV of GQA into FA3's fp32 accumulators: (seqlen_k_rounded * d_rounded, h_k, batch) floats, strides
+// (1, head, batch), kBlockN * kHeadDim tiles in the fragment order FA3's postprocess reads (ours).
 template <class TileShape_MNK_, class ElementAccum, class ArchTag_, int NumEpilogueThreads_, bool Varlen_,
           bool Deterministic_>
 struct CollectiveEpilogueBwdGQA
@@ -162,8 +147,7 @@ struct CollectiveEpilogueBwdGQA
       a.dv_semaphores = args.dv_semaphore;
       a.counter_order = flash_epilogue::CounterOrder::kSequenceBlock;
       a.num_batch = args.num_batch;
-      // FA3 allocates the counters without passing their size: every index a call with consistent
-      // metadata forms is inside them (see epilogue_bwd_gqa.h, kSequenceBlock).
+      // FA3 passes no size; every index consistent metadata forms is inside its allocation.
       a.num_semaphores = Base::semaphore_count(a);
     }
     return a;
