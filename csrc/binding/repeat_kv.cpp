@@ -42,15 +42,6 @@ at::Tensor group_sum_reference(TensorArg grad, int64_t n_rep, int64_t dim, Tenso
   return out;
 }
 
-// FLASH_EPILOGUE_DEBUG: the backward (off the Python wrappers) waits for its kernel, except under graph capture.
-void debug_sync(char const* op, TensorArg t) {
-  if (!debug_sync_on.load(std::memory_order_relaxed)) { return; }
-  if (c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None) { return; }
-  cudaError_t const err = cudaStreamSynchronize(c10::cuda::getCurrentCUDAStream(t.get_device()).stream());
-  TORCH_CHECK(err == cudaSuccess, "flash_epilogue.", op, ": the kernel failed on ", t.device(), ": ",
-              cudaGetErrorString(err));
-}
-
 // The order of x's first three dims in memory, outermost first (ties keep the logical order); symbolic strides
 // (torch.compile, dynamic shapes) compare through guards.
 std::array<int64_t, 3> layout_of(TensorArg x) {
@@ -128,7 +119,13 @@ at::Tensor repeat_kv_backward(TensorArg grad, int64_t n_rep, int64_t dim, c10::I
   if (!gqa_reduce_reads_in_place(partial)) { partial = kernel_view(grad.clone(at::MemoryFormat::Contiguous), dim); }
   // the implementation itself (no dispatcher, no Python wrapper), its checks included
   gqa_reduce(partial, std::nullopt, kernel_view(out, dim), std::nullopt, std::nullopt, std::nullopt, 1.0, 1.0, 0);
-  debug_sync("repeat_kv_backward", partial);
+  // FLASH_EPILOGUE_DEBUG: the backward (off the Python wrappers) waits for its kernel, except under graph capture
+  if (debug_sync_on.load(std::memory_order_relaxed) &&
+      c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None) {
+    cudaError_t const err = cudaStreamSynchronize(c10::cuda::getCurrentCUDAStream(partial.get_device()).stream());
+    TORCH_CHECK(err == cudaSuccess, "flash_epilogue.repeat_kv_backward: the kernel failed on ", partial.device(), ": ",
+                cudaGetErrorString(err));
+  }
   return out;
 }
 
