@@ -1,20 +1,16 @@
 // The mutating ops in torch's in-place machinery: an ADInplaceOrView and an Autograd kernel per op with
-// `Tensor(x!)` arguments, unboxed (no IValue stack per call) and with torch's rules, as its generated kernels of
-// in-place ops apply them. torch::autograd::autogradNotImplementedFallback() and its ADInplaceOrView partner only
-// bump the versions of written *returns* and check_inplace only (backward errors are deferred to a NotImplemented
-// node): these schemas return nothing, so those fallbacks would miss every written tensor, and they are boxed.
+// `Tensor(x!)` arguments, unboxed (no IValue stack per call) and with the rules torch's generated kernels of in-place
+// ops apply. torch's autogradNotImplementedFallback() and its ADInplaceOrView partner bump the versions of written
+// *returns* only: these schemas return nothing, so those (boxed) fallbacks would miss every written tensor.
 //
 // ADInplaceOrView: the kernel, then a version bump of every written tensor (a tensor saved for backward and then
-// overwritten makes backward raise "modified by an inplace operation", as after torch's copy_). An inference tensor
-// outside InferenceMode gets torch's own error from that bump, raised before the kernel so that nothing is written
-// (torch's in-place ops write first, then raise).
+// overwritten makes backward raise "modified by an inplace operation"). An inference tensor outside InferenceMode
+// gets torch's own error from that bump, raised before the kernel so that nothing is written.
 // Autograd: the ops are steps of an attention backward and have no derivative. With grad mode on, a written tensor
-// goes through torch's check_inplace ("a leaf Variable that requires grad is being used in an in-place
-// operation.", views of leaves, views made in no_grad mode), then any tensor argument that requires grad raises a
-// RuntimeError naming the op and the argument: the write would leave it without a correct grad_fn (torch's
-// not-implemented convention would defer the error to backward; one eager error is clearer). A forward-mode tangent
-// raises the same way whatever the grad mode. Grad mode off (inside a backward without create_graph, under
-// torch.no_grad()): no checks beyond the tangents, straight to the next kernel.
+// goes through torch's check_inplace (leaves and views that require grad), then any tensor argument that requires
+// grad raises a RuntimeError naming the op and the argument (one eager error, where torch's not-implemented
+// convention would defer it to backward). A forward-mode tangent raises the same way whatever the grad mode; grad
+// mode off (inside a backward without create_graph, under torch.no_grad()) checks nothing else.
 
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -26,7 +22,7 @@
 
 #include <cstdint>
 #include <optional>
-#include <string>
+#include <type_traits>
 #include <vector>
 
 #include "binding.h"
@@ -35,20 +31,17 @@ namespace flash_epilogue {
 namespace {
 
 // Each tensor argument of a call (an optional one if given) as f(argument index, tensor), in schema order.
-template <class F>
-void visit(F& f, int i, at::Tensor const& t) {
-  f(i, t);
-}
-template <class F>
-void visit(F& f, int i, std::optional<at::Tensor> const& t) {
-  if (t.has_value()) { f(i, *t); }
-}
-template <class F, class T>
-void visit(F&, int, T const&) {}
 template <class F, class... Args>
 void for_each_tensor(F&& f, Args const&... args) {
   int i = 0;
-  (visit(f, i++, args), ...);  // left to right
+  auto const visit = [&](auto const& a) {
+    if constexpr (std::is_same_v<std::decay_t<decltype(a)>, at::Tensor>) { f(i, a); }
+    if constexpr (std::is_same_v<std::decay_t<decltype(a)>, std::optional<at::Tensor>>) {
+      if (a.has_value()) { f(i, *a); }
+    }
+    ++i;
+  };
+  (visit(args), ...);  // left to right
 }
 
 bool has_tangent(TensorArg t) {  // a forward-mode AD dual tensor (only a tensor with autograd meta can be one)
@@ -57,8 +50,8 @@ bool has_tangent(TensorArg t) {  // a forward-mode AD dual tensor (only a tensor
 
 // The kernels of one op: kSchema its registered name, Sig its kernel's C++ signature (binding.h), and
 // kBackwardOfRepeatKv (bit i: argument i is a gradient whose derivative repeat_kv owns: gqa_reduce's partials).
-// Argument names and Tensor(x!) positions come from the registered schema (module.cpp), read once; typing the
-// handle checks Sig against it.
+// Argument names and Tensor(x!) positions come from the registered schema (module.cpp); typing the handle checks Sig
+// against it.
 template <char const* kSchema, class Sig, uint32_t kBackwardOfRepeatKv = 0>
 struct InplaceKernels;
 
@@ -66,16 +59,14 @@ template <char const* kSchema, uint32_t kBackwardOfRepeatKv, class... Args>
 struct InplaceKernels<kSchema, void(Args...), kBackwardOfRepeatKv> {
   struct Op {
     c10::TypedOperatorHandle<void(Args...)> handle;
-    std::vector<std::string> names;
     uint32_t written = 0;  // bit i: argument i is a Tensor(x!)
   };
   static Op const& op() {
     static Op const o = [] {
       c10::OperatorHandle const h = c10::Dispatcher::singleton().findSchemaOrThrow(kSchema, "");
-      Op r{h.template typed<void(Args...)>(), {}, 0};
+      Op r{h.template typed<void(Args...)>(), 0};
       std::vector<c10::Argument> const& args = h.schema().arguments();
       for (size_t i = 0; i < args.size(); ++i) {
-        r.names.push_back(args[i].name());
         if (args[i].alias_info() != nullptr && args[i].alias_info()->isWrite()) { r.written |= 1u << i; }
       }
       return r;
@@ -110,17 +101,15 @@ struct InplaceKernels<kSchema, void(Args...), kBackwardOfRepeatKv> {
     for_each_tensor([grad_mode](int i, TensorArg t) {
       bool const requires_grad = grad_mode && t.requires_grad();
       if (!requires_grad && !has_tangent(t)) { return; }
-      char const* const what = requires_grad ? "requires grad" : "has a forward-mode tangent";
-      std::string const& arg = op().names[i];
-      TORCH_CHECK((kBackwardOfRepeatKv >> i & 1u) == 0, "flash_epilogue.", name(), ": ", arg, ": ", what,
-                  ", but ", name(),
-                  " has no derivative: it is itself the backward of repeat_kv "
-                  "(the group sum of the expanded heads' gradient). To differentiate through a KV-head expand use "
-                  "flash_epilogue.repeat_kv, whose backward runs this reduce (double backward included); else call "
-                  "it under torch.no_grad() or on detached partials");
-      TORCH_CHECK(false, "flash_epilogue.", name(), ": ", arg, ": ", what, ", but ", name(),
-                  " has no derivative (a step of an attention backward): call it with grad mode off (inside a "
-                  "backward without create_graph, or under torch.no_grad()) or on detached tensors");
+      TORCH_CHECK(false, "flash_epilogue.", name(), ": ", op().handle.schema().arguments()[i].name(), ": ",
+                  requires_grad ? "requires grad" : "has a forward-mode tangent", ", but ", name(),
+                  (kBackwardOfRepeatKv >> i & 1u) != 0
+                      ? " has no derivative: it is itself the backward of repeat_kv (the group sum of the expanded "
+                        "heads' gradient). To differentiate through a KV-head expand use flash_epilogue.repeat_kv, "
+                        "whose backward runs this reduce (double backward included); else call it under "
+                        "torch.no_grad() or on detached partials"
+                      : " has no derivative (a step of an attention backward): call it with grad mode off (inside a "
+                        "backward without create_graph, or under torch.no_grad()) or on detached tensors");
     }, args...);
     at::AutoDispatchBelowAutograd guard;
     op().handle.redispatch(ks & c10::after_autograd_keyset, args...);
@@ -137,9 +126,7 @@ constexpr char kGqaReduce[] = "flash_epilogue::gqa_reduce";
 // Both keys' kernels of a list of ops.
 template <class... Kernels>
 struct Register {
-  static void inplace_or_view(torch::Library& m) {
-    (m.impl(Kernels::name(), TORCH_FN(Kernels::inplace_or_view)), ...);
-  }
+  static void inplace_or_view(torch::Library& m) { (m.impl(Kernels::name(), TORCH_FN(Kernels::inplace_or_view)), ...); }
   static void autograd(torch::Library& m) { (m.impl(Kernels::name(), TORCH_FN(Kernels::autograd)), ...); }
 };
 

@@ -89,17 +89,14 @@ int64_t serving_head_dim(int64_t width) {
   }
   return 0;
 }
+constexpr int kBuiltHeadDims[] = {FLASH_EPILOGUE_HEAD_DIMS};
 std::string built_head_dims() {  // "64;128": this build's, as FLASH_EPILOGUE_HEAD_DIMS spells them
   std::string out;
-  for (int hd : {FLASH_EPILOGUE_HEAD_DIMS}) { out += (out.empty() ? "" : ";") + std::to_string(hd); }
+  for (int hd : kBuiltHeadDims) { out += (out.empty() ? "" : ";") + std::to_string(hd); }
   return out;
 }
 bool head_dim_built(int64_t d) {
-  int64_t const hd = serving_head_dim(d);
-  for (int built : {FLASH_EPILOGUE_HEAD_DIMS}) {
-    if (built == hd) { return true; }
-  }
-  return false;
+  return std::count(std::begin(kBuiltHeadDims), std::end(kBuiltHeadDims), serving_head_dim(d)) > 0;
 }
 
 CompiledTileConfig const& tile_config(int64_t width, int arch) {  // the one serving head dims up to width

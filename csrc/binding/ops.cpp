@@ -88,6 +88,19 @@ void launch(char const* op, Problem const& p, at::ScalarType dtype, Args const& 
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// CPU tensors get every metadata check, then the device check's message (the CPU tests run the checks).
+void register_impls(torch::Library& m) {
+  m.impl("store", &store);
+  m.impl("store_zero", &store_zero);
+  m.impl("gqa_accumulate", &gqa_accumulate);
+  m.impl("gqa_postprocess", &gqa_postprocess);
+  m.impl("gqa_accum_to_dense", &gqa_accum_to_dense);
+  m.impl("gqa_reduce", &gqa_reduce);
+}
+
+TORCH_LIBRARY_IMPL(flash_epilogue, CUDA, m) { register_impls(m); }
+TORCH_LIBRARY_IMPL(flash_epilogue, CPU, m) { register_impls(m); }
+
 }  // namespace
 
 void store(TensorArg dk_accum, TensorArg dv_accum, TensorArg dk, TensorArg dv, OptArg cu_seqlens, OptArg seqused,
@@ -172,22 +185,5 @@ void gqa_reduce(TensorArg dk_partial, OptArg dv_partial, TensorArg dk, OptArg dv
   args.scale_dv = static_cast<float>(scale_dv);
   launch("gqa_reduce", p, dk.scalar_type(), args, [](auto t, auto d, auto a) { return &launch_gqa_reduce<t, d, a>; });
 }
-
-namespace {
-
-// CPU tensors get every metadata check, then the device check's message (the CPU tests run the checks).
-void register_impls(torch::Library& m) {
-  m.impl("store", &store);
-  m.impl("store_zero", &store_zero);
-  m.impl("gqa_accumulate", &gqa_accumulate);
-  m.impl("gqa_postprocess", &gqa_postprocess);
-  m.impl("gqa_accum_to_dense", &gqa_accum_to_dense);
-  m.impl("gqa_reduce", &gqa_reduce);
-}
-
-TORCH_LIBRARY_IMPL(flash_epilogue, CUDA, m) { register_impls(m); }
-TORCH_LIBRARY_IMPL(flash_epilogue, CPU, m) { register_impls(m); }
-
-}  // namespace
 
 }  // namespace flash_epilogue

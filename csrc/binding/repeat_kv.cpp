@@ -4,7 +4,6 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_strided.h>
-#include <c10/core/GradMode.h>
 #include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/strides.h>
@@ -18,6 +17,7 @@
 #include <atomic>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "binding.h"
@@ -42,15 +42,6 @@ at::Tensor group_sum_reference(TensorArg grad, int64_t n_rep, int64_t dim, Tenso
   return out;
 }
 
-// FLASH_EPILOGUE_DEBUG: the backward (off the Python wrappers) waits for its kernel, except under graph capture.
-void debug_sync(char const* op, TensorArg t) {
-  if (!debug_sync_on.load(std::memory_order_relaxed)) { return; }
-  if (c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None) { return; }
-  cudaError_t const err = cudaStreamSynchronize(c10::cuda::getCurrentCUDAStream(t.get_device()).stream());
-  TORCH_CHECK(err == cudaSuccess, "flash_epilogue.", op, ": the kernel failed on ", t.device(), ": ",
-              cudaGetErrorString(err));
-}
-
 // The order of x's first three dims in memory, outermost first (ties keep the logical order); symbolic strides
 // (torch.compile, dynamic shapes) compare through guards.
 std::array<int64_t, 3> layout_of(TensorArg x) {
@@ -60,16 +51,14 @@ std::array<int64_t, 3> layout_of(TensorArg x) {
   return order;
 }
 
-// The ops through the dispatcher (traced by torch.compile, differentiated again under create_graph).
-c10::OperatorHandle schema(char const* name) { return c10::Dispatcher::singleton().findSchemaOrThrow(name, ""); }
-at::Tensor call_repeat_kv(TensorArg x, int64_t n_rep, int64_t dim) {
-  static auto const op = schema("flash_epilogue::repeat_kv").typed<at::Tensor(at::Tensor const&, int64_t, int64_t)>();
-  return op.call(x, n_rep, dim);
-}
-at::Tensor call_repeat_kv_backward(TensorArg grad, int64_t n_rep, int64_t dim, c10::IntArrayRef layout) {
-  static auto const op = schema("flash_epilogue::repeat_kv_backward")
-                             .typed<at::Tensor(at::Tensor const&, int64_t, int64_t, c10::IntArrayRef)>();
-  return op.call(grad, n_rep, dim, layout);
+// The op through the dispatcher (traced by torch.compile, differentiated again under create_graph): repeat_kv, or
+// with a layout repeat_kv_backward.
+at::Tensor call(TensorArg t, int64_t n_rep, int64_t dim, std::optional<c10::IntArrayRef> layout) {
+  auto const schema = [](char const* name) { return c10::Dispatcher::singleton().findSchemaOrThrow(name, ""); };
+  static auto const forward = schema("flash_epilogue::repeat_kv").typed<at::Tensor(TensorArg, int64_t, int64_t)>();
+  static auto const backward = schema("flash_epilogue::repeat_kv_backward")
+                                   .typed<at::Tensor(TensorArg, int64_t, int64_t, c10::IntArrayRef)>();
+  return layout ? backward.call(t, n_rep, dim, *layout) : forward.call(t, n_rep, dim);
 }
 
 // The autograd of both ops as torch's generated kernels have it: a graph node of our own (torch.func's grad and vjp
@@ -80,36 +69,24 @@ using torch::autograd::Node;
 using torch::autograd::variable_list;
 
 // A new node in torch's node handle: std::shared_ptr<Node> with its iterative deleter in older torch, intrusive_ptr in
-// newer. deleteNode is found by argument-dependent lookup, in the overload only the former instantiates.
-template <class T>
-std::shared_ptr<T> new_node(std::shared_ptr<Node>*) {
-  return std::shared_ptr<T>(new T(), [](T* n) { deleteNode(n); });
-}
-template <class T>
-c10::intrusive_ptr<T> new_node(c10::intrusive_ptr<Node>*) {
-  return c10::make_intrusive<T>();
-}
+// newer (deleteNode, found by argument-dependent lookup, exists only in the former).
 template <class T>
 auto new_node() {
-  return new_node<T>(static_cast<decltype(torch::autograd::Edge::function)*>(nullptr));
+  if constexpr (std::is_same_v<decltype(torch::autograd::Edge::function), std::shared_ptr<Node>>) {
+    return std::shared_ptr<T>(new T(), [](T* n) { deleteNode(n); });
+  } else {
+    return c10::make_intrusive<T>();
+  }
 }
 
-struct RepeatKvBackward : Node {  // of repeat_kv(x): x's gradient in x's layout
+// The node of repeat_kv (layout: x's, its gradient's) or of repeat_kv_backward (no layout): the other op.
+struct RepeatKvNode : Node {
   int64_t n_rep = 0, dim = 0;
-  std::array<int64_t, 3> layout{};
-  std::string name() const override { return "RepeatKvBackward"; }
+  std::optional<std::array<int64_t, 3>> layout;
+  std::string name() const override { return layout ? "RepeatKvBackward" : "RepeatKvBackwardBackward"; }
   variable_list apply(variable_list&& grads) override {
     if (!grads[0].defined() || !should_compute_output(0)) { return {at::Tensor()}; }
-    return {call_repeat_kv_backward(grads[0], n_rep, dim, layout)};
-  }
-};
-
-struct RepeatKvBackwardBackward : Node {  // of repeat_kv_backward(grad): its adjoint, repeat_kv
-  int64_t n_rep = 0, dim = 0;
-  std::string name() const override { return "RepeatKvBackwardBackward"; }
-  variable_list apply(variable_list&& grads) override {
-    if (!grads[0].defined() || !should_compute_output(0)) { return {at::Tensor()}; }
-    return {call_repeat_kv(grads[0], n_rep, dim)};
+    return {call(grads[0], n_rep, dim, layout ? std::optional<c10::IntArrayRef>(*layout) : std::nullopt)};
   }
 };
 
@@ -142,50 +119,41 @@ at::Tensor repeat_kv_backward(TensorArg grad, int64_t n_rep, int64_t dim, c10::I
   if (!gqa_reduce_reads_in_place(partial)) { partial = kernel_view(grad.clone(at::MemoryFormat::Contiguous), dim); }
   // the implementation itself (no dispatcher, no Python wrapper), its checks included
   gqa_reduce(partial, std::nullopt, kernel_view(out, dim), std::nullopt, std::nullopt, std::nullopt, 1.0, 1.0, 0);
-  debug_sync("repeat_kv_backward", partial);
+  // FLASH_EPILOGUE_DEBUG: the backward (off the Python wrappers) waits for its kernel, except under graph capture
+  if (debug_sync_on.load(std::memory_order_relaxed) &&
+      c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None) {
+    cudaError_t const err = cudaStreamSynchronize(c10::cuda::getCurrentCUDAStream(partial.get_device()).stream());
+    TORCH_CHECK(err == cudaSuccess, "flash_epilogue.repeat_kv_backward: the kernel failed on ", partial.device(), ": ",
+                cudaGetErrorString(err));
+  }
   return out;
 }
 
-// The Autograd kernels: the op below autograd, then the output's grad_fn where the input's gradient is recorded
-// (grad mode on and it requires grad), then its tangent where the input has one (whatever the grad mode).
-at::Tensor repeat_kv_autograd(TensorArg x, int64_t n_rep, int64_t dim) {
+// The Autograd kernels (layout given: repeat_kv_backward's): the op below autograd, then the output's grad_fn where
+// the input's gradient is recorded (grad mode on and it requires grad), then its tangent where the input has one
+// (whatever the grad mode).
+at::Tensor differentiable(TensorArg t, int64_t n_rep, int64_t dim, std::optional<c10::IntArrayRef> layout) {
   at::Tensor out;
   {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    out = call_repeat_kv(x, n_rep, dim);  // checks x's rank before layout_of reads three strides
+    out = call(t, n_rep, dim, layout);  // checks t's rank before layout_of reads three strides
   }
-  if (torch::autograd::compute_requires_grad(x)) {
-    auto node = new_node<RepeatKvBackward>();
+  if (torch::autograd::compute_requires_grad(t)) {
+    auto node = new_node<RepeatKvNode>();
     node->n_rep = n_rep;
     node->dim = dim;
-    node->layout = layout_of(x);
-    node->set_next_edges(torch::autograd::collect_next_edges(x));
+    if (!layout) { node->layout = layout_of(t); }
+    node->set_next_edges(torch::autograd::collect_next_edges(t));
     torch::autograd::set_history(out, node);
   }
-  if (torch::autograd::isFwGradDefined(x)) {
-    out._set_fw_grad(call_repeat_kv(x._fw_grad(/*level=*/0), n_rep, dim), /*level=*/0, /*is_inplace_op=*/false);
+  if (torch::autograd::isFwGradDefined(t)) {
+    out._set_fw_grad(call(t._fw_grad(/*level=*/0), n_rep, dim, layout), /*level=*/0, /*is_inplace_op=*/false);
   }
   return out;
 }
-
+at::Tensor repeat_kv_autograd(TensorArg x, int64_t n_rep, int64_t dim) { return differentiable(x, n_rep, dim, {}); }
 at::Tensor repeat_kv_backward_autograd(TensorArg grad, int64_t n_rep, int64_t dim, c10::IntArrayRef layout) {
-  at::Tensor out;
-  {
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    out = call_repeat_kv_backward(grad, n_rep, dim, layout);
-  }
-  if (torch::autograd::compute_requires_grad(grad)) {
-    auto node = new_node<RepeatKvBackwardBackward>();
-    node->n_rep = n_rep;
-    node->dim = dim;
-    node->set_next_edges(torch::autograd::collect_next_edges(grad));
-    torch::autograd::set_history(out, node);
-  }
-  if (torch::autograd::isFwGradDefined(grad)) {
-    out._set_fw_grad(call_repeat_kv_backward(grad._fw_grad(/*level=*/0), n_rep, dim, layout), /*level=*/0,
-                     /*is_inplace_op=*/false);
-  }
-  return out;
+  return differentiable(grad, n_rep, dim, layout);
 }
 
 // One kernel for every backend (the Python fake kernels serve Meta and FakeTensor), autograd in C++.
