@@ -33,21 +33,9 @@ COMPILED = (64, 96, 128, 192, 256)
 GROUPS = (1, 2, 3, 4, 6, 8, 16)
 SCALES = (1.0, 0.5, 3.0, 1.0 / 3.0, 128**-0.5, 0.0)
 SEEDS = st.integers(0, 2**31 - 1)
-SLOW = [HealthCheck.too_slow, HealthCheck.data_too_large]
 
 _SCALE = float(os.environ.get("FLASH_EPILOGUE_FUZZ_SCALE", "1"))
 _SEED = os.environ.get("FLASH_EPILOGUE_FUZZ_SEED")
-
-
-def fuzz_settings(n: int):
-    """n cases (times FLASH_EPILOGUE_FUZZ_SCALE), no deadline or database, derandomized unless a seed is given."""
-    return settings(max_examples=max(1, int(n * _SCALE)), deadline=None, database=None, derandomize=_SEED is None,
-                    print_blob=True,
-                    suppress_health_check=SLOW + [HealthCheck.filter_too_much, HealthCheck.large_base_example])
-
-
-def seeded(f):
-    return hypothesis.seed(int(_SEED))(f) if _SEED is not None else f
 
 
 # ---- strategies: plain dicts of ints/strings/lists, so that a case prints as a python call
@@ -271,20 +259,29 @@ def check_unchecked_metadata(op, d, dv, arch, total, cu, used, deterministic, se
 
 
 # ---- the tests
-def replay(check, p, dev="cuda") -> str:
-    """A shell command that reruns exactly this case (from the repository root)."""
-    extra = "" if dev == "cuda" else f", dev={dev!r}"
-    return ("python -c \"import sys; sys.path[:0] = ['.', 'tests']; import test_fuzz as t; "
-            f"t.{check.__name__}(**{p!r}{extra})\"")
-
-
 def run_case(check, p, dev="cuda"):
-    note(f"replay: {replay(check, p, dev)}")
+    """check(**p), noting a shell command that reruns exactly this case (from the repository root)."""
+    extra = "" if dev == "cuda" else f", dev={dev!r}"
+    note("replay: python -c \"import sys; sys.path[:0] = ['.', 'tests']; import test_fuzz as t; "
+         f"t.{check.__name__}(**{p!r}{extra})\"")
     check(**p, dev=dev)
 
 
+def fuzz_settings(n):
+    """n cases (times FLASH_EPILOGUE_FUZZ_SCALE), no deadline or database, derandomized unless a seed is given."""
+    return settings(max_examples=max(1, int(n * _SCALE)), deadline=None, database=None, derandomize=_SEED is None,
+                    print_blob=True, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                                            HealthCheck.filter_too_much,
+                                                            HealthCheck.large_base_example])
+
+
+def seeded(f):
+    return hypothesis.seed(int(_SEED))(f) if _SEED is not None else f
+
+
 def fuzz_test(check, cases, n):
-    """A GPU test of n drawn cases of `check`."""
+    """A GPU test of n drawn cases of `check`. The derandomized cases follow the source of `test` (decorators
+    included): keep it as it is."""
     @pytest.mark.gpu
     @seeded
     @fuzz_settings(n)
@@ -310,7 +307,8 @@ test_fuzz_unchecked_metadata = fuzz_test(check_unchecked_metadata, unchecked_met
 def test_fuzz_cases_validate_on_cpu(check, cases):
     # no GPU: the drawn arguments get through every check but the device one and the references accept them; a
     # few cases each, for CI
-    @settings(max_examples=10, deadline=None, database=None, derandomize=True, suppress_health_check=SLOW)
+    @settings(max_examples=10, deadline=None, database=None, derandomize=True,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(p=cases())
     def run(p):
         run_case(check, p, dev="cpu")
