@@ -44,13 +44,6 @@ DEV1 = DEV0.format("{}", "cuda:1")
 # the GQA accumulator
 ACC = (r"shape: expected {} \(the accumulator of {}, {} KV heads and head dim {d} in the tile of head dim {c} on the "
        r"sm_{a} path: allocate it with flash_epilogue\.gqa_accumulator\), got {}")
-
-
-def acc_shape(got, want=(2, 2, 1, 8192), h_k=2, d=64, c=64, a=90, of="batch 2, seqlen 40"):
-    """ACC for an accumulator of shape `got` where `want` (the baseline's by default) is expected."""
-    return ACC.format(sh(*want), of, h_k, sh(*got), d=d, c=c, a=a)
-
-
 HEADS = (r"heads: expected a positive multiple of the {} KV heads \({}\): every KV head serves h_q / h_k query heads, "
          r"got {} query heads \(dk_partial\.shape\[-2\]\)")
 SEMS = (r"acc\.semaphores: expected an int32 workspace because {}: allocate .*, got None \(allocated with "
@@ -67,6 +60,12 @@ FP32_RANGE = r"expected a float in fp32's range \(\|scale\| <= 3\.40282346638528
 IN_RANGE = r"expected a value in \[0, 2\) \(the {}\), got {}"
 STATIC = r"seqused\[{}\]: expected <= 40 \(the static seqlen\), got 41"
 CHECKED = {"check_inputs": True}
+
+
+def acc_shape(got, want=(2, 2, 1, 8192), h_k=2, d=64, c=64, a=90, of="batch 2, seqlen 40"):
+    """ACC for an accumulator of shape `got` where `want` (the baseline's by default) is expected."""
+    return ACC.format(sh(*want), of, h_k, sh(*got), d=d, c=c, a=a)
+
 
 ROWS = [
     # ---- conditions checked for several (op, argument) cells: each listed once with its cells
