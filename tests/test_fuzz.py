@@ -220,8 +220,8 @@ def check_unchecked_metadata(op, d, dv, arch, total, cu, used, deterministic, se
         seq["seqused"] = int32(*used, device=dev)
     written = []
 
-    def out(w, heads=h_k):
-        buf, view = carve((total, heads, w), torch.bfloat16, "padded", dev)
+    def out(w):
+        buf, view = carve((total, h_k, w), torch.bfloat16, "padded", dev)
         written.append((buf, view))
         return view
 
