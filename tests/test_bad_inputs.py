@@ -44,7 +44,6 @@ DEV1 = DEV0.format("{}", "cuda:1")
 # the GQA accumulator
 ACC = (r"shape: expected {} \(the accumulator of {}, {} KV heads and head dim {d} in the tile of head dim {c} on the "
        r"sm_{a} path: allocate it with flash_epilogue\.gqa_accumulator\), got {}")
-OF_B = "batch 2, seqlen 40"
 HEADS = (r"heads: expected a positive multiple of the {} KV heads \({}\): every KV head serves h_q / h_k query heads, "
          r"got {} query heads \(dk_partial\.shape\[-2\]\)")
 SEMS = (r"acc\.semaphores: expected an int32 workspace because {}: allocate .*, got None \(allocated with "
@@ -61,6 +60,12 @@ FP32_RANGE = r"expected a float in fp32's range \(\|scale\| <= 3\.40282346638528
 IN_RANGE = r"expected a value in \[0, 2\) \(the {}\), got {}"
 STATIC = r"seqused\[{}\]: expected <= 40 \(the static seqlen\), got 41"
 CHECKED = {"check_inputs": True}
+
+
+def acc_shape(got, want=(2, 2, 1, 8192), h_k=2, d=64, c=64, a=90, of="batch 2, seqlen 40"):
+    """ACC for an accumulator of shape `got` where `want` (the baseline's by default) is expected."""
+    return ACC.format(sh(*want), of, h_k, sh(*got), d=d, c=c, a=a)
+
 
 ROWS = [
     # ---- conditions checked for several (op, argument) cells: each listed once with its cells
@@ -221,11 +226,9 @@ ROWS = [
       acc=lambda a, d: accumulator(d, h_k=3)),
     # an accumulator sized for another problem: named by its field (the wrapper) or its shape (the op)
     R("gqa_accumulate", r"(acc\.head_dim: expected 64 \(dk_partial\.shape\[-1\]\), got 128|dk_accum: "
-      + ACC.format(sh(2, 2, 1, 8192), OF_B, 2, sh(2, 2, 1, 16384), d=64, c=64, a=90) + ")",
-      acc=lambda a, d: accumulator(d, hd=128)),
+      + acc_shape((2, 2, 1, 16384)) + ")", acc=lambda a, d: accumulator(d, hd=128)),
     R("gqa_accumulate", r"(acc\.rows: expected 40 \(dk_partial\.shape\[1\], the seqlen\), got 300|dk_accum: "
-      + ACC.format(sh(2, 2, 1, 8192), OF_B, 2, sh(2, 2, 3, 8192), d=64, c=64, a=90) + ")",
-      acc=lambda a, d: accumulator(d, seqlen=300)),
+      + acc_shape((2, 2, 3, 8192)) + ")", acc=lambda a, d: accumulator(d, seqlen=300)),
     R("gqa_accumulate", SEMS.format("deterministic=True"), acc=lambda a, d: accumulator(d, False), deterministic=True),
     R("gqa_accumulate_det", SEMS.format(r"torch\.are_deterministic_algorithms_enabled\(\) is True"),
       acc=lambda a, d: accumulator(d, False)),
@@ -255,14 +258,12 @@ ROWS = [
       **dict.fromkeys(PARTIALS, cut(3, 2))),
     R("gqa_accumulate_op", r"dk_accum: heads: expected >= 1 \(dk_accum\.shape\[1\], the number of KV heads\), got 0",
       dk_accum=cut(0, 1), dv_accum=cut(0, 1)),
-    R("gqa_accumulate_op", "dv_accum: " + ACC.format(sh(2, 2, 1, 8192), OF_B, 2, sh(2, 2, 2, 8192), d=64, c=64, a=90),
-      dv_accum=zs(B, H_K, 2, 8192)),
-    R("gqa_accumulate_op", "dk_accum: " + ACC.format(sh(2, 2, 1, 16384), OF_B, 2, sh(2, 2, 1, 20480), d=256, c=256,
-                                                     a=80),
-      _arch=80, dk_partial=zs(B, S, H_Q, 256), dv_partial=zs(B, S, H_Q, 256),
-      dk_accum=lambda a, d: accumulator(d, hd=256).dk_accum, dv_accum=lambda a, d: accumulator(d, hd=256).dv_accum),
-    R("gqa_accumulate_varlen_op", "dk_accum: " + ACC.format(sh(1, 2, 3, 8192), "3 sequences of 80 total tokens", 2,
-                                                            sh(1, 2, 2, 8192), d=64, c=64, a=90),
+    R("gqa_accumulate_op", "dv_accum: " + acc_shape((2, 2, 2, 8192)), dv_accum=zs(B, H_K, 2, 8192)),
+    R("gqa_accumulate_op", "dk_accum: " + acc_shape((2, 2, 1, 20480), (2, 2, 1, 16384), d=256, c=256, a=80),
+      _arch=80, **dict.fromkeys(PARTIALS, zs(B, S, H_Q, 256)), dk_accum=lambda a, d: accumulator(d, hd=256).dk_accum,
+      dv_accum=lambda a, d: accumulator(d, hd=256).dv_accum),
+    R("gqa_accumulate_varlen_op", "dk_accum: " + acc_shape((1, 2, 2, 8192), (1, 2, 3, 8192),
+                                                          of="3 sequences of 80 total tokens"),
       cu_seqlens=ints(0, 30, 50, 80)),
     R("gqa_accumulate_op", "dv_partial: " + LAST.format(sh(20480, 512, 128, 2)), dv_partial=WIDENED),
     R("gqa_accumulate_op", "dk_partial: " + PITCH.format(2, 4, 66, sh(2, 40, 4, 64), sh(10560, 264, 66, 1)),
@@ -311,8 +312,7 @@ ROWS = [
     R("gqa_postprocess_op", "dv_accum: " + RANK_A + r"5 dims, shape \(1, 2, 2, 1, 8192\)", dv_accum=UNSQUEEZED),
     R("gqa_postprocess_op", "dk: " + RANK_V + B_S_H_D, cu_seqlens=ints(0, S)),
     R("gqa_postprocess_op", "dv: " + HD + "12", dv=cut(12)),
-    R("gqa_postprocess_op", "dk_accum: " + ACC.format(sh(2, 1, 1, 8192), OF_B, 1, sh(2, 2, 1, 8192), d=64, c=64, a=90),
-      dk=cut(1, 2), dv=cut(1, 2)),
+    R("gqa_postprocess_op", "dk_accum: " + acc_shape((2, 2, 1, 8192), (2, 1, 1, 8192), 1), dk=cut(1, 2), dv=cut(1, 2)),
     R("gqa_postprocess_op", "dk: " + OVER.format("dk_accum"), dk=like("dk_accum", BF16, (B, S, H_K, D))),
     R("gqa_postprocess_op", "seqused: " + NUMEL.format(r"dk\.shape\[0\]", 1), seqused=ints(3)),
     # ---- gqa_accum_to_dense (GQAAccumulator.to_dense and the op)
@@ -331,8 +331,7 @@ ROWS = [
     R("gqa_accum_to_dense_op", r"out: head dim: expected <= head_dim = 64, got 128", out=zs(B, S, H_K, 128)),
     R("gqa_accum_to_dense_op", "out: " + OVER.format("accum"), out=like("accum", F32, (B, S, H_K, D))),
     R("gqa_accum_to_dense_op", "accum: " + CPU, accum=CPU_T, out=CPU_T),
-    R("gqa_accum_to_dense_op", "accum: " + ACC.format(sh(2, 2, 1, 16384), OF_B, 2, sh(2, 2, 1, 8192), d=64, c=128,
-                                                      a=90), head_dim=128),
+    R("gqa_accum_to_dense_op", "accum: " + acc_shape((2, 2, 1, 8192), (2, 2, 1, 16384), c=128), head_dim=128),
     # ---- gqa_reduce: the wrapper
     R("gqa_reduce", r"num_heads_kv: expected a divisor of the 4 query heads \(dk_partial\.shape\[-2\]\), got 3",
       num_heads_kv=3),

@@ -11,7 +11,6 @@ Derandomized unless FLASH_EPILOGUE_FUZZ_SEED=<int>; FLASH_EPILOGUE_FUZZ_SCALE=<f
 
 test_fuzz_cases_validate_on_cpu (CI, no GPU): drawn calls pass every check but the device check; the references run.
 """
-from __future__ import annotations
 
 import dataclasses
 import os
@@ -39,22 +38,7 @@ _SCALE = float(os.environ.get("FLASH_EPILOGUE_FUZZ_SCALE", "1"))
 _SEED = os.environ.get("FLASH_EPILOGUE_FUZZ_SEED")
 
 
-def fuzz_settings(n: int):
-    """n cases (times FLASH_EPILOGUE_FUZZ_SCALE), no deadline or database, derandomized unless a seed is given."""
-    return settings(max_examples=max(1, int(n * _SCALE)), deadline=None, database=None, derandomize=_SEED is None,
-                    print_blob=True, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                                            HealthCheck.filter_too_much,
-                                                            HealthCheck.large_base_example])
-
-
-def seeded(f):
-    return hypothesis.seed(int(_SEED))(f) if _SEED is not None else f
-
-
-# ---------------------------------------------------------------------------------------------
-# strategies: plain dicts of ints/strings/lists, so that a case prints as a python call
-
-
+# ---- strategies: plain dicts of ints/strings/lists, so that a case prints as a python call
 def head_dims():
     return st.one_of(st.sampled_from(COMPILED), st.integers(1, 32).map(lambda k: 8 * k))
 
@@ -68,22 +52,22 @@ def layouts(draw, k):
     return [draw(st.sampled_from(LAYOUTS)) for _ in range(k)]
 
 
+def scales(draw):
+    return [draw(st.sampled_from(SCALES)) for _ in range(2)]
+
+
 @st.composite
-def geometry(draw, n, max_batch=3):
+def geometry(draw, n):
     """batch/seqlen (batched) or lens/slack (varlen), and seqused (None or per sequence)."""
     if draw(st.booleans()):
         lens = draw(st.lists(seqlens(n), min_size=1, max_size=4))
-        g = {"batch": None, "seqlen": None, "lens": lens, "slack": draw(st.sampled_from((0, 0, 1, 5)))}
-        limits = lens
+        g, limits = {"batch": None, "seqlen": None, "lens": lens, "slack": draw(st.sampled_from((0, 0, 1, 5)))}, lens
     else:
-        batch = draw(st.sampled_from(tuple(range(max_batch, 0, -1)) * 3 + (0,)))
+        batch = draw(st.sampled_from((3, 2, 1) * 3 + (0,)))
         s = draw(seqlens(n))
-        g = {"batch": batch, "seqlen": s, "lens": None, "slack": 0}
-        limits = [s] * batch
-    g["used"] = None
-    if draw(st.booleans()):
-        g["used"] = [draw(st.one_of(st.integers(0, m), st.just(m))) for m in limits]
-    return g
+        g, limits = {"batch": batch, "seqlen": s, "lens": None, "slack": 0}, [s] * batch
+    return g | {"used": [draw(st.one_of(st.integers(0, m), st.just(m))) for m in limits] if draw(st.booleans())
+                else None}
 
 
 def paths_and_dims(draw):
@@ -97,10 +81,8 @@ def store_cases(draw):
     arch, d, dv = paths_and_dims(draw)
     p = {"dtype": draw(st.sampled_from(("bf16", "fp16"))), "d": d, "dv": dv, "arch": arch,
          "heads": draw(st.integers(1, 3))}
-    p.update(draw(geometry(block_n(d, dv, arch))))
-    p["layouts"] = layouts(draw, 4)  # dk, dv, dk_accum, dv_accum
-    p["seed"] = draw(SEEDS)
-    return p
+    # layouts: dk, dv, dk_accum, dv_accum
+    return p | draw(geometry(block_n(d, dv, arch))) | {"layouts": layouts(draw, 4), "seed": draw(SEEDS)}
 
 
 @st.composite
@@ -124,22 +106,18 @@ def store_zero_cases(draw):
     n = block_n(d, dv, arch)
     heads = draw(st.sampled_from((2, 3, 1)))
     p = {"dtype": draw(st.sampled_from(("bf16", "fp16"))), "d": d, "dv": dv, "arch": arch, "heads": heads}
-    p.update(draw(geometry(n)))
-    nb = len(p["lens"]) if p["lens"] is not None else p["batch"]
-    p["batch_idx"] = draw(selection(nb))
+    p |= draw(geometry(n))
+    p["batch_idx"] = draw(selection(len(p["lens"]) if p["lens"] is not None else p["batch"]))
     p["head_idx"] = draw(selection(heads))
     p["row_start"] = draw(st.one_of(st.just(0), st.integers(0, n + 1), st.sampled_from((n - 1, n, n + 1, 2 * n + 2))))
     p["row_end"] = draw(st.one_of(st.none(), st.integers(0, 2 * n + 2).map(lambda k: p["row_start"] + k)))
-    p["layouts"] = layouts(draw, 2)
-    p["seed"] = draw(SEEDS)
-    return p
+    return p | {"layouts": layouts(draw, 2), "seed": draw(SEEDS)}
 
 
 @st.composite
 def group_shape(draw):
     g = draw(st.sampled_from(GROUPS))
-    h_k = draw(st.integers(1, max(1, min(3, 24 // g))))
-    return h_k, g
+    return draw(st.integers(1, max(1, min(3, 24 // g)))), g
 
 
 @st.composite
@@ -147,16 +125,12 @@ def accumulate_cases(draw):
     arch, d, dv = paths_and_dims(draw)
     h_k, g = draw(group_shape())
     p = {"d": d, "dv": dv, "arch": arch, "h_k": h_k, "g": g, "deterministic": draw(st.booleans())}
-    p.update(draw(geometry(block_n(d, dv, arch))))
+    p |= draw(geometry(block_n(d, dv, arch)))
     chunks = draw(st.integers(1, 3))
-    p["chunk_seqused"] = [draw(st.booleans()) for _ in range(chunks)]  # which calls pass seqused
-    p["partial_layouts"] = layouts(draw, 2)
-    p["out_dtype"] = draw(st.sampled_from(("bf16", "fp16")))
-    p["out_layouts"] = layouts(draw, 2)
-    p["post_seqused"] = draw(st.booleans())
-    p["scales"] = [draw(st.sampled_from(SCALES)) for _ in range(2)]
-    p["seed"] = draw(SEEDS)
-    return p
+    return p | {"chunk_seqused": [draw(st.booleans()) for _ in range(chunks)],  # which calls pass seqused
+                "partial_layouts": layouts(draw, 2), "out_dtype": draw(st.sampled_from(("bf16", "fp16"))),
+                "out_layouts": layouts(draw, 2), "post_seqused": draw(st.booleans()), "scales": scales(draw),
+                "seed": draw(SEEDS)}
 
 
 @st.composite
@@ -168,14 +142,9 @@ def reduce_cases(draw):
     partial_dtype = draw(st.sampled_from(("fp32", "fp32", "bf16", "fp16")))
     out_dtype = partial_dtype if partial_dtype != "fp32" else draw(st.sampled_from(("bf16", "fp16")))
     p = {"d": d, "dv": dv, "with_dv": with_dv, "arch": arch, "h_k": h_k, "g": g, "partial_dtype": partial_dtype,
-         "out_dtype": out_dtype}
-    p.update(draw(geometry(block_n(d, dv, arch))))
-    p["partial_layouts"] = layouts(draw, 2)
-    p["give_out"] = draw(st.booleans())
-    p["out_layouts"] = layouts(draw, 2)
-    p["scales"] = [draw(st.sampled_from(SCALES)) for _ in range(2)]
-    p["seed"] = draw(SEEDS)
-    return p
+         "out_dtype": out_dtype} | draw(geometry(block_n(d, dv, arch)))
+    return p | {"partial_layouts": layouts(draw, 2), "give_out": draw(st.booleans()), "out_layouts": layouts(draw, 2),
+                "scales": scales(draw), "seed": draw(SEEDS)}
 
 
 @st.composite
@@ -192,26 +161,20 @@ def unchecked_metadata_cases(draw):
                                                                             max_size=batch + 1))}
     p["cu"][0] = draw(st.sampled_from((0, 0, p["cu"][0])))
     p["used"] = draw(st.one_of(st.none(), st.lists(entry, min_size=batch, max_size=batch)))
-    p["deterministic"] = draw(st.booleans())
-    p["seed"] = draw(SEEDS)
-    return p
+    return p | {"deterministic": draw(st.booleans()), "seed": draw(SEEDS)}
 
 
-# ---------------------------------------------------------------------------------------------
-# checks: one case each; module-level so that a replay line can call them
-
-
-def store_problem(dtype, d, dv, heads, batch, seqlen, lens, slack, used, layouts, dev):
-    """(leading shape, seq kwargs, (buffer, view) of dk and of dv carved per layouts[:2])."""
+# ---- checks: one case each; module-level so that a replay line can call them
+def store_problem(dtype, d, dv, heads, batch, seqlen, lens, slack, used, layouts, seed, dev):
+    """(generator, leading shape, seq kwargs, (buffer, view) of dk and of dv carved per layouts[:2])."""
     _, lead, _, seq = problem(dev, batch, seqlen, lens, slack, used)
     outs = [carve(lead + (heads, w), DTYPES[dtype], layout, dev) for w, layout in zip((d, dv), layouts)]
-    return lead, seq, outs
+    return torch.Generator(device=dev).manual_seed(seed), lead, seq, outs
 
 
 def check_store(dtype, d, dv, arch, heads, batch, seqlen, lens, slack, used, layouts, seed, dev="cuda"):
-    gen = torch.Generator(device=dev).manual_seed(seed)
-    lead, seq, ((buf_k, dk), (buf_v, dv_out)) = store_problem(dtype, d, dv, heads, batch, seqlen, lens, slack, used,
-                                                              layouts, dev)
+    gen, lead, seq, ((buf_k, dk), (buf_v, dv_out)) = store_problem(dtype, d, dv, heads, batch, seqlen, lens, slack,
+                                                                   used, layouts, seed, dev)
     # binades=20: the rounding of large and tiny magnitudes
     acc_k, acc_v = (input_view(lead + (heads, w), layout, gen, binades=20) for w, layout in zip((d, dv), layouts[2:]))
     expect_k, expect_v = buf_k.clone(), buf_v.clone()
@@ -222,9 +185,8 @@ def check_store(dtype, d, dv, arch, heads, batch, seqlen, lens, slack, used, lay
 
 def check_store_zero(dtype, d, dv, arch, heads, batch, seqlen, lens, slack, used, batch_idx, head_idx, row_start,
                      row_end, layouts, seed, dev="cuda"):
-    gen = torch.Generator(device=dev).manual_seed(seed)
-    lead, seq, ((buf_k, dk), (buf_v, dv_out)) = store_problem(dtype, d, dv, heads, batch, seqlen, lens, slack, used,
-                                                              layouts, dev)
+    gen, lead, seq, ((buf_k, dk), (buf_v, dv_out)) = store_problem(dtype, d, dv, heads, batch, seqlen, lens, slack,
+                                                                   used, layouts, seed, dev)
     dk.copy_(rand(dk.shape, gen, dk.dtype))  # nonzero contents in the view, canary around it
     dv_out.copy_(rand(dv_out.shape, gen, dv_out.dtype))
     sel = {k: torch.tensor(v["tensor"], dtype=torch.int32, device=dev) if isinstance(v, dict) else v
@@ -258,18 +220,17 @@ def check_unchecked_metadata(op, d, dv, arch, total, cu, used, deterministic, se
         seq["seqused"] = int32(*used, device=dev)
     written = []
 
-    def out(w, heads=h_k):
-        buf, view = carve((total, heads, w), torch.bfloat16, "padded", dev)
+    def out(w):
+        buf, view = carve((total, h_k, w), torch.bfloat16, "padded", dev)
         written.append((buf, view))
         return view
 
-    if op in ("store", "store_zero"):
+    if op == "store":
         dk, dv_out = out(d), out(dv)
-        if op == "store":
-            ak, av = input_view((total, h_k, d), "padded", gen), input_view((total, h_k, dv), "padded", gen)
-            call(dev, fe.store, ak, av, dk, dv_out, _arch=arch, **seq)
-        else:
-            call(dev, fe.store_zero, dk, dv_out, row_start=1, _arch=arch, **seq)
+        ak, av = input_view((total, h_k, d), "padded", gen), input_view((total, h_k, dv), "padded", gen)
+        call(dev, fe.store, ak, av, dk, dv_out, _arch=arch, **seq)
+    elif op == "store_zero":
+        call(dev, fe.store_zero, out(d), out(dv), row_start=1, _arch=arch, **seq)
     elif op == "gqa_reduce":
         pk = input_view((total, h_k * g, d), "padded", gen)
         call(dev, fe.gqa_reduce, pk, num_heads_kv=h_k, out=out(d), _arch=arch, **seq)
@@ -297,24 +258,30 @@ def check_unchecked_metadata(op, d, dv, arch, total, cu, used, deterministic, se
         assert_bits(got, want, f"buffer {i} outside its tensor")
 
 
-# ---------------------------------------------------------------------------------------------
-# the tests
-
-
-def replay(check, p, dev="cuda") -> str:
-    """A shell command that reruns exactly this case (from the repository root)."""
-    extra = "" if dev == "cuda" else f", dev={dev!r}"
-    return ("python -c \"import sys; sys.path[:0] = ['.', 'tests']; import test_fuzz as t; "
-            f"t.{check.__name__}(**{p!r}{extra})\"")
-
-
+# ---- the tests
 def run_case(check, p, dev="cuda"):
-    note(f"replay: {replay(check, p, dev)}")
+    """check(**p), noting a shell command that reruns exactly this case (from the repository root)."""
+    extra = "" if dev == "cuda" else f", dev={dev!r}"
+    note("replay: python -c \"import sys; sys.path[:0] = ['.', 'tests']; import test_fuzz as t; "
+         f"t.{check.__name__}(**{p!r}{extra})\"")
     check(**p, dev=dev)
 
 
+def fuzz_settings(n):
+    """n cases (times FLASH_EPILOGUE_FUZZ_SCALE), no deadline or database, derandomized unless a seed is given."""
+    return settings(max_examples=max(1, int(n * _SCALE)), deadline=None, database=None, derandomize=_SEED is None,
+                    print_blob=True, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                                            HealthCheck.filter_too_much,
+                                                            HealthCheck.large_base_example])
+
+
+def seeded(f):
+    return hypothesis.seed(int(_SEED))(f) if _SEED is not None else f
+
+
 def fuzz_test(check, cases, n):
-    """A GPU test of n drawn cases of `check`."""
+    """A GPU test of n drawn cases of `check`. The derandomized cases follow the source of `test` (decorators
+    included): keep it as it is."""
     @pytest.mark.gpu
     @seeded
     @fuzz_settings(n)

@@ -6,6 +6,8 @@ from conftest import CANARY_BITS, bits, canary, same
 from flash_epilogue.reference import (gqa_accumulate_reference, gqa_reduce_reference, gqa_reduce_sequential_fp32,
                                       sequence_bounds, store_reference, store_zero_reference)
 
+F16, BF16 = torch.float16, torch.bfloat16
+
 
 def _canary(shape, dtype, heads_major=False):
     """A canary buffer on the CPU; heads_major: (b, h, s, d) storage seen as (b, s, h, d)."""
@@ -20,10 +22,6 @@ def i32(*vals):
 
 def is_canary(t):
     return bool((bits(t) == CANARY_BITS).all())
-
-
-def written(t):
-    return bool((bits(t) != CANARY_BITS).all())
 
 
 def _check_store(dk_accum, dv_accum, dk, dv, cu_seqlens=None, seqused=None):
@@ -43,13 +41,6 @@ def _check_store(dk_accum, dv_accum, dk, dv, cu_seqlens=None, seqused=None):
     return bounds
 
 
-def _store(shape_k, shape_v, dtype, seed, **seq):
-    """_check_store of random accumulators into canary outputs: (accumulators, outputs, bounds)."""
-    torch.manual_seed(seed)
-    accs, outs = (torch.randn(shape_k), torch.randn(shape_v)), (_canary(shape_k, dtype), _canary(shape_v, dtype))
-    return accs, outs, _check_store(*accs, *outs, **seq)
-
-
 def test_sequence_bounds():
     assert sequence_bounds(3, 17) == [(0, 17)] * 3
     assert sequence_bounds(3, 12, i32(0, 5, 5, 12)) == [(0, 5), (5, 0), (5, 7)]
@@ -64,21 +55,30 @@ def test_sequence_bounds():
         assert 0 <= start and 0 <= length and start + length <= 10
 
 
-# ---------------------------------------------------------------------------------------------
-# store
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_store_batched(dtype):
-    accs, outs, _ = _store((2, 9, 3, 64), (2, 9, 3, 64), dtype, 0)
-    for acc, out in zip(accs, outs):
-        assert torch.equal(out, acc.to(dtype))
+# ---- store
+@pytest.mark.parametrize("shape_k,shape_v,dtype,seed,seq,bounds", [
+    ((2, 9, 3, 64), (2, 9, 3, 64), F16, 0, {}, [(0, 9)] * 2),
+    ((2, 9, 3, 64), (2, 9, 3, 64), BF16, 0, {}, [(0, 9)] * 2),
+    *[((2, 7, 2, d), (2, 7, 2, dv), BF16, 5, {"seqused": i32(5, 7)}, [(0, 5), (0, 7)])
+      for d, dv in ((192, 128), (64, 128), (256, 8))],
+    ((3, 8, 2, 64), (3, 8, 2, 64), F16, 4, {"seqused": i32(0, 3, 8)}, [(0, 0), (0, 3), (0, 8)]),
+    # varlen: 3 trailing rows belong to no sequence; seqused shorter than its segment
+    ((23, 2, 128), (23, 2, 128), F16, 2, {"cu_seqlens": i32(0, 5, 5, 17, 20)}, [(0, 5), (5, 0), (5, 12), (17, 3)]),
+    ((16, 3, 64), (16, 3, 64), BF16, 3, {"cu_seqlens": i32(0, 6, 16), "seqused": i32(2, 10)}, [(0, 2), (6, 10)]),
+    # bad metadata is clamped: only rows inside the tensor can be written
+    ((10, 1, 8), (10, 1, 8), F16, 0, {"cu_seqlens": i32(2, 1, 40)}, [(2, 0), (1, 9)]),
+], ids=["fp16", "bf16", "d192-dv128", "d64-dv128", "d256-dv8", "seqused", "varlen", "varlen-seqused", "bad-metadata"])
+def test_store(shape_k, shape_v, dtype, seed, seq, bounds):
+    """Random accumulators into canary outputs: acc.to(dtype) on the rows of `bounds`, the canary on the others."""
+    torch.manual_seed(seed)
+    accs = torch.randn(shape_k), torch.randn(shape_v)
+    assert _check_store(*accs, _canary(shape_k, dtype), _canary(shape_v, dtype), **seq) == bounds
 
 
 def test_store_rounds_to_nearest_even():
     # 1 + 2^-11 is halfway between two fp16 values: ties to even -> 1.0; 1 + 3*2^-11 -> 1 + 2^-9
     acc = torch.tensor([1 + 2**-11, 1 + 3 * 2**-11, -(1 + 2**-11)]).reshape(1, 3, 1, 1).expand(1, 3, 1, 8).contiguous()
-    dk, dv = _canary((1, 3, 1, 8), torch.float16), _canary((1, 3, 1, 8), torch.float16)
+    dk, dv = _canary((1, 3, 1, 8), F16), _canary((1, 3, 1, 8), F16)
     store_reference(acc, acc, dk, dv)
     assert dk[0, :, 0, 0].tolist() == [1.0, 1 + 2**-9, -1.0]
 
@@ -86,59 +86,28 @@ def test_store_rounds_to_nearest_even():
 def test_store_strided_transposed_storage():
     # (batch, heads, seqlen, d) storage passed as (batch, seqlen, heads, d), outputs and dk_accum
     torch.manual_seed(1)
-    dk, dv = (_canary((2, 11, 4, 64), torch.bfloat16, heads_major=True) for _ in range(2))
+    dk, dv = (_canary((2, 11, 4, 64), BF16, heads_major=True) for _ in range(2))
     assert not dk.is_contiguous() and dk.stride(-1) == 1
     _check_store(torch.randn(2, 4, 11, 64).transpose(1, 2), torch.randn(2, 11, 4, 64), dk, dv, seqused=i32(7, 11))
 
 
 def test_store_padded_rows_untouched():
     # a padded row pitch (d=64 in rows of 80): the padding columns keep the canary
-    base_k, base_v = canary((2, 5, 3, 80), torch.float16, "cpu"), canary((2, 5, 3, 80), torch.float16, "cpu")
+    base_k, base_v = canary((2, 5, 3, 80), F16, "cpu"), canary((2, 5, 3, 80), F16, "cpu")
     store_reference(torch.randn(2, 5, 3, 64), torch.randn(2, 5, 3, 48), base_k[..., :64], base_v[..., :48])
     assert is_canary(base_k[..., 64:]) and is_canary(base_v[..., 48:])
-    assert written(base_k[..., :64])
-
-
-def test_store_varlen():
-    # 3 trailing rows belong to no sequence
-    _, (dk, _), bounds = _store((23, 2, 128), (23, 2, 128), torch.float16, 2, cu_seqlens=i32(0, 5, 5, 17, 20))
-    assert bounds == [(0, 5), (5, 0), (5, 12), (17, 3)]
-    assert is_canary(dk[20:])
-
-
-def test_store_varlen_seqused_shorter_than_segment():
-    _, (dk, _), _ = _store((16, 3, 64), (16, 3, 64), torch.bfloat16, 3, cu_seqlens=i32(0, 6, 16), seqused=i32(2, 10))
-    assert is_canary(dk[2:6]) and written(dk[6:16])
-
-
-def test_store_seqused_without_cu_seqlens():
-    _, (dk, _), _ = _store((3, 8, 2, 64), (3, 8, 2, 64), torch.float16, 4, seqused=i32(0, 3, 8))
-    assert is_canary(dk[0]) and is_canary(dk[1, 3:]) and written(dk[2])
+    assert (bits(base_k[..., :64]) != CANARY_BITS).all()  # written
 
 
 def test_store_zero_length_everything():
-    dk, dv = _canary((4, 2, 64), torch.float16), _canary((4, 2, 64), torch.float16)
+    dk, dv = _canary((4, 2, 64), F16), _canary((4, 2, 64), F16)
     store_reference(torch.randn(4, 2, 64), torch.randn(4, 2, 64), dk, dv, cu_seqlens=i32(0, 0, 0))
     assert is_canary(dk) and is_canary(dv)
     e = torch.empty(0, 2, 64)  # an empty tensor is fine too
     store_reference(e, e, e.half(), e.half(), cu_seqlens=i32(0, 0))
 
 
-@pytest.mark.parametrize("d,dv_dim", [(192, 128), (64, 128), (256, 8)])
-def test_store_dv_differs_from_d(d, dv_dim):
-    _store((2, 7, 2, d), (2, 7, 2, dv_dim), torch.bfloat16, 5, seqused=i32(5, 7))
-
-
-def test_store_bad_metadata_never_writes_outside():
-    # bad metadata is clamped: only rows inside the tensor can be written
-    _, (dk, _), _ = _store((10, 1, 8), (10, 1, 8), torch.float16, 0, cu_seqlens=i32(2, 1, 40))
-    assert is_canary(dk[:1]) and written(dk[1:])
-
-
-# ---------------------------------------------------------------------------------------------
-# store_zero
-
-
+# ---- store_zero
 def _check_zero(dk, dv, bounds, varlen, batches, heads, r0, r1, **kw):
     """store_zero_reference(dk, dv, **kw) zeroes rows [r0, r1) (clamped to each sequence) of the selected sequences
     and heads, bitwise nothing else."""
@@ -164,8 +133,7 @@ def test_store_zero_batched(batch_idx, head_idx, r0, r1):
     torch.manual_seed(6)
     su = i32(6, 0, 4)
     dk, dv = torch.randn(3, 6, 3, 64).bfloat16(), torch.randn(3, 6, 3, 32).bfloat16()
-    batches = [0, 1, 2] if batch_idx is None else ([batch_idx] if isinstance(batch_idx, int) else batch_idx)
-    heads = [0, 1, 2] if head_idx is None else ([head_idx] if isinstance(head_idx, int) else head_idx)
+    batches, heads = ([0, 1, 2] if v is None else [v] if isinstance(v, int) else v for v in (batch_idx, head_idx))
     _check_zero(dk, dv, sequence_bounds(3, 6, None, su), False, batches, heads, r0, r1, seqused=su,
                 batch_idx=batch_idx, head_idx=head_idx)
 
@@ -190,11 +158,8 @@ def test_store_zero_out_of_range_indices_skipped():
     torch.manual_seed(8)
     dk, dv = torch.randn(3, 4, 2, 16).half(), torch.randn(3, 4, 2, 8).half()
     for batch_idx, head_idx, batches, heads in [
-        ([3, -1, 1, 1, 100], None, [1], [0, 1]),
-        (torch.tensor([-3, 2, 2], dtype=torch.int32), [1, 2, -2, 1], [2], [1]),
-        (-1, 0, [], [0]),
-        ([], None, [], [0, 1]),
-        (None, torch.empty(0, dtype=torch.int32), [0, 1, 2], []),
+        ([3, -1, 1, 1, 100], None, [1], [0, 1]), (torch.tensor([-3, 2, 2], dtype=torch.int32), [1, 2, -2, 1], [2], [1]),
+        (-1, 0, [], [0]), ([], None, [], [0, 1]), (None, torch.empty(0, dtype=torch.int32), [0, 1, 2], []),
         ([0, 2], [5], [0, 2], []),
     ]:
         _check_zero(dk.clone(), dv.clone(), sequence_bounds(3, 4), False, batches, heads, 1, 3, batch_idx=batch_idx,
@@ -213,10 +178,7 @@ def test_store_zero_varlen_index_range_is_the_batch():
     assert torch.equal(dk, dv)
 
 
-# ---------------------------------------------------------------------------------------------
-# GQA reduce and accumulate
-
-
+# ---- GQA reduce and accumulate
 def _grouped_fp64(partial, h_k, scale):
     g = partial.shape[-2] // h_k
     out = torch.zeros(partial.shape[:-2] + (h_k, partial.shape[-1]), dtype=torch.float64)
@@ -233,8 +195,8 @@ def test_gqa_reduce_groups(h_q, h_k):
     assert ref.shape == (2, 9, h_k, 64)
     expect64 = _grouped_fp64(partial, h_k, scale)
     assert torch.equal(ref, expect64.float())
-    bf = gqa_reduce_reference(partial, num_heads_kv=h_k, out_dtype=torch.bfloat16, scale_dk=scale)
-    assert torch.equal(bf, expect64.to(torch.bfloat16))
+    bf = gqa_reduce_reference(partial, num_heads_kv=h_k, out_dtype=BF16, scale_dk=scale)
+    assert torch.equal(bf, expect64.to(BF16))
     seq = gqa_reduce_sequential_fp32(partial, h_k, scale)
     assert seq.dtype == torch.float32 and seq.shape == ref.shape
     # only rounding differs: each of the g-1 adds and the multiply rounds once (<= eps/2 relative)
@@ -251,7 +213,7 @@ def _cancelling():
     return torch.tensor([1e8, 1.0, -1e8]).reshape(1, 1, 3, 1).expand(1, 1, 3, 8).contiguous()
 
 
-def test_gqa_sequential_order_is_left_to_right():
+def test_gqa_sequential_order_is_left_to_right_from_zero():
     p = _cancelling()
     assert gqa_reduce_sequential_fp32(p, 1)[0, 0, 0, 0].item() == 0.0
     assert gqa_reduce_sequential_fp32(p[:, :, [0, 2, 1]], 1)[0, 0, 0, 0].item() == 1.0  # (1e8 - 1e8) + 1
@@ -259,9 +221,6 @@ def test_gqa_sequential_order_is_left_to_right():
     assert gqa_reduce_reference(p, num_heads_kv=1, out_dtype=torch.float32)[0, 0, 0, 0].item() == 1.0
     # the explicit left fold equals the reference
     assert torch.equal(gqa_reduce_sequential_fp32(p, 1)[:, :, 0], (p[:, :, 0] + p[:, :, 1]) + p[:, :, 2])
-
-
-def test_gqa_sequential_zero_accumulator_sign():
     out = gqa_reduce_sequential_fp32(torch.full((1, 2, 8), -0.0), 1)
     assert not torch.signbit(out).any()  # 0 + (-0) + (-0) = +0, as on a zeroed accumulator
 
@@ -278,18 +237,18 @@ def test_gqa_reduce_masked_rows_and_out():
     torch.manual_seed(8)
     total, partial = 12, torch.randn(12, 8, 64)
     seq = {"cu_seqlens": i32(0, 3, 3, 10), "seqused": i32(2, 0, 6)}
-    new = gqa_reduce_reference(partial, num_heads_kv=2, out_dtype=torch.float16, scale_dk=2.0, **seq)
+    new = gqa_reduce_reference(partial, num_heads_kv=2, out_dtype=F16, scale_dk=2.0, **seq)
     full = _grouped_fp64(partial, 2, 2.0).half()
     valid = [0, 1, 3, 4, 5, 6, 7, 8]
     invalid = [r for r in range(total) if r not in valid]
     assert torch.equal(new[valid], full[valid])
     assert (new[invalid] == 0).all()
-    out = _canary((total, 2, 64), torch.float16)
-    assert gqa_reduce_reference(partial, num_heads_kv=2, out_dtype=torch.float16, scale_dk=2.0, out=out, **seq) is out
+    out = _canary((total, 2, 64), F16)
+    assert gqa_reduce_reference(partial, num_heads_kv=2, out_dtype=F16, scale_dk=2.0, out=out, **seq) is out
     assert torch.equal(out[valid], full[valid]) and is_canary(out[invalid])
     # batched with seqused, out dtype inferred from out, strided out
     partial_b = torch.randn(2, 5, 4, 32)
-    out_b = _canary((2, 5, 1, 32), torch.bfloat16, heads_major=True)
+    out_b = _canary((2, 5, 1, 32), BF16, heads_major=True)
     gqa_reduce_reference(partial_b, num_heads_kv=1, seqused=i32(5, 1), out=out_b)
     full_b = _grouped_fp64(partial_b, 1, 1.0).bfloat16()
     assert torch.equal(out_b[0], full_b[0]) and torch.equal(out_b[1, :1], full_b[1, :1])
@@ -320,9 +279,9 @@ def test_accumulate_reference_orders_and_rows():
 def test_reduce_reference_sequential():
     torch.manual_seed(0)
     p = torch.randn(2, 7, 8, 16) * 100
-    seq = gqa_reduce_reference(p, num_heads_kv=2, out_dtype=torch.bfloat16, scale_dk=0.3, sequential=True)
+    seq = gqa_reduce_reference(p, num_heads_kv=2, out_dtype=BF16, scale_dk=0.3, sequential=True)
     g = p.unflatten(2, (2, 4))  # q head j -> kv head j // 4
     acc = torch.zeros(2, 7, 2, 16)
     for j in range(4):
         acc = acc + g[:, :, :, j]
-    assert torch.equal(seq, (acc * torch.tensor(0.3, dtype=torch.float32)).to(torch.bfloat16))
+    assert torch.equal(seq, (acc * torch.tensor(0.3, dtype=torch.float32)).to(BF16))
