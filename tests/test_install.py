@@ -32,8 +32,7 @@ ONLY_SITE = "import sys; sys.meta_path[:] = [f for f in sys.meta_path if 'editab
 def run_installed(site: Path, code: str) -> str:
     """`code` in a new process that imports the package installed in `site` (not the checkout)."""
     proc = subprocess.run([sys.executable, "-c", ONLY_SITE + code], cwd=site.parent, capture_output=True, text=True,
-                          timeout=600,
-                          env=dict(os.environ, PYTHONPATH=str(site), FLASH_EPILOGUE_DISABLE_KERNELS="0"))
+                          timeout=600, env=dict(os.environ, PYTHONPATH=str(site), FLASH_EPILOGUE_DISABLE_KERNELS="0"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
 
@@ -68,16 +67,12 @@ print("INCLUDE", *fe.get_include())
     includes = out.split("INCLUDE ", 1)[1].split()
     if nvcc() is None:
         return
-    sys.path.insert(0, str(ROOT / "examples" / "custom_kernel"))
-    try:
-        import build
-    finally:
-        sys.path.pop(0)
+    from test_custom_kernel_example import build
+
     cmd = [nvcc(), *build.NVCC_FLAGS, "-c", str(ROOT / "examples/custom_kernel/epilogue_example.cu"), "-o",
            str(tmp_path / "kernel.o"), *[f"-I{d}" for d in includes]]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-
 
 
 def test_a_source_distribution_holds_what_the_build_reads(tmp_path):
