@@ -32,34 +32,25 @@ def selection(n, gen, form):
 @dtype_param
 @pytest.mark.parametrize("d", HEAD_DIMS)
 @arch_param
-def test_store_zero_batched(dtype, d, arch):
+@pytest.mark.parametrize("varlen", (False, True), ids=("batched", "varlen"))
+def test_store_zero_rows_and_selections(dtype, d, arch, varlen):
     n = block_n(d, d, arch)
-    b, s, h = 3, 2 * n + 3, 3
-    gen = torch.Generator().manual_seed(d * 7 + arch + (dtype == torch.float16))
-    used = int32(s, n + 1, 0)
+    gen = torch.Generator().manual_seed(d * (11 if varlen else 7) + arch + (dtype == torch.float16))
+    if varlen:
+        batch, cu, used, total = varlen_meta(n)
+        shape, seqs = (total, 2, d), ({"cu_seqlens": cu}, {"cu_seqlens": cu, "seqused": used})
+        ranges = [(0, None), (n - 1, n + 1), (n, None), (n + 1, 2 * n), (1, n - 1), (3, 3), (0, INT32_MAX)]
+    else:
+        batch, s = 3, 2 * n + 3
+        shape, seqs, ranges = (batch, s, 3, d), ({}, {"seqused": int32(s, n + 1, 0)}), row_ranges(n)
     zeroed = 0
-    for i, (r0, r1) in enumerate(row_ranges(n)):
-        for seq in ({}, {"seqused": used}):
-            zeroed += check_carved((b, s, h, d), dtype, LAYOUTS[(i + len(seq)) % 3], arch,
-                                   batch_idx=selection(b, gen, FORMS[i % 4]),
-                                   head_idx=selection(h, gen, FORMS[(i + 1 + len(seq)) % 4]),
+    for i, (r0, r1) in enumerate(ranges):
+        for seq in seqs:
+            zeroed += check_carved(shape, dtype, LAYOUTS[(i + len(seq)) % 3], arch,
+                                   batch_idx=selection(batch, gen, FORMS[i % 4]),
+                                   head_idx=selection(shape[-2], gen, FORMS[(i + 1 + len(seq)) % 4]),
                                    row_start=r0, row_end=r1, **seq)
     assert zeroed > 0  # the cases are not vacuous
-
-
-@dtype_param
-@pytest.mark.parametrize("d", HEAD_DIMS)
-@arch_param
-def test_store_zero_varlen(dtype, d, arch):
-    n = block_n(d, d, arch)
-    batch, cu, used, total = varlen_meta(n)
-    gen = torch.Generator().manual_seed(d * 11 + arch + (dtype == torch.float16))
-    ranges = [(0, None), (n - 1, n + 1), (n, None), (n + 1, 2 * n), (1, n - 1), (3, 3), (0, INT32_MAX)]
-    for i, (r0, r1) in enumerate(ranges):
-        for seq in ({"cu_seqlens": cu}, {"cu_seqlens": cu, "seqused": used}):
-            check_carved((total, 2, d), dtype, LAYOUTS[(i + len(seq)) % 3], arch,
-                         batch_idx=selection(batch, gen, FORMS[i % 4]), head_idx=selection(2, gen, FORMS[(i + 2) % 4]),
-                         row_start=r0, row_end=r1, **seq)
 
 
 @dtype_param
