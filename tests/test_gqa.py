@@ -1,7 +1,7 @@
 """GPU tests of the GQA ops (gqa_accumulate, to_dense, gqa_postprocess, gqa_reduce) against flash_epilogue/reference.py
 on both paths (`arch` 90 and 80), and the problem builders and checks test_fuzz.py shares. Outputs are views of canary
 buffers compared whole. Data spans several binades, clear of fp32 subnormals (the sm_80 atomics flush them) but in
-test_gqa_subnormals_kept."""
+test_gqa_reduce_equals_accumulate_then_postprocess."""
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -143,10 +143,9 @@ def check_reduce(d, dv, with_dv, arch, h_k, g, partial_dtype, out_dtype, batch, 
     torch.cuda.synchronize()
     for name, out, p, scale in zip(("dk", "dv"), list(ret) if with_dv else [ret], (pk, pv), scales):
         assert out.dtype == out_dtype and out.is_contiguous() and out.shape == lead + (h_k, p.shape[-1])
-        got = out.clone()
-        want = got.clone()
+        want = out.clone()
         gqa_reduce_reference(p, num_heads_kv=h_k, out=want, scale_dk=scale, sequential=True, **seq)
-        assert_bits(got, want, name)
+        assert_bits(out, want, name)
 
 
 def accumulate_case(d, dv, arch, h_k, g, layout, deterministic, seed, chunks=3):
@@ -182,41 +181,31 @@ def assert_dense_is_reference(acc, calls, h_k, seq):
         assert_bits(got, want)
 
 
-def one_call_equals_two_step(pk, pv, h_k, arch, alloc, seq, **scales):
-    """gqa_reduce bitwise deterministic gqa_accumulate + gqa_postprocess (the same fp32 sum in the same order)."""
-    lead, d = pk.shape[:-2], pk.shape[-1]
-    acc = fe.gqa_accumulator(h_k, d, deterministic=True, device=DEV, arch=arch, **alloc)
-    fe.gqa_accumulate(pk, pv, acc, deterministic=True, **seq)
-    two, one = ([canary(lead + (h_k, d), torch.bfloat16) for _ in range(2)] for _ in range(2))
-    fe.gqa_postprocess(acc, *two, **scales, **seq)
-    fe.gqa_reduce(pk, pv, num_heads_kv=h_k, out=tuple(one), _arch=arch, **scales, **seq)
-    torch.cuda.synchronize()
-    for a, b in zip(one, two):
-        assert_bits(a, b)
-    return acc, two
+def check_to_dense(case):
+    """A postprocess left the accumulator as it was; to_dense reads the valid rows of the seqlens it is given: rows
+    past seqused come back 0."""
+    for got, want in zip(case.acc.to_dense(**case.seq), case.dense):
+        assert_bits(got, want)
+    want = [torch.zeros_like(x) for x in case.dense]
+    store_reference(*case.dense, *want, **case.seq_used)
+    for got, w in zip(case.acc.to_dense(**case.seq_used), want):
+        assert_bits(got, w)
 
 
 @arch_param
 @pytest.mark.parametrize("h_k,g", GROUPS, ids=GROUP_IDS)
 @pytest.mark.parametrize("d", HEAD_DIMS)
-def test_gqa_accumulate(d, h_k, g, arch):
-    # every group size on every head dim and path, both modes; the layout alternates (each head dim sees both)
-    layout = ("batched", "varlen")[(HEAD_DIMS.index(d) + GROUPS.index((h_k, g))) % 2]
+def test_gqa_accumulate_and_postprocess(d, h_k, g, arch):
+    # every group size on every head dim and path, both modes, each postprocessed; the layout and the output dtype
+    # alternate (each head dim sees every pair of them). Unit scales on every valid row; softmax-like scales (not
+    # exact in fp32) with seqused
+    i = GROUPS.index((h_k, g))
+    layout, dtype = ("batched", "varlen")[(HEAD_DIMS.index(d) + i) % 2], DTYPES[i // 2 % 2]
     for deterministic in (False, True):
-        accumulate_case(d, d, arch, h_k, g, layout, deterministic, seed=d * 100 + h_k * 17 + g + arch)
-
-
-@arch_param
-@pytest.mark.parametrize("layout", ("batched", "varlen"))
-def test_gqa_to_dense_with_seqused(layout, arch):
-    # to_dense reads the valid rows of the seqlens it is given: rows past seqused come back 0
-    case = accumulate_case(128, 64, arch, 2, 3, layout, True, seed=5)
-    got = case.acc.to_dense(**case.seq_used)
-    want = [torch.zeros_like(r) for r in case.ref]
-    store_reference(*case.ref, *want, **case.seq_used)
-    torch.cuda.synchronize()
-    for x, w in zip(got, want):
-        assert_bits(x, w)
+        case = accumulate_case(d, d, arch, h_k, g, layout, deterministic, seed=d * 100 + h_k * 17 + g + arch)
+        check_postprocess(case, dtype, ("plain", "padded"), (1.0, 1.0), case.seq)
+        check_postprocess(case, dtype, ("transposed", "plain"), (d**-0.5, 0.3), case.seq_used)
+        check_to_dense(case)
 
 
 @arch_param
@@ -225,6 +214,7 @@ def test_gqa_dv_differs_from_d(d, dv, arch):
     for i, layout in enumerate(("batched", "varlen")):
         case = accumulate_case(d, dv, arch, 2, 2, layout, deterministic=i == 0, seed=d + dv + i)
         check_postprocess(case, torch.bfloat16, ("padded", "transposed"), (0.5, 1.0 / 3.0), case.seq_used)
+        check_to_dense(case)
 
 
 @arch_param
@@ -252,19 +242,7 @@ def test_gqa_deterministic_is_repeatable(layout, d, arch):
 
 
 @arch_param
-def test_gqa_deterministic_many_ctas(arch):
-    # far more CTAs than fit on the GPU at once, 16 query heads waiting on each KV tile in turn: must finish
-    # (forward progress may not depend on the scheduling order) and stay exact
-    h_k, g, d, s = 1, 16, 64, 16384
-    gen = generator(11)
-    pk, pv = rand((1, s, h_k * g, d), gen), rand((1, s, h_k * g, d), gen)
-    acc = fe.gqa_accumulator(h_k, d, batch=1, seqlen=s, deterministic=True, device=DEV, arch=arch)
-    fe.gqa_accumulate(pk, pv, acc, deterministic=True)
-    assert_dense_is_reference(acc, [(pk, pv, {})], h_k, {})
-
-
-@arch_param
-def test_gqa_deterministic_follows_torch_setting(arch):
+def test_gqa_deterministic_mode(arch):
     alloc, lead, seq, _ = problem(DEV, **edge_geometry("varlen", block_n(128, 128, arch)))
     gen = generator(3)
     pk, pv = rand(lead + (8, 128), gen), rand(lead + (8, 128), gen)
@@ -281,20 +259,13 @@ def test_gqa_deterministic_follows_torch_setting(arch):
     acc.reset()
     fe.gqa_accumulate(pk, pv, acc, **seq)
     assert_dense_is_reference(acc, [(pk, pv, seq)], 2, seq)
-
-
-@arch_param
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("d", HEAD_DIMS)
-def test_gqa_postprocess(d, dtype, arch):
-    h_k, g = 2, 3
-    for i, layout in enumerate(("batched", "varlen")):
-        case = accumulate_case(d, d, arch, h_k, g, layout, deterministic=False, seed=d * 3 + i, chunks=2)
-        # unit scales on every valid row; softmax-like scales (not exact in fp32) with seqused
-        check_postprocess(case, dtype, ("plain", "padded"), (1.0, 1.0), case.seq)
-        check_postprocess(case, dtype, ("transposed", "plain"), (d**-0.5, 0.3), case.seq_used)
-        for got, want in zip(case.acc.to_dense(**case.seq), case.dense):  # postprocess leaves the accumulator as is
-            assert torch.equal(bits(got), bits(want))
+    # far more CTAs than fit on the GPU at once, 16 query heads waiting on each KV tile in turn: must finish
+    # (forward progress may not depend on the scheduling order) and stay exact
+    s = 16384
+    pk, pv = rand((1, s, 16, 64), gen), rand((1, s, 16, 64), gen)
+    acc = fe.gqa_accumulator(1, 64, batch=1, seqlen=s, deterministic=True, device=DEV, arch=arch)
+    fe.gqa_accumulate(pk, pv, acc, deterministic=True)
+    assert_dense_is_reference(acc, [(pk, pv, {})], 1, {})
 
 
 @arch_param
@@ -344,34 +315,32 @@ def test_gqa_reduce_many_tiles_per_cta(d, partial_dtype, layout):
 
 
 @arch_param
-@pytest.mark.parametrize("d", (64, 192))
-def test_gqa_reduce_equals_accumulate_then_postprocess(d, arch):
+@pytest.mark.parametrize("d,layout", [(64, "batched"), (64, "varlen"), (192, "varlen")])
+def test_gqa_reduce_equals_accumulate_then_postprocess(d, layout, arch):
+    # gqa_reduce is bitwise deterministic gqa_accumulate + gqa_postprocess (the same fp32 sum in the same order), on
+    # ordinary partials and on ~1e-40 ones: fp32 subnormals (bf16 has the same exponent range) whose sums are kept
+    # (the sm_80 path's fp32 atomics flushed them to zero, so it adds under its semaphore with plain loads and stores)
     h_k, g = 2, 4
-    alloc, lead, _, seq_used = problem(DEV, **edge_geometry("varlen", block_n(d, d, arch)))
+    alloc, lead, seq, seq_used = problem(DEV, **edge_geometry(layout, block_n(d, d, arch)))
     gen = generator(d)
-    pk, pv = rand(lead + (h_k * g, d), gen), rand(lead + (h_k * g, d), gen)
-    one_call_equals_two_step(pk, pv, h_k, arch, alloc, seq_used, scale_dk=0.1, scale_dv=0.7)
-
-
-@arch_param
-@pytest.mark.parametrize("layout", ("batched", "varlen"))
-def test_gqa_subnormals_kept(layout, arch):
-    # partials ~1e-40 (fp32 subnormals; bf16 has the same exponent range): deterministic accumulate + postprocess
-    # equals gqa_reduce bitwise, the sums kept (the sm_80 path's fp32 atomics flushed them to zero, so it adds
-    # under its semaphore with plain loads and stores)
-    h_k, g, d = 2, 4, 64
-    alloc, lead, seq, _ = problem(DEV, **edge_geometry(layout, block_n(d, d, arch)))
-    gen = generator(11)
-    pk, pv = (rand(lead + (h_k * g, d), gen, binades=3) * 1e-40 for _ in range(2))
-    assert (pk.abs() < torch.finfo(torch.float32).tiny).all() and (pk != 0).float().mean() > 0.9
-    acc, two = one_call_equals_two_step(pk, pv, h_k, arch, alloc, seq)
-    for got, p in zip(acc.to_dense(**seq), (pk, pv)):
-        want = torch.zeros_like(got)
-        gqa_accumulate_reference(p, None, want, None, num_heads_kv=h_k, **seq)
-        assert_bits(got, want, "accumulator")
-        assert (got != 0).float().mean() > 0.5
-    for out in two:
-        assert (out.float() != 0).float().mean() > 0.5
+    for size, binades, kw, scales in ((1.0, 8, seq_used, {"scale_dk": 0.1, "scale_dv": 0.7}), (1e-40, 3, seq, {})):
+        pk, pv = (rand(lead + (h_k * g, d), gen, binades=binades) * size for _ in range(2))
+        assert bool((pk.abs() < torch.finfo(torch.float32).tiny).all()) == (size < 1) and (pk != 0).float().mean() > 0.9
+        acc = fe.gqa_accumulator(h_k, d, deterministic=True, device=DEV, arch=arch, **alloc)
+        fe.gqa_accumulate(pk, pv, acc, deterministic=True, **kw)
+        two, one = ([canary(lead + (h_k, d), torch.bfloat16) for _ in range(2)] for _ in range(2))
+        fe.gqa_postprocess(acc, *two, **scales, **kw)
+        fe.gqa_reduce(pk, pv, num_heads_kv=h_k, out=tuple(one), _arch=arch, **scales, **kw)
+        torch.cuda.synchronize()
+        for a, b in zip(one, two):
+            assert_bits(a, b)
+        for got, p in zip(acc.to_dense(**kw), (pk, pv)):
+            want = torch.zeros_like(got)
+            gqa_accumulate_reference(p, None, want, None, num_heads_kv=h_k, **kw)
+            assert_bits(got, want, "accumulator")
+            assert (got != 0).float().mean() > 0.5
+        for out in two:
+            assert (out.float() != 0).float().mean() > 0.5
 
 
 @arch_param
