@@ -83,11 +83,10 @@ def check_accumulate(d, dv, arch, h_k, g, deterministic, batch, seqlen, lens, sl
         gqa_accumulate_reference(pk, pv, *ref, num_heads_kv=h_k, **kw)
         gqa_accumulate_reference(pk, pv, *ref64, num_heads_kv=h_k, sequential=False, **kw)
         gqa_accumulate_reference(pk.abs(), pv.abs(), *mag, num_heads_kv=h_k, sequential=False, **kw)
-    case = SimpleNamespace(acc=acc, dense=None, ref=ref, lead=lead, seq=seq, seq_used=seq_used, h_k=h_k, d=d, dv=dv,
-                           dev=dev)
+    case = SimpleNamespace(acc=acc, dense=acc.to_dense(**seq) if dev == "cuda" else None, lead=lead, seq=seq,
+                           seq_used=seq_used, h_k=h_k, d=d, dv=dv, dev=dev)
     if dev != "cuda":
         return case
-    case.dense = acc.to_dense(**seq)
     torch.cuda.synchronize()
     for name, got, want, want64, m in zip(("dk", "dv"), case.dense, ref, ref64, mag):
         assert got.shape == want.shape and got.dtype == torch.float32
@@ -195,10 +194,10 @@ def check_to_dense(case):
 @arch_param
 @pytest.mark.parametrize("h_k,g", GROUPS, ids=GROUP_IDS)
 @pytest.mark.parametrize("d", HEAD_DIMS)
-def test_gqa_accumulate_and_postprocess(d, h_k, g, arch):
-    # every group size on every head dim and path, both modes, each postprocessed; the layout and the output dtype
-    # alternate (each head dim sees every pair of them). Unit scales on every valid row; softmax-like scales (not
-    # exact in fp32) with seqused
+def test_gqa_every_group(d, h_k, g, arch):
+    # every group size on every head dim and path: accumulate in both modes, each postprocessed (the layout and the
+    # output dtype alternate: each head dim sees every pair of them; unit scales on every valid row, softmax-like
+    # scales, not exact in fp32, with seqused), and reduce
     i = GROUPS.index((h_k, g))
     layout, dtype = ("batched", "varlen")[(HEAD_DIMS.index(d) + i) % 2], DTYPES[i // 2 % 2]
     for deterministic in (False, True):
@@ -206,6 +205,10 @@ def test_gqa_accumulate_and_postprocess(d, h_k, g, arch):
         check_postprocess(case, dtype, ("plain", "padded"), (1.0, 1.0), case.seq)
         check_postprocess(case, dtype, ("transposed", "plain"), (d**-0.5, 0.3), case.seq_used)
         check_to_dense(case)
+    reduce_case(d, torch.bfloat16, arch, h_k, g, "batched", torch.float32, "bshd", True, True, (0.125, 1.0), seed=g,
+                use_seqused=True)
+    reduce_case(d, torch.float16, arch, h_k, g, "varlen", torch.float16, "bhsd", True, True, (1.0, 0.5), seed=g + 1,
+                use_seqused=False)
 
 
 @arch_param
@@ -284,15 +287,6 @@ def test_gqa_reduce(d, dtype, arch):
         scales = (1.0, 1.0) if i % 2 == 0 else (d**-0.5, 3.0)
         reduce_case(d, dtype, arch, h_k, g, layout, pdt, storage, with_dv, give_out, scales, seed=d * 7 + i + arch,
                     use_seqused=used)
-
-
-@arch_param
-@pytest.mark.parametrize("h_k,g", GROUPS, ids=GROUP_IDS)
-def test_gqa_reduce_groups(h_k, g, arch):
-    reduce_case(128, torch.bfloat16, arch, h_k, g, "batched", torch.float32, "bshd", True, True, (0.125, 1.0),
-                seed=g, use_seqused=True)
-    reduce_case(128, torch.float16, arch, h_k, g, "varlen", torch.float16, "bhsd", True, True, (1.0, 0.5),
-                seed=g + 1, use_seqused=False)
 
 
 @pytest.mark.parametrize("layout", ("batched", "varlen"))
@@ -447,10 +441,9 @@ def test_gqa_export_with_accumulator_input():
     assert torch.equal(bits(dk), bits(dk_e)) and torch.equal(bits(dv), bits(dv_e))
 
 
-# ---------------------------------------------------------------------------------------------
-# the collective's per-query-head adds (tests/header_library/gqa_per_head.cu: CollectiveEpilogueBwdGQA through
-# GqaAccumulateKernel, what an attention kernel calls; built with torch's JIT loader, about a minute) against the
-# op, which adds whole groups per CTA on sm_90: deterministic bitwise, the unordered adds within fp32 reassociation
+# ---- the collective's per-query-head adds (tests/header_library/gqa_per_head.cu: CollectiveEpilogueBwdGQA through
+# GqaAccumulateKernel, what an attention kernel calls; JIT-built, about a minute) against the op, which adds whole
+# groups per CTA on sm_90: deterministic bitwise, the unordered adds within fp32 reassociation
 
 
 @pytest.fixture(scope="module")
@@ -475,14 +468,13 @@ def test_per_head_adds_match_the_op(per_head, d, varlen, deterministic):
     gen = generator(d + 2 * varlen + deterministic)
     pk, pv = rand(lead + (hk * group, d), gen), rand(lead + (hk * group, d), gen)
     accs = [fe.gqa_accumulator(hk, d, deterministic=deterministic, device=DEV, **alloc) for _ in range(3)]
+    # the same non-zero start: the adds go onto earlier calls' sums; the third gets |start| + sum |partials|: two
+    # orders of the group + 1 additions differ by at most 2 * group * 2^-24 of it
     start = torch.randn(accs[0].dk_accum.shape, generator=gen, device=DEV)
-    for acc in accs[:2]:  # the same non-zero start: the adds go onto earlier calls' sums
-        acc.dk_accum.copy_(start)
-        acc.dv_accum.copy_(start)
+    for acc, init in zip(accs, (start, start, start.abs())):
+        acc.dk_accum.copy_(init)
+        acc.dv_accum.copy_(init)
     fe.gqa_accumulate(pk, pv, accs[0], cu_seqlens=cu)
-    # |start| + sum |partials|: two orders of the group + 1 additions differ by at most 2 * group * 2^-24 of it
-    accs[2].dk_accum.copy_(start.abs())
-    accs[2].dv_accum.copy_(start.abs())
     fe.gqa_accumulate(pk.abs(), pv.abs(), accs[2], cu_seqlens=cu)
     per_head.accumulate_per_head(pk, pv, accs[1].dk_accum, accs[1].dv_accum,
                                  accs[1].semaphores if deterministic else None, cu, batch)
