@@ -171,10 +171,9 @@ def cuda_graph(step, warmup=1):
 @contextlib.contextmanager
 def deterministic_algorithms(warn_only=False):
     """torch.use_deterministic_algorithms(True) inside, the previous setting restored after."""
-    before, before_warn = torch.are_deterministic_algorithms_enabled(), \
-        torch.is_deterministic_algorithms_warn_only_enabled()
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     torch.use_deterministic_algorithms(True, warn_only=warn_only)
     try:
         yield
     finally:
-        torch.use_deterministic_algorithms(before, warn_only=before_warn)
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
