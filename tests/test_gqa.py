@@ -340,11 +340,9 @@ def test_gqa_reduce_equals_accumulate_then_postprocess(d, layout, arch):
 @arch_param
 def test_gqa_empty_problems(arch):
     # no sequences, no rows, all-empty varlen: nothing to do, nothing written
-    cu0 = torch.zeros(4, dtype=torch.int32, device=DEV)
     gen = generator(1)
-    for alloc, lead, seq in (({"batch": 0, "seqlen": 50}, (0, 50), {}),
-                             ({"batch": 2, "seqlen": 0}, (2, 0), {}),
-                             ({"cu_seqlens": cu0, "total_tokens": 7}, (7,), {"cu_seqlens": cu0})):
+    for geo in ((0, 50, None, 0), (2, 0, None, 0), (None, None, [0, 0, 0], 7)):
+        alloc, lead, seq, _ = problem(DEV, *geo, None)
         acc = fe.gqa_accumulator(1, 64, deterministic=True, device=DEV, arch=arch, **alloc)
         pk, pv = rand(lead + (2, 64), gen), rand(lead + (2, 64), gen)
         fe.gqa_accumulate(pk, pv, acc, deterministic=True, **seq)
@@ -368,8 +366,7 @@ def test_gqa_cuda_graph(arch):
     pk, pv = rand((b, s, h_k * g, d), gen), rand((b, s, h_k * g, d), gen)
     used = int32(s, 129)
     acc = fe.gqa_accumulator(h_k, d, batch=b, seqlen=s, deterministic=True, device=DEV, arch=arch)
-    dk, dv = (torch.zeros(b, s, h_k, d, dtype=torch.bfloat16, device=DEV) for _ in range(2))
-    rk = torch.zeros(b, s, h_k, d, dtype=torch.float16, device=DEV)
+    dk, dv, rk = (torch.zeros(b, s, h_k, d, dtype=t, device=DEV) for t in (torch.bfloat16,) * 2 + (torch.float16,))
 
     def step():
         acc.reset()
@@ -401,10 +398,8 @@ def test_gqa_opcheck():
     ops = torch.ops.flash_epilogue
     gen = generator(2)
     h_k, g, d = 2, 2, 64
-    cu = int32(0, 100, 100, 230)
-    used = int32(90, 0, 130)
-    for alloc, lead, seq in (({"batch": 2, "seqlen": 150}, (2, 150), {}),
-                             ({"cu_seqlens": cu, "total_tokens": 240}, (240,), {"cu_seqlens": cu, "seqused": used})):
+    for geo in ((2, 150, None, 0, None), (None, None, [100, 0, 130], 10, [90, 0, 130])):
+        alloc, lead, _, seq = problem(DEV, *geo)
         acc = fe.gqa_accumulator(h_k, d, deterministic=True, device=DEV, **alloc)
         pk, pv = rand(lead + (h_k * g, d), gen), rand(lead + (h_k * g, d), gen)
         opcheck(ops.gqa_accumulate.default, (pk, pv, acc.dk_accum, acc.dv_accum, acc.semaphores),
