@@ -16,8 +16,8 @@ import flash_epilogue as fe
 
 CANARY_BITS = 0x7FBF
 DTYPES = (torch.bfloat16, torch.float16)
-ARCHS = (90, 80)  # the code paths: sm_90 (the H200's own) and the sm_80 path (`_arch=80`) on the same GPU
-arch_param = pytest.mark.parametrize("arch", ARCHS, ids=("sm90", "sm80"))
+# the code paths: sm_90 (the H200's own) and the sm_80 path (`_arch=80`) on the same GPU
+arch_param = pytest.mark.parametrize("arch", (90, 80), ids=("sm90", "sm80"))
 LAYOUTS = ("plain", "padded", "transposed")
 
 
@@ -171,10 +171,9 @@ def cuda_graph(step, warmup=1):
 @contextlib.contextmanager
 def deterministic_algorithms(warn_only=False):
     """torch.use_deterministic_algorithms(True) inside, the previous setting restored after."""
-    before, before_warn = torch.are_deterministic_algorithms_enabled(), \
-        torch.is_deterministic_algorithms_warn_only_enabled()
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     torch.use_deterministic_algorithms(True, warn_only=warn_only)
     try:
         yield
     finally:
-        torch.use_deterministic_algorithms(before, warn_only=before_warn)
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])

@@ -1,7 +1,7 @@
 """GPU tests of the GQA ops (gqa_accumulate, to_dense, gqa_postprocess, gqa_reduce) against flash_epilogue/reference.py
 on both paths (`arch` 90 and 80), and the problem builders and checks test_fuzz.py shares. Outputs are views of canary
 buffers compared whole. Data spans several binades, clear of fp32 subnormals (the sm_80 atomics flush them) but in
-test_gqa_subnormals_kept."""
+test_gqa_reduce_equals_accumulate_then_postprocess."""
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -83,11 +83,10 @@ def check_accumulate(d, dv, arch, h_k, g, deterministic, batch, seqlen, lens, sl
         gqa_accumulate_reference(pk, pv, *ref, num_heads_kv=h_k, **kw)
         gqa_accumulate_reference(pk, pv, *ref64, num_heads_kv=h_k, sequential=False, **kw)
         gqa_accumulate_reference(pk.abs(), pv.abs(), *mag, num_heads_kv=h_k, sequential=False, **kw)
-    case = SimpleNamespace(acc=acc, dense=None, ref=ref, lead=lead, seq=seq, seq_used=seq_used, h_k=h_k, d=d, dv=dv,
-                           dev=dev)
+    case = SimpleNamespace(acc=acc, dense=acc.to_dense(**seq) if dev == "cuda" else None, lead=lead, seq=seq,
+                           seq_used=seq_used, h_k=h_k, d=d, dv=dv, dev=dev)
     if dev != "cuda":
         return case
-    case.dense = acc.to_dense(**seq)
     torch.cuda.synchronize()
     for name, got, want, want64, m in zip(("dk", "dv"), case.dense, ref, ref64, mag):
         assert got.shape == want.shape and got.dtype == torch.float32
@@ -143,17 +142,16 @@ def check_reduce(d, dv, with_dv, arch, h_k, g, partial_dtype, out_dtype, batch, 
     torch.cuda.synchronize()
     for name, out, p, scale in zip(("dk", "dv"), list(ret) if with_dv else [ret], (pk, pv), scales):
         assert out.dtype == out_dtype and out.is_contiguous() and out.shape == lead + (h_k, p.shape[-1])
-        got = out.clone()
-        want = got.clone()
+        want = out.clone()
         gqa_reduce_reference(p, num_heads_kv=h_k, out=want, scale_dk=scale, sequential=True, **seq)
-        assert_bits(got, want, name)
+        assert_bits(out, want, name)
 
 
-def accumulate_case(d, dv, arch, h_k, g, layout, deterministic, seed, chunks=3):
+def accumulate_case(d, dv, arch, h_k, g, layout, deterministic, seed):
     """check_accumulate on edge_geometry, the middle call with seqused; dk and dv accumulators share the tiles, each
     holding the slabs of its own head dim (fewer for the narrower on hdim 192's sm_90 tile)."""
     geo = edge_geometry(layout, block_n(d, dv, arch))
-    case = check_accumulate(d, dv, arch, h_k, g, deterministic, chunk_seqused=[c == 1 for c in range(chunks)],
+    case = check_accumulate(d, dv, arch, h_k, g, deterministic, chunk_seqused=[False, True, False],
                             partial_layouts=("plain", "plain"), seed=seed, **geo)
     acc, cfg = case.acc, case.acc.config
     assert acc.dk_accum.shape[:3] == acc.dv_accum.shape[:3] and acc.dk_accum.is_contiguous()
@@ -182,41 +180,35 @@ def assert_dense_is_reference(acc, calls, h_k, seq):
         assert_bits(got, want)
 
 
-def one_call_equals_two_step(pk, pv, h_k, arch, alloc, seq, **scales):
-    """gqa_reduce bitwise deterministic gqa_accumulate + gqa_postprocess (the same fp32 sum in the same order)."""
-    lead, d = pk.shape[:-2], pk.shape[-1]
-    acc = fe.gqa_accumulator(h_k, d, deterministic=True, device=DEV, arch=arch, **alloc)
-    fe.gqa_accumulate(pk, pv, acc, deterministic=True, **seq)
-    two, one = ([canary(lead + (h_k, d), torch.bfloat16) for _ in range(2)] for _ in range(2))
-    fe.gqa_postprocess(acc, *two, **scales, **seq)
-    fe.gqa_reduce(pk, pv, num_heads_kv=h_k, out=tuple(one), _arch=arch, **scales, **seq)
-    torch.cuda.synchronize()
-    for a, b in zip(one, two):
-        assert_bits(a, b)
-    return acc, two
+def check_to_dense(case):
+    """A postprocess left the accumulator as it was; to_dense reads the valid rows of the seqlens it is given: rows
+    past seqused come back 0."""
+    for got, want in zip(case.acc.to_dense(**case.seq), case.dense):
+        assert_bits(got, want)
+    want = [torch.zeros_like(x) for x in case.dense]
+    store_reference(*case.dense, *want, **case.seq_used)
+    for got, w in zip(case.acc.to_dense(**case.seq_used), want):
+        assert_bits(got, w)
 
 
 @arch_param
 @pytest.mark.parametrize("h_k,g", GROUPS, ids=GROUP_IDS)
 @pytest.mark.parametrize("d", HEAD_DIMS)
-def test_gqa_accumulate(d, h_k, g, arch):
-    # every group size on every head dim and path, both modes; the layout alternates (each head dim sees both)
-    layout = ("batched", "varlen")[(HEAD_DIMS.index(d) + GROUPS.index((h_k, g))) % 2]
+def test_gqa_every_group(d, h_k, g, arch):
+    # every group size on every head dim and path: accumulate in both modes, each postprocessed (the layout and the
+    # output dtype alternate: each head dim sees every pair of them; unit scales on every valid row, softmax-like
+    # scales, not exact in fp32, with seqused), and reduce
+    i = GROUPS.index((h_k, g))
+    layout, dtype = ("batched", "varlen")[(HEAD_DIMS.index(d) + i) % 2], DTYPES[i // 2 % 2]
     for deterministic in (False, True):
-        accumulate_case(d, d, arch, h_k, g, layout, deterministic, seed=d * 100 + h_k * 17 + g + arch)
-
-
-@arch_param
-@pytest.mark.parametrize("layout", ("batched", "varlen"))
-def test_gqa_to_dense_with_seqused(layout, arch):
-    # to_dense reads the valid rows of the seqlens it is given: rows past seqused come back 0
-    case = accumulate_case(128, 64, arch, 2, 3, layout, True, seed=5)
-    got = case.acc.to_dense(**case.seq_used)
-    want = [torch.zeros_like(r) for r in case.ref]
-    store_reference(*case.ref, *want, **case.seq_used)
-    torch.cuda.synchronize()
-    for x, w in zip(got, want):
-        assert_bits(x, w)
+        case = accumulate_case(d, d, arch, h_k, g, layout, deterministic, seed=d * 100 + h_k * 17 + g + arch)
+        check_postprocess(case, dtype, ("plain", "padded"), (1.0, 1.0), case.seq)
+        check_postprocess(case, dtype, ("transposed", "plain"), (d**-0.5, 0.3), case.seq_used)
+        check_to_dense(case)
+    reduce_case(d, torch.bfloat16, arch, h_k, g, "batched", torch.float32, "bshd", True, True, (0.125, 1.0), seed=g,
+                use_seqused=True)
+    reduce_case(d, torch.float16, arch, h_k, g, "varlen", torch.float16, "bhsd", True, True, (1.0, 0.5), seed=g + 1,
+                use_seqused=False)
 
 
 @arch_param
@@ -225,6 +217,7 @@ def test_gqa_dv_differs_from_d(d, dv, arch):
     for i, layout in enumerate(("batched", "varlen")):
         case = accumulate_case(d, dv, arch, 2, 2, layout, deterministic=i == 0, seed=d + dv + i)
         check_postprocess(case, torch.bfloat16, ("padded", "transposed"), (0.5, 1.0 / 3.0), case.seq_used)
+        check_to_dense(case)
 
 
 @arch_param
@@ -252,19 +245,7 @@ def test_gqa_deterministic_is_repeatable(layout, d, arch):
 
 
 @arch_param
-def test_gqa_deterministic_many_ctas(arch):
-    # far more CTAs than fit on the GPU at once, 16 query heads waiting on each KV tile in turn: must finish
-    # (forward progress may not depend on the scheduling order) and stay exact
-    h_k, g, d, s = 1, 16, 64, 16384
-    gen = generator(11)
-    pk, pv = rand((1, s, h_k * g, d), gen), rand((1, s, h_k * g, d), gen)
-    acc = fe.gqa_accumulator(h_k, d, batch=1, seqlen=s, deterministic=True, device=DEV, arch=arch)
-    fe.gqa_accumulate(pk, pv, acc, deterministic=True)
-    assert_dense_is_reference(acc, [(pk, pv, {})], h_k, {})
-
-
-@arch_param
-def test_gqa_deterministic_follows_torch_setting(arch):
+def test_gqa_deterministic_mode(arch):
     alloc, lead, seq, _ = problem(DEV, **edge_geometry("varlen", block_n(128, 128, arch)))
     gen = generator(3)
     pk, pv = rand(lead + (8, 128), gen), rand(lead + (8, 128), gen)
@@ -281,20 +262,13 @@ def test_gqa_deterministic_follows_torch_setting(arch):
     acc.reset()
     fe.gqa_accumulate(pk, pv, acc, **seq)
     assert_dense_is_reference(acc, [(pk, pv, seq)], 2, seq)
-
-
-@arch_param
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("d", HEAD_DIMS)
-def test_gqa_postprocess(d, dtype, arch):
-    h_k, g = 2, 3
-    for i, layout in enumerate(("batched", "varlen")):
-        case = accumulate_case(d, d, arch, h_k, g, layout, deterministic=False, seed=d * 3 + i, chunks=2)
-        # unit scales on every valid row; softmax-like scales (not exact in fp32) with seqused
-        check_postprocess(case, dtype, ("plain", "padded"), (1.0, 1.0), case.seq)
-        check_postprocess(case, dtype, ("transposed", "plain"), (d**-0.5, 0.3), case.seq_used)
-        for got, want in zip(case.acc.to_dense(**case.seq), case.dense):  # postprocess leaves the accumulator as is
-            assert torch.equal(bits(got), bits(want))
+    # far more CTAs than fit on the GPU at once, 16 query heads waiting on each KV tile in turn: must finish
+    # (forward progress may not depend on the scheduling order) and stay exact
+    s = 16384
+    pk, pv = rand((1, s, 16, 64), gen), rand((1, s, 16, 64), gen)
+    acc = fe.gqa_accumulator(1, 64, batch=1, seqlen=s, deterministic=True, device=DEV, arch=arch)
+    fe.gqa_accumulate(pk, pv, acc, deterministic=True)
+    assert_dense_is_reference(acc, [(pk, pv, {})], 1, {})
 
 
 @arch_param
@@ -313,15 +287,6 @@ def test_gqa_reduce(d, dtype, arch):
         scales = (1.0, 1.0) if i % 2 == 0 else (d**-0.5, 3.0)
         reduce_case(d, dtype, arch, h_k, g, layout, pdt, storage, with_dv, give_out, scales, seed=d * 7 + i + arch,
                     use_seqused=used)
-
-
-@arch_param
-@pytest.mark.parametrize("h_k,g", GROUPS, ids=GROUP_IDS)
-def test_gqa_reduce_groups(h_k, g, arch):
-    reduce_case(128, torch.bfloat16, arch, h_k, g, "batched", torch.float32, "bshd", True, True, (0.125, 1.0),
-                seed=g, use_seqused=True)
-    reduce_case(128, torch.float16, arch, h_k, g, "varlen", torch.float16, "bhsd", True, True, (1.0, 0.5),
-                seed=g + 1, use_seqused=False)
 
 
 @pytest.mark.parametrize("layout", ("batched", "varlen"))
@@ -344,44 +309,40 @@ def test_gqa_reduce_many_tiles_per_cta(d, partial_dtype, layout):
 
 
 @arch_param
-@pytest.mark.parametrize("d", (64, 192))
-def test_gqa_reduce_equals_accumulate_then_postprocess(d, arch):
+@pytest.mark.parametrize("d,layout", [(64, "batched"), (64, "varlen"), (192, "varlen")])
+def test_gqa_reduce_equals_accumulate_then_postprocess(d, layout, arch):
+    # gqa_reduce is bitwise deterministic gqa_accumulate + gqa_postprocess (the same fp32 sum in the same order), on
+    # ordinary partials and on ~1e-40 ones: fp32 subnormals (bf16 has the same exponent range) whose sums are kept
+    # (the sm_80 path's fp32 atomics flushed them to zero, so it adds under its semaphore with plain loads and stores)
     h_k, g = 2, 4
-    alloc, lead, _, seq_used = problem(DEV, **edge_geometry("varlen", block_n(d, d, arch)))
+    alloc, lead, seq, seq_used = problem(DEV, **edge_geometry(layout, block_n(d, d, arch)))
     gen = generator(d)
-    pk, pv = rand(lead + (h_k * g, d), gen), rand(lead + (h_k * g, d), gen)
-    one_call_equals_two_step(pk, pv, h_k, arch, alloc, seq_used, scale_dk=0.1, scale_dv=0.7)
-
-
-@arch_param
-@pytest.mark.parametrize("layout", ("batched", "varlen"))
-def test_gqa_subnormals_kept(layout, arch):
-    # partials ~1e-40 (fp32 subnormals; bf16 has the same exponent range): deterministic accumulate + postprocess
-    # equals gqa_reduce bitwise, the sums kept (the sm_80 path's fp32 atomics flushed them to zero, so it adds
-    # under its semaphore with plain loads and stores)
-    h_k, g, d = 2, 4, 64
-    alloc, lead, seq, _ = problem(DEV, **edge_geometry(layout, block_n(d, d, arch)))
-    gen = generator(11)
-    pk, pv = (rand(lead + (h_k * g, d), gen, binades=3) * 1e-40 for _ in range(2))
-    assert (pk.abs() < torch.finfo(torch.float32).tiny).all() and (pk != 0).float().mean() > 0.9
-    acc, two = one_call_equals_two_step(pk, pv, h_k, arch, alloc, seq)
-    for got, p in zip(acc.to_dense(**seq), (pk, pv)):
-        want = torch.zeros_like(got)
-        gqa_accumulate_reference(p, None, want, None, num_heads_kv=h_k, **seq)
-        assert_bits(got, want, "accumulator")
-        assert (got != 0).float().mean() > 0.5
-    for out in two:
-        assert (out.float() != 0).float().mean() > 0.5
+    for size, binades, kw, scales in ((1.0, 8, seq_used, {"scale_dk": 0.1, "scale_dv": 0.7}), (1e-40, 3, seq, {})):
+        pk, pv = (rand(lead + (h_k * g, d), gen, binades=binades) * size for _ in range(2))
+        assert bool((pk.abs() < torch.finfo(torch.float32).tiny).all()) == (size < 1) and (pk != 0).float().mean() > 0.9
+        acc = fe.gqa_accumulator(h_k, d, deterministic=True, device=DEV, arch=arch, **alloc)
+        fe.gqa_accumulate(pk, pv, acc, deterministic=True, **kw)
+        two, one = ([canary(lead + (h_k, d), torch.bfloat16) for _ in range(2)] for _ in range(2))
+        fe.gqa_postprocess(acc, *two, **scales, **kw)
+        fe.gqa_reduce(pk, pv, num_heads_kv=h_k, out=tuple(one), _arch=arch, **scales, **kw)
+        torch.cuda.synchronize()
+        for a, b in zip(one, two):
+            assert_bits(a, b)
+        for got, p in zip(acc.to_dense(**kw), (pk, pv)):
+            want = torch.zeros_like(got)
+            gqa_accumulate_reference(p, None, want, None, num_heads_kv=h_k, **kw)
+            assert_bits(got, want, "accumulator")
+            assert (got != 0).float().mean() > 0.5
+        for out in two:
+            assert (out.float() != 0).float().mean() > 0.5
 
 
 @arch_param
 def test_gqa_empty_problems(arch):
     # no sequences, no rows, all-empty varlen: nothing to do, nothing written
-    cu0 = torch.zeros(4, dtype=torch.int32, device=DEV)
     gen = generator(1)
-    for alloc, lead, seq in (({"batch": 0, "seqlen": 50}, (0, 50), {}),
-                             ({"batch": 2, "seqlen": 0}, (2, 0), {}),
-                             ({"cu_seqlens": cu0, "total_tokens": 7}, (7,), {"cu_seqlens": cu0})):
+    for geo in ((0, 50, None, 0), (2, 0, None, 0), (None, None, [0, 0, 0], 7)):
+        alloc, lead, seq, _ = problem(DEV, *geo, None)
         acc = fe.gqa_accumulator(1, 64, deterministic=True, device=DEV, arch=arch, **alloc)
         pk, pv = rand(lead + (2, 64), gen), rand(lead + (2, 64), gen)
         fe.gqa_accumulate(pk, pv, acc, deterministic=True, **seq)
@@ -405,8 +366,7 @@ def test_gqa_cuda_graph(arch):
     pk, pv = rand((b, s, h_k * g, d), gen), rand((b, s, h_k * g, d), gen)
     used = int32(s, 129)
     acc = fe.gqa_accumulator(h_k, d, batch=b, seqlen=s, deterministic=True, device=DEV, arch=arch)
-    dk, dv = (torch.zeros(b, s, h_k, d, dtype=torch.bfloat16, device=DEV) for _ in range(2))
-    rk = torch.zeros(b, s, h_k, d, dtype=torch.float16, device=DEV)
+    dk, dv, rk = (torch.zeros(b, s, h_k, d, dtype=t, device=DEV) for t in (torch.bfloat16,) * 2 + (torch.float16,))
 
     def step():
         acc.reset()
@@ -438,10 +398,8 @@ def test_gqa_opcheck():
     ops = torch.ops.flash_epilogue
     gen = generator(2)
     h_k, g, d = 2, 2, 64
-    cu = int32(0, 100, 100, 230)
-    used = int32(90, 0, 130)
-    for alloc, lead, seq in (({"batch": 2, "seqlen": 150}, (2, 150), {}),
-                             ({"cu_seqlens": cu, "total_tokens": 240}, (240,), {"cu_seqlens": cu, "seqused": used})):
+    for geo in ((2, 150, None, 0, None), (None, None, [100, 0, 130], 10, [90, 0, 130])):
+        alloc, lead, _, seq = problem(DEV, *geo)
         acc = fe.gqa_accumulator(h_k, d, deterministic=True, device=DEV, **alloc)
         pk, pv = rand(lead + (h_k * g, d), gen), rand(lead + (h_k * g, d), gen)
         opcheck(ops.gqa_accumulate.default, (pk, pv, acc.dk_accum, acc.dv_accum, acc.semaphores),
@@ -478,10 +436,9 @@ def test_gqa_export_with_accumulator_input():
     assert torch.equal(bits(dk), bits(dk_e)) and torch.equal(bits(dv), bits(dv_e))
 
 
-# ---------------------------------------------------------------------------------------------
-# the collective's per-query-head adds (tests/header_library/gqa_per_head.cu: CollectiveEpilogueBwdGQA through
-# GqaAccumulateKernel, what an attention kernel calls; built with torch's JIT loader, about a minute) against the
-# op, which adds whole groups per CTA on sm_90: deterministic bitwise, the unordered adds within fp32 reassociation
+# ---- the collective's per-query-head adds (tests/header_library/gqa_per_head.cu: CollectiveEpilogueBwdGQA through
+# GqaAccumulateKernel, what an attention kernel calls; JIT-built, about a minute) against the op, which adds whole
+# groups per CTA on sm_90: deterministic bitwise, the unordered adds within fp32 reassociation
 
 
 @pytest.fixture(scope="module")
@@ -506,14 +463,13 @@ def test_per_head_adds_match_the_op(per_head, d, varlen, deterministic):
     gen = generator(d + 2 * varlen + deterministic)
     pk, pv = rand(lead + (hk * group, d), gen), rand(lead + (hk * group, d), gen)
     accs = [fe.gqa_accumulator(hk, d, deterministic=deterministic, device=DEV, **alloc) for _ in range(3)]
+    # the same non-zero start: the adds go onto earlier calls' sums; the third gets |start| + sum |partials|: two
+    # orders of the group + 1 additions differ by at most 2 * group * 2^-24 of it
     start = torch.randn(accs[0].dk_accum.shape, generator=gen, device=DEV)
-    for acc in accs[:2]:  # the same non-zero start: the adds go onto earlier calls' sums
-        acc.dk_accum.copy_(start)
-        acc.dv_accum.copy_(start)
+    for acc, init in zip(accs, (start, start, start.abs())):
+        acc.dk_accum.copy_(init)
+        acc.dv_accum.copy_(init)
     fe.gqa_accumulate(pk, pv, accs[0], cu_seqlens=cu)
-    # |start| + sum |partials|: two orders of the group + 1 additions differ by at most 2 * group * 2^-24 of it
-    accs[2].dk_accum.copy_(start.abs())
-    accs[2].dv_accum.copy_(start.abs())
     fe.gqa_accumulate(pk.abs(), pv.abs(), accs[2], cu_seqlens=cu)
     per_head.accumulate_per_head(pk, pv, accs[1].dk_accum, accs[1].dv_accum,
                                  accs[1].semaphores if deterministic else None, cu, batch)

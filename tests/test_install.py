@@ -1,8 +1,7 @@
-"""Installing: a non-editable install ships the collectives' headers (get_include() names existing directories inside
-the installed package, and the example kernel compiles against them), writes nothing into the source tree, and a
-pure-Python one (FLASH_EPILOGUE_SKIP_CUDA_BUILD=1) imports, names why it has no kernels and runs repeat_kv; a source
-distribution holds every source the build reads and nothing of a local build. A build of one head dim
-(FLASH_EPILOGUE_HEAD_DIMS=64; a real compile, run with the GPU suite) refuses another head dim naming the knob.
+"""Installing: a non-editable install ships the collectives' headers (the example kernel compiles against them) and
+writes nothing into the source tree; a pure-Python one (FLASH_EPILOGUE_SKIP_CUDA_BUILD=1) imports, names why it has no
+kernels and runs repeat_kv; a source distribution holds every source the build reads and nothing of a local build; a
+build of one head dim (FLASH_EPILOGUE_HEAD_DIMS=64, a real compile run with the GPU suite) refuses another, naming it.
 """
 import os
 import shutil
@@ -18,11 +17,16 @@ from conftest import nvcc
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def pip_install(target: Path, **env) -> None:
-    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps", "--target", str(target),
-           str(ROOT)]
-    proc = subprocess.run(cmd, env=dict(os.environ, **env), capture_output=True, text=True, timeout=1800)
+def run(cmd, **kw) -> str:
+    """The command's stdout; it must succeed (else its output's tail is the message)."""
+    proc = subprocess.run(cmd, capture_output=True, text=True, **kw)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def pip_install(target: Path, **env) -> None:
+    run([sys.executable, "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps", "--target", str(target),
+         str(ROOT)], env=dict(os.environ, **env), timeout=1800)
 
 
 # an editable install of the checkout in this environment answers for flash_epilogue.* through its own finder
@@ -33,18 +37,13 @@ def run_installed(site: Path, code: str) -> str:
     """`code` in a new process that imports the package installed in `site` (not the checkout)."""
     # the rest of PYTHONPATH may hold the dependencies (the cutlass wheel); the checkout itself is left out
     rest = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p).resolve() != ROOT]
-    path = [str(site), *rest]
-    proc = subprocess.run([sys.executable, "-c", ONLY_SITE + code], cwd=site.parent, capture_output=True, text=True,
-                          timeout=600,
-                          env=dict(os.environ, PYTHONPATH=os.pathsep.join(path), FLASH_EPILOGUE_DISABLE_KERNELS="0"))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout
+    return run([sys.executable, "-c", ONLY_SITE + code], cwd=site.parent, timeout=600,
+               env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), *rest]), FLASH_EPILOGUE_DISABLE_KERNELS="0"))
 
 
 def source_tree_state() -> str:
     """Every path git sees in the checkout, ignored ones included, but setuptools' own build/ and egg-info."""
-    out = subprocess.run(["git", "status", "--porcelain", "--ignored", "--untracked-files=all"], cwd=ROOT,
-                         capture_output=True, text=True).stdout
+    out = run(["git", "status", "--porcelain", "--ignored", "--untracked-files=all"], cwd=ROOT)
     return "\n".join(sorted(line for line in out.splitlines() if not any(
         part in line for part in ("build/", ".egg-info", "__pycache__", ".pytest_cache"))))
 
@@ -71,31 +70,22 @@ print("INCLUDE", *fe.get_include())
     includes = out.split("INCLUDE ", 1)[1].split()
     if nvcc() is None:
         return
-    sys.path.insert(0, str(ROOT / "examples" / "custom_kernel"))
-    try:
-        import build
-    finally:
-        sys.path.pop(0)
-    cmd = [nvcc(), *build.NVCC_FLAGS, "-c", str(ROOT / "examples/custom_kernel/epilogue_example.cu"), "-o",
-           str(tmp_path / "kernel.o"), *[f"-I{d}" for d in includes]]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    from test_custom_kernel_example import build
 
+    run([nvcc(), *build.NVCC_FLAGS, "-c", str(ROOT / "examples/custom_kernel/epilogue_example.cu"), "-o",
+         str(tmp_path / "kernel.o"), *[f"-I{d}" for d in includes]], timeout=600)
 
 
 def test_a_source_distribution_holds_what_the_build_reads(tmp_path):
     # from a copy of the checkout's files: setuptools would otherwise reuse a local egg-info's file list
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True,
-                           text=True).stdout.split()
+    files = run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT).split()
     tree = tmp_path / "tree"
     for f in files:
         if (ROOT / f).is_file():
             (tree / f).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / f, tree / f)
-    proc = subprocess.run([sys.executable, "setup.py", "-q", "sdist", "--dist-dir", str(tmp_path)], cwd=tree,
-                          capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, FLASH_EPILOGUE_SKIP_CUDA_BUILD="1"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run([sys.executable, "setup.py", "-q", "sdist", "--dist-dir", str(tmp_path)], cwd=tree, timeout=600,
+        env=dict(os.environ, FLASH_EPILOGUE_SKIP_CUDA_BUILD="1"))
     (sdist,) = tmp_path.glob("*.tar.gz")
     with tarfile.open(sdist) as tar:
         names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}

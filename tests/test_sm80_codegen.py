@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import nvcc
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -23,29 +25,20 @@ def _cuobjdump():
         import nvidia  # the nvidia-cuda-cuobjdump wheel: nvidia/cu13/bin/cuobjdump
     except ImportError:
         return None
-    for base in nvidia.__path__:
-        for candidate in Path(base).glob("cu*/bin/cuobjdump"):
-            return str(candidate)
-    return None
-
-
-def _nvcc():
-    cuda_home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
-    nvcc = Path(cuda_home) / "bin/nvcc"
-    return shutil.which("nvcc") or (str(nvcc) if nvcc.exists() else None)
+    return next((str(c) for base in nvidia.__path__ for c in Path(base).glob("cu*/bin/cuobjdump")), None)
 
 
 def _compile(src: str, out: Path, gencode: str) -> None:
     from flash_epilogue._cutlass import cutlass_include_dirs
 
-    cmd = [_nvcc(), "-std=c++20", "-O3", "-DNDEBUG", "--expt-relaxed-constexpr", f"-gencode={gencode}", "-cubin",
+    cmd = [nvcc(), "-std=c++20", "-O3", "-DNDEBUG", "--expt-relaxed-constexpr", f"-gencode={gencode}", "-cubin",
            "-I", str(ROOT / "csrc/include"), "-I", str(ROOT / "csrc/kernels"),
            *[f"-I{d}" for d in cutlass_include_dirs()], str(ROOT / src), "-o", str(out)]
     result = subprocess.run(cmd, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
 
 
-@pytest.mark.skipif(_nvcc() is None, reason="no nvcc")
+@pytest.mark.skipif(nvcc() is None, reason="no nvcc")
 @pytest.mark.skipif(_cuobjdump() is None,
                     reason="no cuobjdump (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
 def test_sm80_path_has_no_breakpoint(tmp_path):
@@ -59,7 +52,7 @@ def test_sm80_path_has_no_breakpoint(tmp_path):
         assert bad not in sass, f"sm_80 store kernel contains {bad}"
 
 
-@pytest.mark.skipif(_nvcc() is None, reason="no nvcc")
+@pytest.mark.skipif(nvcc() is None, reason="no nvcc")
 def test_sm90_kernels_compile_into_an_sm80_binary(tmp_path):
     _compile("csrc/instantiations/store_zero_hdim64_sm90.cu", tmp_path / "zero_sm90_for_sm80.cubin",
              "arch=compute_80,code=sm_80")

@@ -1,7 +1,6 @@
 """GPU tests of `store` (bitwise `accum.to(dtype)` on every valid element, nothing else in the canary buffer
 changed), and the checker test_store_zero.py shares. Layout cases run on both code paths (`arch`: sm_90, and the
-sm_80 path on the same GPU, for its logic and layouts) with row edges at the path's kBlockN; the sm_90 driver's
-cases (persistent CTAs, small-problem kernels, TMA boxes) on sm_90 alone."""
+sm_80 path on the same GPU) with row edges at the path's kBlockN; the sm_90 driver's cases on sm_90 alone."""
 import pytest
 import torch
 
@@ -12,7 +11,7 @@ from flash_epilogue.reference import store_reference, store_zero_reference
 pytestmark = pytest.mark.gpu
 
 HEAD_DIMS = (64, 80, 96, 128, 160, 192, 256)
-DV_PAIRS = [(192, 128), (64, 128), (128, 64), (256, 128), (72, 200)]
+DV_PAIRS = [(192, 128), (64, 128), (128, 64), (256, 128), (72, 200), (64, 256), (136, 72)]
 dtype_param = pytest.mark.parametrize("dtype", DTYPES, ids=str)
 
 
@@ -64,41 +63,30 @@ def test_store_batched(dtype, d, seq_idx, batch, heads, arch):
 
 @arch_param
 @dtype_param
-def test_store_empty_batch(dtype, arch):
-    check_carved((0, 128, 4, 128), dtype, arch=arch, acc=True)
-
-
-@arch_param
-@dtype_param
-@pytest.mark.parametrize("d", (64, 128, 192, 256))
-def test_store_bhsd_layout(dtype, d, arch):
+@pytest.mark.parametrize("d", (64, 96, 128, 192, 256))
+def test_store_views(dtype, d, arch):
     # outputs stored (batch, heads, seqlen, d), passed as (batch, seqlen, heads, d) views; inputs in another layout
     b, h, s = 2, 4, 777
     dk_buf, dv_buf = canary((b, h, s, d), dtype), canary((b, h, s, d), dtype)
     acc = accum((b, h, s, d)).transpose(1, 2), accum((b, s, h, d))
     check(dk_buf, dv_buf, dk_buf.transpose(1, 2), dv_buf.transpose(1, 2), arch, acc)
-
-
-@arch_param
-@dtype_param
-@pytest.mark.parametrize("d", (64, 96, 128, 192, 256))
-def test_store_strided_views(dtype, d, arch):
     # dk/dv carved out of wider buffers: padded rows, extra heads, padded head dim, and a batch stride with slack
     b, s, h = 3, 300, 2
     dk_buf, dv_buf = canary((b + 1, s + 5, h + 2, d + 16), dtype), canary((b, s, 2 * h, d + 8), dtype)
     dk, dv = dk_buf[1:, 2 : s + 2, 1 : h + 1, :d], dv_buf[:, :, ::2, :d]
     check(dk_buf, dv_buf, dk, dv, arch, (accum((b, s, h, d + 4))[..., :d], accum((b, s, h, d))))
-
-
-@arch_param
-@dtype_param
-def test_store_size_one_dims_with_odd_strides(dtype, arch):
     # batch 1 and heads 1 with strides no one could use: normalized, not rejected
-    s, d = 200, 128
+    s = 200
     base, dv_buf = canary((s * d + 64,), dtype), canary((1, s, 1, d), dtype)
     dk, dv = base.as_strided((1, s, 1, d), (3, d, 5, 1)), dv_buf.as_strided((1, s, 1, d), (7, d, 1, 1))
     acc = accum((1, s, 1, d)).as_strided((1, s, 1, d), (1, d, 3, 1))
     check(base, dv_buf, dk, dv, arch, (acc, accum((1, s, 1, d))))
+    # through the op itself, one accumulator for both, into new outputs: bitwise accum.to(dtype)
+    acc = accum((2, 1000, 4, d))
+    outs = torch.empty_like(acc, dtype=dtype), torch.empty_like(acc, dtype=dtype)
+    torch.ops.flash_epilogue.store(acc, acc, *outs, _arch=arch)
+    for out in outs:
+        assert torch.equal(bits(out), bits(acc.to(dtype)))
 
 
 @arch_param
@@ -106,22 +94,23 @@ def test_store_size_one_dims_with_odd_strides(dtype, arch):
 @pytest.mark.parametrize("d,dv", DV_PAIRS)
 def test_store_dv_differs_from_d(dtype, d, dv, arch):
     check_carved((2, 333, 3, d), dtype, arch=arch, shape_v=(2, 333, 3, dv), acc=True)
+    lens = [0, 1, 95, 96, 97, 300]
+    total = sum(lens) + 3
+    check_carved((total, 3, d), dtype, arch=arch, shape_v=(total, 3, dv), acc=True, cu_seqlens=cu_seqlens(lens),
+                 seqused=int32(*[max(0, x - 7) for x in lens]))
 
 
 @arch_param
 @dtype_param
 @pytest.mark.parametrize("d", HEAD_DIMS)
-def test_store_varlen_and_seqused(dtype, d, arch):
-    _, cu, used, total = varlen_meta(block_n(d, arch=arch), 3, 500 if arch == 90 else 50)
+def test_store_seqused_varlen_and_empty(dtype, d, arch):
+    n = block_n(d, arch=arch)
+    check_carved((4, 400, 2, d), dtype, arch=arch, acc=True, seqused=int32(0, 1, n + 1, 400))
+    check_carved((0, 128, 4, d), dtype, arch=arch, acc=True)
+    _, cu, used, total = varlen_meta(n, 3, 500 if arch == 90 else 50)
     # the last: every sequence empty, nothing written
     for seq in ({"cu_seqlens": cu}, {"cu_seqlens": cu, "seqused": used}, {"cu_seqlens": int32(0, 0, 0, 0, 0)}):
         check_carved((total, 2, d), dtype, arch=arch, acc=True, **seq)
-
-
-@arch_param
-@dtype_param
-def test_store_seqused_batched(dtype, arch):
-    check_carved((4, 400, 2, 128), dtype, arch=arch, acc=True, seqused=int32(0, 1, block_n(128, arch=arch) + 1, 400))
 
 
 def many_tiles_heads(tiles_per_head, waves=20):
@@ -133,12 +122,30 @@ def many_tiles_heads(tiles_per_head, waves=20):
 
 @dtype_param
 @pytest.mark.parametrize("d", (64, 96, 128, 192, 256))
-def test_store_many_tiles_per_cta(dtype, d):
-    b, s = 2, 8 * block_n(d) + 5  # a partial last tile per sequence
+def test_store_sm90_tiling(dtype, d):
+    n = block_n(d)
+    b, s = 2, 8 * n + 5  # a partial last tile per sequence
     h = many_tiles_heads(b * 9)
     dk_buf, dv_buf = canary((b, s + 3, h, d), dtype), canary((b, s + 3, h, d), dtype)
-    dk, dv = dk_buf[:, 1 : s + 1], dv_buf[:, 2 : s + 2]
-    check(dk_buf, dv_buf, dk, dv, acc=True)
+    check(dk_buf, dv_buf, dk_buf[:, 1 : s + 1], dv_buf[:, 2 : s + 2], acc=True)
+    # varlen: random lengths (zeros too) and a seqused emptying some tiles: the CTAs skip those in the order of
+    # their loads
+    gen = torch.Generator().manual_seed(d)
+    lens = torch.randint(0, 4 * n, (48,), generator=gen)
+    lens[::7] = 0
+    cu = cu_seqlens(lens.tolist())
+    used = (lens - torch.randint(0, 2 * n, (48,), generator=gen)).clamp(min=0).to(torch.int32).cuda()
+    h = many_tiles_heads(int(lens.sum()) // n + 48)
+    for seq in ({"cu_seqlens": cu}, {"cu_seqlens": cu, "seqused": used}):
+        check_carved((int(cu[-1]) + 11, h, d), dtype, acc=True, **seq)
+    # a varlen tile goes by TMA when all its rows lie inside the sequence (and seqused), by predicated stores
+    # otherwise: tiles ending exactly at a sequence's end or at seqused, a sequence of full tiles only, and strided
+    # views whose canaries a box one row or column too long would overwrite
+    cu = cu_seqlens([2 * n, n + 3, 3 * n, 1, 4 * n + 1])
+    total, h = int(cu[-1]), 3
+    for seq in ({"cu_seqlens": cu}, {"cu_seqlens": cu, "seqused": int32(2 * n, n, 2 * n, 1, 3 * n - 1)}):
+        dk_buf, dv_buf = canary((total + 5, h, d + 16), dtype), canary((total + 5, h + 1, d), dtype)
+        check(dk_buf, dv_buf, dk_buf[2 : 2 + total, :, :d], dv_buf[3 : 3 + total, 1:], acc=True, **seq)
 
 
 @dtype_param
@@ -153,36 +160,8 @@ def test_store_at_the_small_problem_threshold(dtype, d, extra_heads, metadata):
     s, h = block_n(d) - 3, (sms // 2 if d == 128 else sms) + extra_heads
     lead = (s + 2,) if metadata == "cu_seqlens" else (1, s + 2)
     dk_buf, dv_buf = canary((*lead, h, d), dtype), canary((*lead, h, d), dtype)
-    rows = slice(1, s + 1)
-    dk, dv = (dk_buf[rows], dv_buf[rows]) if metadata == "cu_seqlens" else (dk_buf[:, rows], dv_buf[:, rows])
     seq = {"none": {}, "cu_seqlens": {"cu_seqlens": int32(0, s)}, "seqused": {"seqused": int32(s - 5)}}[metadata]
-    check(dk_buf, dv_buf, dk, dv, acc=True, **seq)
-
-
-@dtype_param
-@pytest.mark.parametrize("d", (128, 256))
-def test_store_varlen_many_tiles_per_cta(dtype, d):
-    # random lengths (zeros too) and a seqused emptying some tiles: the CTAs skip those in the order of their loads
-    n = block_n(d)
-    gen = torch.Generator().manual_seed(d)
-    lens = torch.randint(0, 4 * n, (48,), generator=gen)
-    lens[::7] = 0
-    cu = cu_seqlens(lens.tolist())
-    used = (lens - torch.randint(0, 2 * n, (48,), generator=gen)).clamp(min=0).to(torch.int32).cuda()
-    h = many_tiles_heads(int(lens.sum()) // n + 48)
-    for seq in ({"cu_seqlens": cu}, {"cu_seqlens": cu, "seqused": used}):
-        check_carved((int(cu[-1]) + 11, h, d), dtype, acc=True, **seq)
-
-
-@arch_param
-@pytest.mark.parametrize("d", (64, 128, 192, 256))
-def test_store_matches_plain_to_on_both_paths(d, arch):
-    # the spec in one line: bitwise accum.to(dtype), so the same bits on both paths
-    acc = accum((2, 1000, 4, d))
-    outs = torch.empty_like(acc, dtype=torch.bfloat16), torch.empty_like(acc, dtype=torch.bfloat16)
-    torch.ops.flash_epilogue.store(acc, acc, *outs, _arch=arch)
-    for out in outs:
-        assert torch.equal(bits(out), bits(acc.to(torch.bfloat16)))
+    check(dk_buf, dv_buf, dk_buf[..., 1 : s + 1, :, :], dv_buf[..., 1 : s + 1, :, :], acc=True, **seq)
 
 
 @arch_param
@@ -210,26 +189,3 @@ def test_store_bad_metadata_unchecked_stays_inside_the_tensor(cu, used, arch):
     with pytest.raises(fe.FlashEpilogueInputError, match="cu_seqlens|seqused"):
         fe.store(acc, acc, dk, dv, **seq, check_inputs=True)
 
-
-@pytest.mark.parametrize("d", (64, 96, 128, 256))
-def test_store_varlen_full_tiles_strided(d):
-    # sm_90 stores a varlen tile by TMA when all its rows lie inside the sequence (and seqused), by predicated
-    # stores otherwise: tiles ending exactly at a sequence's end or at seqused, a sequence of full tiles only, and
-    # strided views whose canaries a box one row or column too long would overwrite
-    n = block_n(d)
-    cu = cu_seqlens([2 * n, n + 3, 3 * n, 1, 4 * n + 1])
-    total, h = int(cu[-1]), 3
-    for seq in ({"cu_seqlens": cu}, {"cu_seqlens": cu, "seqused": int32(2 * n, n, 2 * n, 1, 3 * n - 1)}):
-        dk_buf, dv_buf = canary((total + 5, h, d + 16)), canary((total + 5, h + 1, d))
-        dk, dv = dk_buf[2 : 2 + total, :, :d], dv_buf[3 : 3 + total, 1:]
-        check(dk_buf, dv_buf, dk, dv, acc=True, **seq)
-
-
-@arch_param
-@pytest.mark.parametrize("d,dv", [(192, 128), (64, 256), (136, 72)])
-def test_store_varlen_dv_differs_from_d(d, dv, arch):
-    lens = [0, 1, 95, 96, 97, 300]
-    cu = cu_seqlens(lens)
-    total = int(cu[-1]) + 3
-    check_carved((total, 3, d), torch.bfloat16, arch=arch, shape_v=(total, 3, dv), acc=True, cu_seqlens=cu,
-                 seqused=int32(*[max(0, x - 7) for x in lens]))

@@ -32,34 +32,25 @@ def selection(n, gen, form):
 @dtype_param
 @pytest.mark.parametrize("d", HEAD_DIMS)
 @arch_param
-def test_store_zero_batched(dtype, d, arch):
+@pytest.mark.parametrize("varlen", (False, True), ids=("batched", "varlen"))
+def test_store_zero_rows_and_selections(dtype, d, arch, varlen):
     n = block_n(d, d, arch)
-    b, s, h = 3, 2 * n + 3, 3
-    gen = torch.Generator().manual_seed(d * 7 + arch + (dtype == torch.float16))
-    used = int32(s, n + 1, 0)
+    gen = torch.Generator().manual_seed(d * (11 if varlen else 7) + arch + (dtype == torch.float16))
+    if varlen:
+        batch, cu, used, total = varlen_meta(n)
+        shape, seqs = (total, 2, d), ({"cu_seqlens": cu}, {"cu_seqlens": cu, "seqused": used})
+        ranges = [(0, None), (n - 1, n + 1), (n, None), (n + 1, 2 * n), (1, n - 1), (3, 3), (0, INT32_MAX)]
+    else:
+        batch, s = 3, 2 * n + 3
+        shape, seqs, ranges = (batch, s, 3, d), ({}, {"seqused": int32(s, n + 1, 0)}), row_ranges(n)
     zeroed = 0
-    for i, (r0, r1) in enumerate(row_ranges(n)):
-        for seq in ({}, {"seqused": used}):
-            zeroed += check_carved((b, s, h, d), dtype, LAYOUTS[(i + len(seq)) % 3], arch,
-                                   batch_idx=selection(b, gen, FORMS[i % 4]),
-                                   head_idx=selection(h, gen, FORMS[(i + 1 + len(seq)) % 4]),
+    for i, (r0, r1) in enumerate(ranges):
+        for seq in seqs:
+            zeroed += check_carved(shape, dtype, LAYOUTS[(i + len(seq)) % 3], arch,
+                                   batch_idx=selection(batch, gen, FORMS[i % 4]),
+                                   head_idx=selection(shape[-2], gen, FORMS[(i + 1 + len(seq)) % 4]),
                                    row_start=r0, row_end=r1, **seq)
     assert zeroed > 0  # the cases are not vacuous
-
-
-@dtype_param
-@pytest.mark.parametrize("d", HEAD_DIMS)
-@arch_param
-def test_store_zero_varlen(dtype, d, arch):
-    n = block_n(d, d, arch)
-    batch, cu, used, total = varlen_meta(n)
-    gen = torch.Generator().manual_seed(d * 11 + arch + (dtype == torch.float16))
-    ranges = [(0, None), (n - 1, n + 1), (n, None), (n + 1, 2 * n), (1, n - 1), (3, 3), (0, INT32_MAX)]
-    for i, (r0, r1) in enumerate(ranges):
-        for seq in ({"cu_seqlens": cu}, {"cu_seqlens": cu, "seqused": used}):
-            check_carved((total, 2, d), dtype, LAYOUTS[(i + len(seq)) % 3], arch,
-                         batch_idx=selection(batch, gen, FORMS[i % 4]), head_idx=selection(2, gen, FORMS[(i + 2) % 4]),
-                         row_start=r0, row_end=r1, **seq)
 
 
 @dtype_param
@@ -81,14 +72,14 @@ def test_store_zero_dv_differs_from_d(dtype, d, dv_dim, arch):
 
 @dtype_param
 @arch_param
-def test_store_zero_out_of_range_and_duplicate_indices(dtype, arch):
+def test_store_zero_selection_edges(dtype, arch):
     # out-of-range entries (negative ones too: no wrap-around) are skipped, duplicates harmless
     d, h = 128, 3
     n = block_n(d, d, arch)
     b, s = 3, n + 5
     for conv in ((lambda x: x), (lambda x: int32(*x))):  # a list, a tensor
         assert check_carved((b, s, h, d), dtype, "padded", arch, (b, s, h, 64), seqused=int32(s, 1, n + 1),
-                            batch_idx=conv([3, -1, 1, 1, 2**31 - 1, -2**31, 2]),
+                            batch_idx=conv([3, -1, 1, 1, INT32_MAX, -2**31, 2]),
                             head_idx=conv([0, 0, 3, -1, 2, -2**31]), row_start=n - 1) > 0
         # nothing in range: nothing written
         assert check_carved((b, s, h, d), dtype, "plain", arch, batch_idx=conv([3, -1, 100]), head_idx=conv([0])) == 0
@@ -103,11 +94,6 @@ def test_store_zero_out_of_range_and_duplicate_indices(dtype, arch):
         fe.store_zero(dk, dv, batch_idx=[0, 3], check_inputs=True, _arch=arch)
     torch.cuda.synchronize()
     assert (bits(dk) == CANARY_BITS).all() and (bits(dv) == CANARY_BITS).all()
-
-
-@dtype_param
-@arch_param
-def test_store_zero_empty_selections(dtype, arch):
     # every one of these writes nothing: the buffers keep their canary bit for bit
     d, b, s, h = 64, 2, 40, 2
     for kw in ({"batch_idx": []}, {"batch_idx": int32()}, {"head_idx": []}, {"head_idx": int32(), "batch_idx": [0, 1]},
@@ -122,21 +108,16 @@ def test_store_zero_empty_selections(dtype, arch):
     fe.store_zero(canary((0, h, d), dtype), canary((0, h, d), dtype), cu_seqlens=cu, _arch=arch)
     # varlen whose sequences are all empty, with slack rows: nothing written
     assert check_carved((12, h, d), dtype, ("plain", "padded"), arch, cu_seqlens=cu) == 0
-    torch.cuda.synchronize()
-
-
-@arch_param
-def test_store_zero_whole_tensor_and_int_selections(arch):
     # the default call zeroes every valid element, as zero_() would
     shape = (2, 300, 3, 96)
-    dk, dv = canary(shape, torch.bfloat16), canary(shape[:-1] + (32,), torch.bfloat16)
+    dk, dv = canary(shape, dtype), canary(shape[:-1] + (32,), dtype)
     fe.store_zero(dk, dv, _arch=arch)
     torch.cuda.synchronize()
     assert (bits(dk) == 0).all() and (bits(dv) == 0).all()
     # an int, a tuple and a range select like the equivalent tensors
     for batch_idx, head_idx in ((1, 2), ((0,), range(1, 3)), (range(2), (2, 0))):
-        assert check_carved(shape, torch.float16, ("transposed", "plain"), arch, batch_idx=batch_idx,
-                            head_idx=head_idx, row_start=1) > 0
+        assert check_carved(shape, dtype, ("transposed", "plain"), arch, batch_idx=batch_idx, head_idx=head_idx,
+                            row_start=1) > 0
 
 
 @arch_param
