@@ -1,7 +1,6 @@
-"""How a wrapper calls its op (call_op): the opt-in content checks of cu_seqlens, seqused, batch_idx and head_idx (a
-host sync: ``check_inputs=True`` or FLASH_EPILOGUE_CHECK_INPUTS=1; never under torch.compile or CUDA-graph capture),
-the op, its error as the package's, and with FLASH_EPILOGUE_DEBUG=1 (checks, and a sync after every launch so that
-the op that failed reports it). The ops check metadata only."""
+"""How a wrapper calls its op (call_op): the opt-in content checks (a host sync, so never under torch.compile or
+CUDA-graph capture; the ops check metadata only), the op, its error as the package's, and FLASH_EPILOGUE_DEBUG's sync
+after every launch."""
 import os
 
 import torch
@@ -68,16 +67,6 @@ def check_contents(op: str, t, cu_seqlens=None, seqused=None, batch_idx=None, he
                 fail(op, f"{name}[{i}]", f"a value in [0, {limit}) ({why})", v)
 
 
-def debug_sync(op: str, device: torch.device) -> None:
-    """FLASH_EPILOGUE_DEBUG=1: wait for the launch and report a device error against this op."""
-    if not (DEBUG and device.type == "cuda" and _eager()):
-        return
-    try:
-        torch.cuda.synchronize(device)
-    except Exception as e:  # noqa: BLE001 (re-raised with the op's name)
-        raise RuntimeError(f"flash_epilogue.{op}: the kernel failed on {device}: {e}") from e
-
-
 def call_op(op: str, check_inputs: bool | None, contents: tuple, *args, **kwargs) -> None:
     """torch.ops.flash_epilogue.<op>(*args, **kwargs) as every wrapper calls it; `contents`: check_contents' arguments
     after `op` (its first, the tensor of the dk layout, also names the device to synchronize). Under torch.compile the
@@ -94,5 +83,8 @@ def call_op(op: str, check_inputs: bool | None, contents: tuple, *args, **kwargs
     except Exception as e:  # noqa: BLE001 (the op's error, as the package's)
         _extension.check_tensor_types(op, args, kwargs)  # the dispatcher's refusal, named from the arguments
         raise _extension.op_error(op, e) from None
-    if DEBUG:
-        debug_sync(op, contents[0].device)
+    if DEBUG and contents[0].device.type == "cuda" and _eager():  # a device error, reported against this op
+        try:
+            torch.cuda.synchronize(contents[0].device)
+        except Exception as e:  # noqa: BLE001 (re-raised with the op's name)
+            raise RuntimeError(f"flash_epilogue.{op}: the kernel failed on {contents[0].device}: {e}") from e

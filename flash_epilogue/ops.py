@@ -14,7 +14,6 @@ from .gqa import GQAAccumulator
 
 __all__ = ["store", "store_zero", "gqa_accumulate", "gqa_postprocess", "gqa_reduce", "refresh_env_flags"]
 
-_ops = torch.ops.flash_epilogue  # looked up once (host time); each op is looked up per call
 _I32_MIN, _I32_MAX = -(2**31), 2**31 - 1
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 IndexArg = None | int | Sequence[int] | torch.Tensor
@@ -48,11 +47,8 @@ def _index_tensor(name: str, idx: IndexArg, device) -> torch.Tensor | None:
                 idx = list(idx)
             except TypeError:
                 fail(op, name, what, type(idx).__name__, FlashEpilogueTypeError)
-    if isinstance(idx, int):
-        values, names = [idx], [name]
-    else:
-        names = [f"{name}[{i}]" for i in range(len(idx))]
-        values = [as_index(op, n, v) for n, v in zip(names, idx)]
+    names = [name] if isinstance(idx, int) else [f"{name}[{i}]" for i in range(len(idx))]
+    values = [idx] if isinstance(idx, int) else [as_index(op, n, v) for n, v in zip(names, idx)]
     for v, n in zip(values, names):
         if not _I32_MIN <= v <= _I32_MAX:
             fail(op, n, f"an int32 value in [{_I32_MIN}, {_I32_MAX}]", v)
@@ -121,17 +117,14 @@ def gqa_accumulate(dk_partial: torch.Tensor, dv_partial: torch.Tensor, acc: GQAA
                    deterministic: bool | None = None, cu_seqlens: torch.Tensor | None = None,
                    seqused: torch.Tensor | None = None, check_inputs: bool | None = None) -> None:
     """In place: add fp32 per-query-head partials (batch, seqlen, h_q, d) / (..., dv), or varlen with ``cu_seqlens``,
-    into ``acc``; query head j goes to KV head j // (h_q / h_k), valid rows only. Callable many times (each call
-    carrying whole groups). ``deterministic``: bitwise reproducible, needs ``acc`` allocated with it; default: as
-    ``acc`` was allocated, else ``torch.are_deterministic_algorithms_enabled()``. Under
-    ``torch.use_deterministic_algorithms(True)`` the non-deterministic mode raises torch's RuntimeError; with
-    ``warn_only=True`` it warns (and is the default for an accumulator without semaphores)."""
+    into ``acc``'s valid rows; query head j goes to KV head j // (h_q / h_k); each call carries whole groups.
+    ``deterministic`` (bitwise reproducible) needs ``acc`` allocated with it; default: as ``acc`` was allocated, else
+    as ``torch.use_deterministic_algorithms`` asks (which raises or, with ``warn_only``, warns for the other mode)."""
     op = "gqa_accumulate"
     _check_acc(op, acc, dk_partial, dv_partial, cu_seqlens, "dk_partial", "dv_partial")
     if deterministic is not None and type(deterministic) is not bool:
         fail(op, "deterministic", "a bool", type(deterministic).__name__, FlashEpilogueTypeError)
-    if deterministic is None:  # as the accumulator was allocated; torch's switch asks for it too (with warn_only an
-        # accumulator without semaphores runs the atomic mode, and the op warns)
+    if deterministic is None:  # with warn_only, an accumulator without semaphores runs the atomic mode, with a warning
         deterministic = acc.semaphores is not None or (torch.are_deterministic_algorithms_enabled() and
                                                        not torch.is_deterministic_algorithms_warn_only_enabled())
         why, instead = "torch.are_deterministic_algorithms_enabled() is True", "its default under that switch"
@@ -141,15 +134,14 @@ def gqa_accumulate(dk_partial: torch.Tensor, dv_partial: torch.Tensor, acc: GQAA
         fail(op, "acc.semaphores", f"an int32 workspace because {why}: allocate the accumulator with "
              f"flash_epilogue.gqa_accumulator(..., deterministic=True) ({instead})",
              "None (allocated with deterministic=False)")
-    semaphores = acc.semaphores if deterministic else None
     if not deterministic and torch.are_deterministic_algorithms_enabled() and \
             torch.is_deterministic_algorithms_warn_only_enabled():  # without warn_only the op raises torch's error
         warnings.warn("flash_epilogue.gqa_accumulate(deterministic=False) does not have a deterministic "
                       "implementation, but you set 'torch.use_deterministic_algorithms(True, warn_only=True)'",
                       stacklevel=2)
     _checks.call_op(op, check_inputs, (dk_partial, cu_seqlens, seqused), dk_partial, dv_partial, acc.dk_accum,
-                    acc.dv_accum, semaphores, cu_seqlens=cu_seqlens, seqused=seqused, deterministic=deterministic,
-                    _arch=acc.arch)
+                    acc.dv_accum, acc.semaphores if deterministic else None, cu_seqlens=cu_seqlens, seqused=seqused,
+                    deterministic=deterministic, _arch=acc.arch)
 
 
 def gqa_postprocess(acc: GQAAccumulator, dk: torch.Tensor, dv: torch.Tensor, *, scale_dk: float = 1.0,
@@ -226,19 +218,16 @@ def gqa_reduce(dk_partial: torch.Tensor, dv_partial: torch.Tensor | None = None,
 
 
 def _fake_of(name: str):
-    """The fake kernel of an op that only writes its arguments: no output, and the one check the op cannot make. Meta
-    tensors dispatch here, also one among CUDA or CPU tensors: that call is refused as the op refuses a CPU tensor
-    among CUDA ones, expecting the first CUDA tensor's device, else the first non-meta tensor's. The rest the op checks
-    when it runs."""
-    names = [a.name for a in getattr(_ops, name).default._schema.arguments]
+    """The fake kernel of an op that only writes its arguments. A meta tensor among CUDA or CPU ones dispatches here
+    too: refused with the op's message, expecting the first CUDA tensor's device, else the first non-meta one's."""
+    names = [a.name for a in getattr(torch.ops.flash_epilogue, name).default._schema.arguments]
 
     def fake(*args, **kwargs) -> None:
         tensors = [(n, t) for n, t in (*zip(names, args), *kwargs.items()) if isinstance(t, torch.Tensor)]
-        ref = next((nt for nt in tensors if nt[1].is_cuda), None) or next((nt for nt in tensors if not nt[1].is_meta),
-                                                                           None)
-        for n, t in tensors if ref is not None else ():
-            if t.device != ref[1].device:
-                fail(name, f"{n}: device", f"{ref[1].device} (the device of {ref[0]})", t.device)
+        ref, want = min(tensors, key=lambda nt: (not nt[1].is_cuda, nt[1].is_meta), default=(None, None))
+        for n, t in tensors:
+            if t.device != want.device:
+                fail(name, f"{n}: device", f"{want.device} (the device of {ref})", t.device)
 
     return fake
 
