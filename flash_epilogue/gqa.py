@@ -82,8 +82,8 @@ class GQAAccumulator:
         outs = [torch.zeros(self.dense_shape(d), dtype=torch.float32, device=self.device)
                 for d in (self.head_dim, self.head_dim_v)]
         for i, (accum, out) in enumerate(zip((self.dk_accum, self.dv_accum), outs)):
-            _checks.call_op(op, check_inputs if i == 0 else False, (out, cu_seqlens, seqused), accum, out,
-                            head_dim=head_dim, cu_seqlens=cu_seqlens, seqused=seqused, _arch=self.arch)
+            _checks.call_op(op, check_inputs if i == 0 else False, out, accum, out, head_dim=head_dim,
+                            cu_seqlens=cu_seqlens, seqused=seqused, _arch=self.arch)
         return outs[0], outs[1]
 
     def __repr__(self) -> str:

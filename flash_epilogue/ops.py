@@ -26,8 +26,8 @@ def store(dk_accum: torch.Tensor, dv_accum: torch.Tensor, dk: torch.Tensor, dv: 
     even. Batched (batch, seqlen, heads, d), last dim contiguous, or varlen (total_tokens, heads, d) with
     ``cu_seqlens``; ``seqused`` limits sequence b to its first seqused[b] rows; dv may have its own head dim."""
     _arch = _arch if type(_arch) is int and INT64_MIN <= _arch <= INT64_MAX else as_int("store", "_arch", _arch)
-    _checks.call_op("store", check_inputs, (dk, cu_seqlens, seqused), dk_accum, dv_accum, dk, dv,
-                    cu_seqlens=cu_seqlens, seqused=seqused, _arch=_arch)
+    _checks.call_op("store", check_inputs, dk, dk_accum, dv_accum, dk, dv, cu_seqlens=cu_seqlens, seqused=seqused,
+                    _arch=_arch)
 
 
 def _index_tensor(name: str, idx: IndexArg, device) -> torch.Tensor | None:
@@ -74,9 +74,8 @@ def store_zero(dk: torch.Tensor, dv: torch.Tensor, *, cu_seqlens: torch.Tensor |
     if row_end is not None and (type(row_end) is not int or not INT64_MIN <= row_end <= INT64_MAX):
         row_end = as_int(op, "row_end", row_end, "None or an int")
     _arch = _arch if type(_arch) is int and INT64_MIN <= _arch <= INT64_MAX else as_int(op, "_arch", _arch)
-    _checks.call_op(op, check_inputs, (dk, cu_seqlens, seqused, batch_idx, head_idx), dk, dv, cu_seqlens=cu_seqlens,
-                    seqused=seqused, batch_idx=batch_idx, head_idx=head_idx, row_start=row_start, row_end=row_end,
-                    _arch=_arch)
+    _checks.call_op(op, check_inputs, dk, dk, dv, cu_seqlens=cu_seqlens, seqused=seqused, batch_idx=batch_idx,
+                    head_idx=head_idx, row_start=row_start, row_end=row_end, _arch=_arch)
 
 
 def _check_acc(op: str, acc, k, v, cu_seqlens, k_name: str, v_name: str) -> None:
@@ -139,8 +138,8 @@ def gqa_accumulate(dk_partial: torch.Tensor, dv_partial: torch.Tensor, acc: GQAA
         warnings.warn("flash_epilogue.gqa_accumulate(deterministic=False) does not have a deterministic "
                       "implementation, but you set 'torch.use_deterministic_algorithms(True, warn_only=True)'",
                       stacklevel=2)
-    _checks.call_op(op, check_inputs, (dk_partial, cu_seqlens, seqused), dk_partial, dv_partial, acc.dk_accum,
-                    acc.dv_accum, acc.semaphores if deterministic else None, cu_seqlens=cu_seqlens, seqused=seqused,
+    _checks.call_op(op, check_inputs, dk_partial, dk_partial, dv_partial, acc.dk_accum, acc.dv_accum,
+                    acc.semaphores if deterministic else None, cu_seqlens=cu_seqlens, seqused=seqused,
                     deterministic=deterministic, _arch=acc.arch)
 
 
@@ -154,8 +153,8 @@ def gqa_postprocess(acc: GQAAccumulator, dk: torch.Tensor, dv: torch.Tensor, *, 
     _check_acc(op, acc, dk, dv, cu_seqlens, "dk", "dv")
     scale_dk = scale_dk if type(scale_dk) is float else as_float(op, "scale_dk", scale_dk)
     scale_dv = scale_dv if type(scale_dv) is float else as_float(op, "scale_dv", scale_dv)
-    _checks.call_op(op, check_inputs, (dk, cu_seqlens, seqused), acc.dk_accum, acc.dv_accum, dk, dv, scale_dk=scale_dk,
-                    scale_dv=scale_dv, cu_seqlens=cu_seqlens, seqused=seqused, _arch=acc.arch)
+    _checks.call_op(op, check_inputs, dk, acc.dk_accum, acc.dv_accum, dk, dv, scale_dk=scale_dk, scale_dv=scale_dv,
+                    cu_seqlens=cu_seqlens, seqused=seqused, _arch=acc.arch)
 
 
 def _new_output(name: str, partial, num_heads_kv: int, varlen: bool, out_dtype):
@@ -172,31 +171,6 @@ def _new_output(name: str, partial, num_heads_kv: int, varlen: bool, out_dtype):
     return partial.new_empty(tuple(partial.shape[:-2]) + (num_heads_kv, partial.shape[-1]), dtype=dtype)
 
 
-def _reduce_outputs(dk_partial, dv_partial, num_heads_kv: int, varlen: bool, out, out_dtype):
-    """(dk, dv) for gqa_reduce: `out` unpacked, or new tensors."""
-    op = "gqa_reduce"
-    if out_dtype is not None and out_dtype not in _HALF_DTYPES:
-        fail(op, "out_dtype", "None, torch.float16 or torch.bfloat16", out_dtype)
-    if out is None:
-        return (_new_output("dk_partial", dk_partial, num_heads_kv, varlen, out_dtype),
-                _new_output("dv_partial", dv_partial, num_heads_kv, varlen, out_dtype))
-    if isinstance(out, torch.Tensor):
-        if dv_partial is not None:
-            fail(op, "out", "a (dk, dv) pair because dv_partial is given", "a torch.Tensor")
-        dk, dv = out, None
-    elif isinstance(out, (tuple, list)) and len(out) == 2:
-        dk, dv = out
-    else:
-        length = f" of length {len(out)}" if isinstance(out, (tuple, list)) else ""
-        fail(op, "out", "None, a tensor (dk) or a (dk, dv) pair", f"a {type(out).__name__}{length}")
-    if isinstance(dk, torch.Tensor):
-        if out_dtype is not None and dk.dtype != out_dtype:
-            fail(op, "out_dtype", f"None or {dk.dtype} (the dtype of out)", out_dtype)
-        if dk.dim() == (3 if varlen else 4) and dk.shape[-2] != num_heads_kv:
-            fail(op, "num_heads_kv", f"{dk.shape[-2]} (the heads of out: dk.shape[-2])", num_heads_kv)
-    return dk, dv
-
-
 def gqa_reduce(dk_partial: torch.Tensor, dv_partial: torch.Tensor | None = None, *, num_heads_kv: int,
                cu_seqlens: torch.Tensor | None = None, seqused: torch.Tensor | None = None,
                out: torch.Tensor | tuple | None = None, out_dtype: torch.dtype | None = None,
@@ -208,12 +182,28 @@ def gqa_reduce(dk_partial: torch.Tensor, dv_partial: torch.Tensor | None = None,
     op = "gqa_reduce"
     if type(num_heads_kv) is not int or num_heads_kv < 1:
         num_heads_kv = as_count(op, "num_heads_kv", num_heads_kv, "a positive int", 1)
-    dk, dv = _reduce_outputs(dk_partial, dv_partial, num_heads_kv, cu_seqlens is not None, out, out_dtype)
+    varlen = cu_seqlens is not None
+    if out_dtype is not None and out_dtype not in _HALF_DTYPES:
+        fail(op, "out_dtype", "None, torch.float16 or torch.bfloat16", out_dtype)
+    if out is None:
+        dk = _new_output("dk_partial", dk_partial, num_heads_kv, varlen, out_dtype)
+        dv = _new_output("dv_partial", dv_partial, num_heads_kv, varlen, out_dtype)
+    elif isinstance(out, torch.Tensor) and dv_partial is not None:
+        fail(op, "out", "a (dk, dv) pair because dv_partial is given", "a torch.Tensor")
+    elif isinstance(out, torch.Tensor) or isinstance(out, (tuple, list)) and len(out) == 2:
+        dk, dv = (out, None) if isinstance(out, torch.Tensor) else out
+        if isinstance(dk, torch.Tensor) and out_dtype is not None and dk.dtype != out_dtype:
+            fail(op, "out_dtype", f"None or {dk.dtype} (the dtype of out)", out_dtype)
+        if isinstance(dk, torch.Tensor) and dk.dim() == (3 if varlen else 4) and dk.shape[-2] != num_heads_kv:
+            fail(op, "num_heads_kv", f"{dk.shape[-2]} (the heads of out: dk.shape[-2])", num_heads_kv)
+    else:
+        length = f" of length {len(out)}" if isinstance(out, (tuple, list)) else ""
+        fail(op, "out", "None, a tensor (dk) or a (dk, dv) pair", f"a {type(out).__name__}{length}")
     scale_dk = scale_dk if type(scale_dk) is float else as_float(op, "scale_dk", scale_dk)
     scale_dv = scale_dv if type(scale_dv) is float else as_float(op, "scale_dv", scale_dv)
     _arch = _arch if type(_arch) is int and INT64_MIN <= _arch <= INT64_MAX else as_int(op, "_arch", _arch)
-    _checks.call_op(op, check_inputs, (dk_partial, cu_seqlens, seqused), dk_partial, dv_partial, dk, dv,
-                    cu_seqlens=cu_seqlens, seqused=seqused, scale_dk=scale_dk, scale_dv=scale_dv, _arch=_arch)
+    _checks.call_op(op, check_inputs, dk_partial, dk_partial, dv_partial, dk, dv, cu_seqlens=cu_seqlens,
+                    seqused=seqused, scale_dk=scale_dk, scale_dv=scale_dv, _arch=_arch)
     return dk if dv_partial is None else (dk, dv)
 
 

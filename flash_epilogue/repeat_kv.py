@@ -123,17 +123,15 @@ if _extension._C is not None:
     def _repeat_kv_backward_fake(grad, n_rep, dim, layout):
         return _gradient_like(grad, n_rep, dim, layout)
 
-    def _folded(in_dims, x, run):
-        """run(x with its vmapped dim folded into its batch dim), unfolded: a vmap rule of a per-head-group op (torch
-        calls it only when x is batched, its one tensor)."""
-        x = x.movedim(in_dims[0], 0)
-        out = run(x.flatten(0, 1))
-        return out.unflatten(0, (x.shape[0], x.shape[1])), 0
+    def _folded(op):
+        """The vmap rule of a per-head-group op: its vmapped dim folded into the batch dim (torch calls it only when
+        x, the op's one tensor, is batched)."""
 
-    @torch.library.register_vmap("flash_epilogue::repeat_kv")
-    def _repeat_kv_vmap(info, in_dims, x, n_rep, dim):
-        return _folded(in_dims, x, lambda t: torch.ops.flash_epilogue.repeat_kv(t, n_rep, dim))
+        def rule(info, in_dims, x, *rest):
+            x = x.movedim(in_dims[0], 0)
+            return op(x.flatten(0, 1), *rest).unflatten(0, (x.shape[0], x.shape[1])), 0
 
-    @torch.library.register_vmap("flash_epilogue::repeat_kv_backward")
-    def _repeat_kv_backward_vmap(info, in_dims, grad, n_rep, dim, layout):
-        return _folded(in_dims, grad, lambda t: torch.ops.flash_epilogue.repeat_kv_backward(t, n_rep, dim, layout))
+        return rule
+
+    for _name in ("repeat_kv", "repeat_kv_backward"):
+        torch.library.register_vmap(f"flash_epilogue::{_name}")(_folded(getattr(torch.ops.flash_epilogue, _name)))
