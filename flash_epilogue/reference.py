@@ -1,7 +1,6 @@
 """Pure-PyTorch reference semantics of the ops (CPU or GPU, any strides; the metadata read on the host): what the
-kernels must produce, element for element, the tests' oracle. Layouts: batched ``(batch, seqlen, heads, headdim)`` or
-varlen ``(total_tokens, heads, headdim)`` with int32 ``cu_seqlens`` ``(batch + 1,)``; int32 ``seqused`` ``(batch,)``
-limits each sequence. Only the valid rows (:func:`sequence_bounds`) are ever written."""
+kernels must produce, element for element, the tests' oracle. Layouts as the ops take them; only the valid rows
+(:func:`sequence_bounds`) are ever written."""
 from typing import Iterable
 
 import torch
@@ -71,10 +70,8 @@ def _as_index_list(idx, n: int) -> list[int]:
 def store_zero_reference(dk: torch.Tensor, dv: torch.Tensor, *, cu_seqlens=None, seqused=None,
                          batch_idx: Iterable[int] | None = None, head_idx: Iterable[int] | None = None,
                          row_start: int = 0, row_end: int | None = None) -> None:
-    """In place: zero rows [row_start, row_end) of each selected sequence (counted from its start, clamped to its
-    valid rows; ``row_end`` None: to the end) in the selected heads of dk and dv. ``batch_idx``/``head_idx``: None
-    (all), an int, a sequence of ints or an integer tensor; entries outside [0, batch) / [0, heads) are skipped,
-    duplicates change nothing. Everything else untouched."""
+    """In place: what :func:`flash_epilogue.store_zero` zeroes (``batch_idx``/``head_idx`` may also be integer tensors
+    of any device; entries outside [0, batch) / [0, heads) skipped, duplicates change nothing); nothing else."""
     _same_rows(dk, dv)
     valid = _valid_rows(dk, cu_seqlens, seqused)
     heads = None if head_idx is None else _as_index_list(head_idx, dk.shape[-2])
@@ -96,11 +93,9 @@ def _group_view(partial: torch.Tensor, num_heads_kv: int) -> torch.Tensor:
 def gqa_reduce_reference(dk_partial: torch.Tensor, dv_partial: torch.Tensor | None = None, *, num_heads_kv: int,
                          cu_seqlens=None, seqused=None, out=None, out_dtype: torch.dtype | None = None,
                          scale_dk: float = 1.0, scale_dv: float = 1.0, sequential: bool = False):
-    """:func:`flash_epilogue.gqa_reduce` from its arguments (the same names and defaults; out_dtype may be fp32 here):
-    each group of query heads summed in fp64, times the scale, cast to the output dtype (``out``'s; else
-    ``out_dtype``, default the partial's if 16-bit, else bf16), written to the valid rows of ``out`` (else of new
-    zero-filled tensors). Returns dk, or (dk, dv) with ``dv_partial``. ``sequential=True``: the kernel's arithmetic
-    bit for bit instead, :func:`gqa_reduce_sequential_fp32` rounded to nearest even."""
+    """:func:`flash_epilogue.gqa_reduce` from its arguments (out_dtype may be fp32 here, new outputs are zero-filled):
+    each group summed in fp64, times the scale, rounded to the output dtype; ``sequential=True``: the kernel's
+    arithmetic bit for bit instead, :func:`gqa_reduce_sequential_fp32` rounded to nearest even."""
     outs, results = tuple(out) if isinstance(out, (tuple, list)) else (out, None), []
     for partial, out, scale in ((dk_partial, outs[0], scale_dk), (dv_partial, outs[1], scale_dv)):
         if partial is None:
@@ -153,10 +148,9 @@ def group_sum_reference(grad: torch.Tensor, n_rep: int, dim: int = 1) -> torch.T
 def gqa_accumulate_reference(dk_partial: torch.Tensor, dv_partial: torch.Tensor | None,
                              dk_dense: torch.Tensor, dv_dense: torch.Tensor | None, *, num_heads_kv: int,
                              cu_seqlens=None, seqused=None, sequential: bool = True) -> None:
-    """In place: add each group of query-head partials (batched or varlen, h_q heads) into the valid rows of dense
-    accumulators of ``num_heads_kv`` heads (what ``GQAAccumulator.to_dense`` returns); query head j belongs to KV
-    head j // (h_q / h_k). A None partial with a None dense is skipped. ``sequential=True`` (fp32 dense only): what
-    deterministic ``gqa_accumulate`` computes bit for bit, ``((dense + p_0) + p_1) + ... + p_{g-1}`` in fp32;
+    """In place: :func:`flash_epilogue.gqa_accumulate` into dense accumulators of ``num_heads_kv`` heads (what
+    ``GQAAccumulator.to_dense`` returns; a None partial with a None dense is skipped). ``sequential=True`` (fp32
+    dense only): deterministic ``gqa_accumulate``'s bits, ``((dense + p_0) + p_1) + ... + p_{g-1}`` in fp32;
     ``False``: the group's fp64 sum added to the dense values (with fp64 dense tensors: an exact-enough oracle)."""
     for partial, dense, name in ((dk_partial, dk_dense, "dk"), (dv_partial, dv_dense, "dv")):
         if partial is None and dense is None:
