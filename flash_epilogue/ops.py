@@ -214,10 +214,11 @@ def _fake_of(name: str):
 
     def fake(*args, **kwargs) -> None:
         tensors = [(n, t) for n, t in (*zip(names, args), *kwargs.items()) if isinstance(t, torch.Tensor)]
-        ref, want = min(tensors, key=lambda nt: (not nt[1].is_cuda, nt[1].is_meta), default=(None, None))
-        for n, t in tensors:
-            if t.device != want.device:
-                fail(name, f"{n}: device", f"{want.device} (the device of {ref})", t.device)
+        ref = next((nt for nt in tensors if nt[1].is_cuda), None) or next((nt for nt in tensors if not nt[1].is_meta),
+                                                                           None)
+        for n, t in tensors if ref is not None else ():
+            if t.device != ref[1].device:
+                fail(name, f"{n}: device", f"{ref[1].device} (the device of {ref[0]})", t.device)
 
     return fake
 
