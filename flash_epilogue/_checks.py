@@ -1,7 +1,6 @@
-"""How a wrapper calls its op (call_op): the opt-in content checks of cu_seqlens, seqused, batch_idx and head_idx (a
-host sync: ``check_inputs=True`` or FLASH_EPILOGUE_CHECK_INPUTS=1; never under torch.compile or CUDA-graph capture),
-the op, its error as the package's, and with FLASH_EPILOGUE_DEBUG=1 (checks, and a sync after every launch so that
-the op that failed reports it). The ops check metadata only."""
+"""How a wrapper calls its op (call_op): the opt-in content checks (a host sync, so never under torch.compile or
+CUDA-graph capture; the ops check metadata only), the op, its error as the package's, and FLASH_EPILOGUE_DEBUG's sync
+after every launch."""
 import os
 
 import torch
@@ -34,9 +33,10 @@ def _values(t) -> list | None:
     return t.tolist() if isinstance(t, torch.Tensor) and t.dtype == torch.int32 and t.dim() == 1 else None
 
 
-def check_contents(op: str, t, cu_seqlens=None, seqused=None, batch_idx=None, head_idx=None) -> None:
-    """The content checks of one call (`t`: its tensor of the dk layout): cu_seqlens non-decreasing in [0, tokens],
-    seqused[b] in [0, length of b], selections in range; what the op rejects anyway (not int32 1-D) is left to it."""
+def check_contents(op: str, t, cu_seqlens=None, seqused=None, batch_idx=None, head_idx=None, **_) -> None:
+    """The content checks of one call (`t`: its tensor of the dk layout; the op's keyword arguments): cu_seqlens
+    non-decreasing in [0, tokens], seqused[b] in [0, length of b], selections in range; what the op rejects anyway
+    (not int32 1-D) is left to it."""
     varlen = cu_seqlens is not None
     if not (_eager() and isinstance(t, torch.Tensor) and t.dim() == (3 if varlen else 4)):
         return
@@ -44,11 +44,9 @@ def check_contents(op: str, t, cu_seqlens=None, seqused=None, batch_idx=None, he
     cu = _values(cu_seqlens) if varlen else []
     if cu is None or (varlen and len(cu) < 2):
         return
-    if cu and cu[0] < 0:
-        fail(op, "cu_seqlens[0]", ">= 0", cu[0])
-    for i in range(1, len(cu)):
-        if cu[i] < cu[i - 1]:
-            fail(op, f"cu_seqlens[{i}]", f">= cu_seqlens[{i - 1}] = {cu[i - 1]} (non-decreasing)", cu[i])
+    for i, c in enumerate(cu):
+        if c < (cu[i - 1] if i else 0):
+            fail(op, f"cu_seqlens[{i}]", f">= cu_seqlens[{i - 1}] = {cu[i - 1]} (non-decreasing)" if i else ">= 0", c)
     if cu and cu[-1] > rows:
         fail(op, f"cu_seqlens[{len(cu) - 1}]", f"<= {rows} (the tensors' token count)", cu[-1])
     for b, n in enumerate(_values(seqused) or ()):
@@ -68,31 +66,23 @@ def check_contents(op: str, t, cu_seqlens=None, seqused=None, batch_idx=None, he
                 fail(op, f"{name}[{i}]", f"a value in [0, {limit}) ({why})", v)
 
 
-def debug_sync(op: str, device: torch.device) -> None:
-    """FLASH_EPILOGUE_DEBUG=1: wait for the launch and report a device error against this op."""
-    if not (DEBUG and device.type == "cuda" and _eager()):
-        return
-    try:
-        torch.cuda.synchronize(device)
-    except Exception as e:  # noqa: BLE001 (re-raised with the op's name)
-        raise RuntimeError(f"flash_epilogue.{op}: the kernel failed on {device}: {e}") from e
-
-
-def call_op(op: str, check_inputs: bool | None, contents: tuple, *args, **kwargs) -> None:
-    """torch.ops.flash_epilogue.<op>(*args, **kwargs) as every wrapper calls it; `contents`: check_contents' arguments
-    after `op` (its first, the tensor of the dk layout, also names the device to synchronize). Under torch.compile the
-    op alone (it checks when it runs)."""
+def call_op(op: str, check_inputs: bool | None, t: torch.Tensor, *args, **kwargs) -> None:
+    """torch.ops.flash_epilogue.<op>(*args, **kwargs) as every wrapper calls it (`t`: its tensor of the dk layout,
+    whose device it synchronizes). Under torch.compile the op alone (it checks when it runs)."""
     _extension.require(op)
     fn = getattr(torch.ops.flash_epilogue, op)
     if torch.compiler.is_compiling():
         fn(*args, **kwargs)
         return
     if check_inputs or (check_inputs is None and CHECK_INPUTS):
-        check_contents(op, *contents)
+        check_contents(op, t, **kwargs)
     try:
         fn(*args, **kwargs)
     except Exception as e:  # noqa: BLE001 (the op's error, as the package's)
         _extension.check_tensor_types(op, args, kwargs)  # the dispatcher's refusal, named from the arguments
         raise _extension.op_error(op, e) from None
-    if DEBUG:
-        debug_sync(op, contents[0].device)
+    if DEBUG and t.device.type == "cuda" and _eager():  # a device error, reported against this op
+        try:
+            torch.cuda.synchronize(t.device)
+        except Exception as e:  # noqa: BLE001 (re-raised with the op's name)
+            raise RuntimeError(f"flash_epilogue.{op}: the kernel failed on {t.device}: {e}") from e

@@ -5,7 +5,7 @@ import os
 
 import torch
 
-from .errors import FlashEpilogueBuildError, FlashEpilogueInputError, FlashEpilogueTypeError
+from .errors import FlashEpilogueBuildError, FlashEpilogueInputError, FlashEpilogueTypeError, fail
 
 try:
     from . import _build_info
@@ -58,16 +58,12 @@ def check_tensor_types(op: str, args: tuple, kwargs: dict) -> None:
     Tensor argument of the schema given another type, or every Tensor argument None: no device to dispatch by)."""
     schema = getattr(torch.ops.flash_epilogue, op).default._schema
     given = dict(zip((a.name for a in schema.arguments), args)) | kwargs
-    any_tensor = False
-    for a in schema.arguments:
-        if str(a.type) not in ("Tensor", "Optional[Tensor]") or a.name not in given:
-            continue
-        v = given[a.name]
-        any_tensor = any_tensor or isinstance(v, torch.Tensor)
+    tensors = [(a.name, given[a.name]) for a in schema.arguments
+               if str(a.type) in ("Tensor", "Optional[Tensor]") and a.name in given]
+    for name, v in tensors:
         if v is not None and not isinstance(v, torch.Tensor):
-            raise FlashEpilogueTypeError(f"flash_epilogue.{op}: {a.name}: expected a torch.Tensor, got "
-                                         f"{type(v).__name__}")
-    if not any_tensor:
+            fail(op, name, "a torch.Tensor", type(v).__name__, FlashEpilogueTypeError)
+    if not any(isinstance(v, torch.Tensor) for _, v in tensors):
         raise FlashEpilogueTypeError(f"flash_epilogue.{op}: expected torch.Tensor arguments, got None for all of them")
 
 

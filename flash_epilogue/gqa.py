@@ -18,12 +18,10 @@ _OP = "gqa_accumulator"
 class GQAAccumulator:
     """The fp32 dK/dV accumulators of one GQA backward problem (from :func:`gqa_accumulator`) and the int32
     ``semaphores`` of deterministic mode (or None). ``dk_accum``/``dv_accum``: (batch_extent, num_heads_kv, num_tiles,
-    tile_elems), a tile of ``block_n`` KV rows per (sequence, KV head, tile), in the MMA fragment order of ``arch``
-    and of the config serving max(head_dim, head_dim_v) (opaque: only the ops read it; :meth:`to_dense` decodes it);
-    where that tile's warpgroups split its columns (hdim 192 on sm_90), an accumulator narrower than the tile holds
-    only the slabs that cover its own head dim (dV of (192, 128): 2/3 of a tile), so the two tile_elems can differ.
-    Varlen: batch_extent 1, each sequence at its block_n-aligned offset. The ints: the problem it was sized for,
-    which the ops check their inputs against."""
+    tile_elems), a tile of ``block_n`` KV rows per (sequence, KV head, tile), opaque (:meth:`to_dense` decodes it):
+    the MMA fragment order of ``arch`` and of the config serving max(head_dim, head_dim_v), only the slabs of its own
+    columns where that tile's warpgroups split them (hdim 192 on sm_90), so the two tile_elems can differ. Varlen:
+    batch_extent 1, each sequence at its block_n-aligned offset. The ints: the problem it was sized for."""
 
     dk_accum: torch.Tensor
     dv_accum: torch.Tensor
@@ -84,8 +82,8 @@ class GQAAccumulator:
         outs = [torch.zeros(self.dense_shape(d), dtype=torch.float32, device=self.device)
                 for d in (self.head_dim, self.head_dim_v)]
         for i, (accum, out) in enumerate(zip((self.dk_accum, self.dv_accum), outs)):
-            _checks.call_op(op, check_inputs if i == 0 else False, (out, cu_seqlens, seqused), accum, out,
-                            head_dim=head_dim, cu_seqlens=cu_seqlens, seqused=seqused, _arch=self.arch)
+            _checks.call_op(op, check_inputs if i == 0 else False, out, accum, out, head_dim=head_dim,
+                            cu_seqlens=cu_seqlens, seqused=seqused, _arch=self.arch)
         return outs[0], outs[1]
 
     def __repr__(self) -> str:
@@ -122,8 +120,8 @@ def gqa_accumulator(num_heads_kv: int, head_dim: int, head_dim_v: int | None = N
     """A zeroed :class:`GQAAccumulator` for dK (``head_dim``) and dV (``head_dim_v``, default ``head_dim``) of
     ``num_heads_kv`` KV heads. Batched: ``batch`` and ``seqlen``; varlen: ``total_tokens`` (the partials' rows) and
     ``cu_seqlens`` (only its size is read) or ``batch``. ``deterministic=True`` adds the semaphores; default:
-    ``torch.are_deterministic_algorithms_enabled()``. ``device``: default
-    cu_seqlens', else the current CUDA device. ``arch``: 0 (the device's path) or 80 (the sm_80 layout, for tests)."""
+    ``torch.are_deterministic_algorithms_enabled()``. ``device``: default cu_seqlens', else the current CUDA device.
+    ``arch``: 0 (the device's path) or 80 (the sm_80 layout, for tests)."""
     _C = _extension.require(_OP)
     num_heads_kv = as_count(_OP, "num_heads_kv", num_heads_kv, "a positive int", 1)
     head_dim = as_int(_OP, "head_dim", head_dim)
@@ -138,8 +136,17 @@ def gqa_accumulator(num_heads_kv: int, head_dim: int, head_dim_v: int | None = N
         if seqlen is not None:
             fail(_OP, "seqlen", "None in the varlen layout (cu_seqlens/total_tokens given)", seqlen)
         rows = as_count(_OP, "total_tokens", total_tokens, "an int >= 0 (the partials' row count) in the varlen layout")
-        if cu_seqlens is not None:
-            n = _sequences(cu_seqlens)
+        if cu_seqlens is not None:  # only its size is read
+            if not isinstance(cu_seqlens, torch.Tensor):
+                fail(_OP, "cu_seqlens", "a torch.Tensor", type(cu_seqlens).__name__, FlashEpilogueTypeError)
+            if cu_seqlens.dtype != torch.int32:
+                fail(_OP, "cu_seqlens: dtype", "torch.int32", cu_seqlens.dtype, FlashEpilogueTypeError)
+            if cu_seqlens.dim() != 1:
+                fail(_OP, "cu_seqlens: rank", "1 dim (batch + 1,)",
+                     f"{cu_seqlens.dim()} dims, shape {tuple(cu_seqlens.shape)}")
+            n = cu_seqlens.numel() - 1
+            if n < 1:
+                fail(_OP, "cu_seqlens: numel", "batch + 1 >= 2 (at least one sequence)", cu_seqlens.numel())
             if batch is not None and batch != n:
                 fail(_OP, "batch", f"None or {n} (cu_seqlens.numel() - 1)", batch)
             batch = n
@@ -158,16 +165,3 @@ def gqa_accumulator(num_heads_kv: int, head_dim: int, head_dim_v: int | None = N
     semaphores = torch.zeros(layout["semaphore_numel"], dtype=torch.int32, device=device) if deterministic else None
     return GQAAccumulator(*accums, semaphores, head_dim, head_dim_v, layout["block_n"], layout["arch"], num_heads_kv,
                           batch, rows, varlen)
-
-
-def _sequences(cu_seqlens) -> int:
-    """cu_seqlens.numel() - 1 of an int32 (batch + 1,) tensor (only its size is read)."""
-    if not isinstance(cu_seqlens, torch.Tensor):
-        fail(_OP, "cu_seqlens", "a torch.Tensor", type(cu_seqlens).__name__, FlashEpilogueTypeError)
-    if cu_seqlens.dtype != torch.int32:
-        fail(_OP, "cu_seqlens: dtype", "torch.int32", cu_seqlens.dtype, FlashEpilogueTypeError)
-    if cu_seqlens.dim() != 1:
-        fail(_OP, "cu_seqlens: rank", "1 dim (batch + 1,)", f"{cu_seqlens.dim()} dims, shape {tuple(cu_seqlens.shape)}")
-    if cu_seqlens.numel() < 2:
-        fail(_OP, "cu_seqlens: numel", "batch + 1 >= 2 (at least one sequence)", cu_seqlens.numel())
-    return cu_seqlens.numel() - 1

@@ -35,8 +35,7 @@ def main() -> None:
             print(f"  sm_{c['arch']} {c['head_dim']:>3} -> {c['block_n']:>3}, {c['num_threads']}, {c['swap_ab']!s:5}, "
                   f"{c['atom_layout_n']}, {c['accum_tile_elems']}")
     if configs:
-        ops = sorted({c["op"] for c in configs})
-        print(f"\ncompiled kernels: {len(configs)} ({', '.join(ops)}; "
+        print(f"\ncompiled kernels: {len(configs)} ({', '.join(sorted({c['op'] for c in configs}))}; "
               f"dtypes {sorted({c['dtype'] for c in configs})}; head dims {sorted({c['head_dim'] for c in configs})})")
 
 

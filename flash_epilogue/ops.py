@@ -14,7 +14,6 @@ from .gqa import GQAAccumulator
 
 __all__ = ["store", "store_zero", "gqa_accumulate", "gqa_postprocess", "gqa_reduce", "refresh_env_flags"]
 
-_ops = torch.ops.flash_epilogue  # looked up once (host time); each op is looked up per call
 _I32_MIN, _I32_MAX = -(2**31), 2**31 - 1
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 IndexArg = None | int | Sequence[int] | torch.Tensor
@@ -27,8 +26,8 @@ def store(dk_accum: torch.Tensor, dv_accum: torch.Tensor, dk: torch.Tensor, dv: 
     even. Batched (batch, seqlen, heads, d), last dim contiguous, or varlen (total_tokens, heads, d) with
     ``cu_seqlens``; ``seqused`` limits sequence b to its first seqused[b] rows; dv may have its own head dim."""
     _arch = _arch if type(_arch) is int and INT64_MIN <= _arch <= INT64_MAX else as_int("store", "_arch", _arch)
-    _checks.call_op("store", check_inputs, (dk, cu_seqlens, seqused), dk_accum, dv_accum, dk, dv,
-                    cu_seqlens=cu_seqlens, seqused=seqused, _arch=_arch)
+    _checks.call_op("store", check_inputs, dk, dk_accum, dv_accum, dk, dv, cu_seqlens=cu_seqlens, seqused=seqused,
+                    _arch=_arch)
 
 
 def _index_tensor(name: str, idx: IndexArg, device) -> torch.Tensor | None:
@@ -48,11 +47,8 @@ def _index_tensor(name: str, idx: IndexArg, device) -> torch.Tensor | None:
                 idx = list(idx)
             except TypeError:
                 fail(op, name, what, type(idx).__name__, FlashEpilogueTypeError)
-    if isinstance(idx, int):
-        values, names = [idx], [name]
-    else:
-        names = [f"{name}[{i}]" for i in range(len(idx))]
-        values = [as_index(op, n, v) for n, v in zip(names, idx)]
+    names = [name] if isinstance(idx, int) else [f"{name}[{i}]" for i in range(len(idx))]
+    values = [idx] if isinstance(idx, int) else [as_index(op, n, v) for n, v in zip(names, idx)]
     for v, n in zip(values, names):
         if not _I32_MIN <= v <= _I32_MAX:
             fail(op, n, f"an int32 value in [{_I32_MIN}, {_I32_MAX}]", v)
@@ -78,9 +74,8 @@ def store_zero(dk: torch.Tensor, dv: torch.Tensor, *, cu_seqlens: torch.Tensor |
     if row_end is not None and (type(row_end) is not int or not INT64_MIN <= row_end <= INT64_MAX):
         row_end = as_int(op, "row_end", row_end, "None or an int")
     _arch = _arch if type(_arch) is int and INT64_MIN <= _arch <= INT64_MAX else as_int(op, "_arch", _arch)
-    _checks.call_op(op, check_inputs, (dk, cu_seqlens, seqused, batch_idx, head_idx), dk, dv, cu_seqlens=cu_seqlens,
-                    seqused=seqused, batch_idx=batch_idx, head_idx=head_idx, row_start=row_start, row_end=row_end,
-                    _arch=_arch)
+    _checks.call_op(op, check_inputs, dk, dk, dv, cu_seqlens=cu_seqlens, seqused=seqused, batch_idx=batch_idx,
+                    head_idx=head_idx, row_start=row_start, row_end=row_end, _arch=_arch)
 
 
 def _check_acc(op: str, acc, k, v, cu_seqlens, k_name: str, v_name: str) -> None:
@@ -121,17 +116,14 @@ def gqa_accumulate(dk_partial: torch.Tensor, dv_partial: torch.Tensor, acc: GQAA
                    deterministic: bool | None = None, cu_seqlens: torch.Tensor | None = None,
                    seqused: torch.Tensor | None = None, check_inputs: bool | None = None) -> None:
     """In place: add fp32 per-query-head partials (batch, seqlen, h_q, d) / (..., dv), or varlen with ``cu_seqlens``,
-    into ``acc``; query head j goes to KV head j // (h_q / h_k), valid rows only. Callable many times (each call
-    carrying whole groups). ``deterministic``: bitwise reproducible, needs ``acc`` allocated with it; default: as
-    ``acc`` was allocated, else ``torch.are_deterministic_algorithms_enabled()``. Under
-    ``torch.use_deterministic_algorithms(True)`` the non-deterministic mode raises torch's RuntimeError; with
-    ``warn_only=True`` it warns (and is the default for an accumulator without semaphores)."""
+    into ``acc``'s valid rows; query head j goes to KV head j // (h_q / h_k); each call carries whole groups.
+    ``deterministic`` (bitwise reproducible) needs ``acc`` allocated with it; default: as ``acc`` was allocated, else
+    as ``torch.use_deterministic_algorithms`` asks (which raises or, with ``warn_only``, warns for the other mode)."""
     op = "gqa_accumulate"
     _check_acc(op, acc, dk_partial, dv_partial, cu_seqlens, "dk_partial", "dv_partial")
     if deterministic is not None and type(deterministic) is not bool:
         fail(op, "deterministic", "a bool", type(deterministic).__name__, FlashEpilogueTypeError)
-    if deterministic is None:  # as the accumulator was allocated; torch's switch asks for it too (with warn_only an
-        # accumulator without semaphores runs the atomic mode, and the op warns)
+    if deterministic is None:  # with warn_only, an accumulator without semaphores runs the atomic mode, with a warning
         deterministic = acc.semaphores is not None or (torch.are_deterministic_algorithms_enabled() and
                                                        not torch.is_deterministic_algorithms_warn_only_enabled())
         why, instead = "torch.are_deterministic_algorithms_enabled() is True", "its default under that switch"
@@ -141,15 +133,14 @@ def gqa_accumulate(dk_partial: torch.Tensor, dv_partial: torch.Tensor, acc: GQAA
         fail(op, "acc.semaphores", f"an int32 workspace because {why}: allocate the accumulator with "
              f"flash_epilogue.gqa_accumulator(..., deterministic=True) ({instead})",
              "None (allocated with deterministic=False)")
-    semaphores = acc.semaphores if deterministic else None
     if not deterministic and torch.are_deterministic_algorithms_enabled() and \
             torch.is_deterministic_algorithms_warn_only_enabled():  # without warn_only the op raises torch's error
         warnings.warn("flash_epilogue.gqa_accumulate(deterministic=False) does not have a deterministic "
                       "implementation, but you set 'torch.use_deterministic_algorithms(True, warn_only=True)'",
                       stacklevel=2)
-    _checks.call_op(op, check_inputs, (dk_partial, cu_seqlens, seqused), dk_partial, dv_partial, acc.dk_accum,
-                    acc.dv_accum, semaphores, cu_seqlens=cu_seqlens, seqused=seqused, deterministic=deterministic,
-                    _arch=acc.arch)
+    _checks.call_op(op, check_inputs, dk_partial, dk_partial, dv_partial, acc.dk_accum, acc.dv_accum,
+                    acc.semaphores if deterministic else None, cu_seqlens=cu_seqlens, seqused=seqused,
+                    deterministic=deterministic, _arch=acc.arch)
 
 
 def gqa_postprocess(acc: GQAAccumulator, dk: torch.Tensor, dv: torch.Tensor, *, scale_dk: float = 1.0,
@@ -162,8 +153,8 @@ def gqa_postprocess(acc: GQAAccumulator, dk: torch.Tensor, dv: torch.Tensor, *, 
     _check_acc(op, acc, dk, dv, cu_seqlens, "dk", "dv")
     scale_dk = scale_dk if type(scale_dk) is float else as_float(op, "scale_dk", scale_dk)
     scale_dv = scale_dv if type(scale_dv) is float else as_float(op, "scale_dv", scale_dv)
-    _checks.call_op(op, check_inputs, (dk, cu_seqlens, seqused), acc.dk_accum, acc.dv_accum, dk, dv, scale_dk=scale_dk,
-                    scale_dv=scale_dv, cu_seqlens=cu_seqlens, seqused=seqused, _arch=acc.arch)
+    _checks.call_op(op, check_inputs, dk, acc.dk_accum, acc.dv_accum, dk, dv, scale_dk=scale_dk, scale_dv=scale_dv,
+                    cu_seqlens=cu_seqlens, seqused=seqused, _arch=acc.arch)
 
 
 def _new_output(name: str, partial, num_heads_kv: int, varlen: bool, out_dtype):
@@ -180,31 +171,6 @@ def _new_output(name: str, partial, num_heads_kv: int, varlen: bool, out_dtype):
     return partial.new_empty(tuple(partial.shape[:-2]) + (num_heads_kv, partial.shape[-1]), dtype=dtype)
 
 
-def _reduce_outputs(dk_partial, dv_partial, num_heads_kv: int, varlen: bool, out, out_dtype):
-    """(dk, dv) for gqa_reduce: `out` unpacked, or new tensors."""
-    op = "gqa_reduce"
-    if out_dtype is not None and out_dtype not in _HALF_DTYPES:
-        fail(op, "out_dtype", "None, torch.float16 or torch.bfloat16", out_dtype)
-    if out is None:
-        return (_new_output("dk_partial", dk_partial, num_heads_kv, varlen, out_dtype),
-                _new_output("dv_partial", dv_partial, num_heads_kv, varlen, out_dtype))
-    if isinstance(out, torch.Tensor):
-        if dv_partial is not None:
-            fail(op, "out", "a (dk, dv) pair because dv_partial is given", "a torch.Tensor")
-        dk, dv = out, None
-    elif isinstance(out, (tuple, list)) and len(out) == 2:
-        dk, dv = out
-    else:
-        length = f" of length {len(out)}" if isinstance(out, (tuple, list)) else ""
-        fail(op, "out", "None, a tensor (dk) or a (dk, dv) pair", f"a {type(out).__name__}{length}")
-    if isinstance(dk, torch.Tensor):
-        if out_dtype is not None and dk.dtype != out_dtype:
-            fail(op, "out_dtype", f"None or {dk.dtype} (the dtype of out)", out_dtype)
-        if dk.dim() == (3 if varlen else 4) and dk.shape[-2] != num_heads_kv:
-            fail(op, "num_heads_kv", f"{dk.shape[-2]} (the heads of out: dk.shape[-2])", num_heads_kv)
-    return dk, dv
-
-
 def gqa_reduce(dk_partial: torch.Tensor, dv_partial: torch.Tensor | None = None, *, num_heads_kv: int,
                cu_seqlens: torch.Tensor | None = None, seqused: torch.Tensor | None = None,
                out: torch.Tensor | tuple | None = None, out_dtype: torch.dtype | None = None,
@@ -216,21 +182,35 @@ def gqa_reduce(dk_partial: torch.Tensor, dv_partial: torch.Tensor | None = None,
     op = "gqa_reduce"
     if type(num_heads_kv) is not int or num_heads_kv < 1:
         num_heads_kv = as_count(op, "num_heads_kv", num_heads_kv, "a positive int", 1)
-    dk, dv = _reduce_outputs(dk_partial, dv_partial, num_heads_kv, cu_seqlens is not None, out, out_dtype)
+    varlen = cu_seqlens is not None
+    if out_dtype is not None and out_dtype not in _HALF_DTYPES:
+        fail(op, "out_dtype", "None, torch.float16 or torch.bfloat16", out_dtype)
+    if out is None:
+        dk = _new_output("dk_partial", dk_partial, num_heads_kv, varlen, out_dtype)
+        dv = _new_output("dv_partial", dv_partial, num_heads_kv, varlen, out_dtype)
+    elif isinstance(out, torch.Tensor) and dv_partial is not None:
+        fail(op, "out", "a (dk, dv) pair because dv_partial is given", "a torch.Tensor")
+    elif isinstance(out, torch.Tensor) or isinstance(out, (tuple, list)) and len(out) == 2:
+        dk, dv = (out, None) if isinstance(out, torch.Tensor) else out
+        if isinstance(dk, torch.Tensor) and out_dtype is not None and dk.dtype != out_dtype:
+            fail(op, "out_dtype", f"None or {dk.dtype} (the dtype of out)", out_dtype)
+        if isinstance(dk, torch.Tensor) and dk.dim() == (3 if varlen else 4) and dk.shape[-2] != num_heads_kv:
+            fail(op, "num_heads_kv", f"{dk.shape[-2]} (the heads of out: dk.shape[-2])", num_heads_kv)
+    else:
+        length = f" of length {len(out)}" if isinstance(out, (tuple, list)) else ""
+        fail(op, "out", "None, a tensor (dk) or a (dk, dv) pair", f"a {type(out).__name__}{length}")
     scale_dk = scale_dk if type(scale_dk) is float else as_float(op, "scale_dk", scale_dk)
     scale_dv = scale_dv if type(scale_dv) is float else as_float(op, "scale_dv", scale_dv)
     _arch = _arch if type(_arch) is int and INT64_MIN <= _arch <= INT64_MAX else as_int(op, "_arch", _arch)
-    _checks.call_op(op, check_inputs, (dk_partial, cu_seqlens, seqused), dk_partial, dv_partial, dk, dv,
-                    cu_seqlens=cu_seqlens, seqused=seqused, scale_dk=scale_dk, scale_dv=scale_dv, _arch=_arch)
+    _checks.call_op(op, check_inputs, dk_partial, dk_partial, dv_partial, dk, dv, cu_seqlens=cu_seqlens,
+                    seqused=seqused, scale_dk=scale_dk, scale_dv=scale_dv, _arch=_arch)
     return dk if dv_partial is None else (dk, dv)
 
 
 def _fake_of(name: str):
-    """The fake kernel of an op that only writes its arguments: no output, and the one check the op cannot make. Meta
-    tensors dispatch here, also one among CUDA or CPU tensors: that call is refused as the op refuses a CPU tensor
-    among CUDA ones, expecting the first CUDA tensor's device, else the first non-meta tensor's. The rest the op checks
-    when it runs."""
-    names = [a.name for a in getattr(_ops, name).default._schema.arguments]
+    """The fake kernel of an op that only writes its arguments. A meta tensor among CUDA or CPU ones dispatches here
+    too: refused with the op's message, expecting the first CUDA tensor's device, else the first non-meta one's."""
+    names = [a.name for a in getattr(torch.ops.flash_epilogue, name).default._schema.arguments]
 
     def fake(*args, **kwargs) -> None:
         tensors = [(n, t) for n, t in (*zip(names, args), *kwargs.items()) if isinstance(t, torch.Tensor)]

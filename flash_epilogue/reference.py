@@ -1,7 +1,6 @@
 """Pure-PyTorch reference semantics of the ops (CPU or GPU, any strides; the metadata read on the host): what the
-kernels must produce, element for element, the tests' oracle. Layouts: batched ``(batch, seqlen, heads, headdim)`` or
-varlen ``(total_tokens, heads, headdim)`` with int32 ``cu_seqlens`` ``(batch + 1,)``; int32 ``seqused`` ``(batch,)``
-limits each sequence. Only the valid rows (:func:`sequence_bounds`) are ever written."""
+kernels must produce, element for element, the tests' oracle. Layouts as the ops take them; only the valid rows
+(:func:`sequence_bounds`) are ever written."""
 from typing import Iterable
 
 import torch
@@ -10,9 +9,8 @@ __all__ = ["sequence_bounds", "store_reference", "store_zero_reference", "gqa_re
            "gqa_reduce_sequential_fp32", "gqa_accumulate_reference", "group_sum_reference"]
 
 
-def _to_list(t) -> list | None:
-    if t is None:
-        return None
+def _ints(t) -> list[int]:
+    """The values of an integer tensor (any shape) or sequence."""
     return [int(v) for v in (t.detach().reshape(-1).tolist() if isinstance(t, torch.Tensor) else t)]
 
 
@@ -21,7 +19,7 @@ def sequence_bounds(batch: int, seqlen_or_total: int, cu_seqlens=None, seqused=N
     else cu_seqlens[b+1] - cu_seqlens[b], else the static seqlen; both clamped (as the kernels clamp) so that
     start >= 0, length >= 0 and start + length <= seqlen_or_total (the seqlen, or the total tokens with cu_seqlens)."""
     extent = max(int(seqlen_or_total), 0)
-    cu, su = _to_list(cu_seqlens), _to_list(seqused)
+    cu, su = (None if t is None else _ints(t) for t in (cu_seqlens, seqused))
     if cu is not None and len(cu) < batch + 1:
         raise ValueError(f"cu_seqlens has {len(cu)} entries, need batch + 1 = {batch + 1}")
     if su is not None and len(su) < batch:
@@ -34,20 +32,13 @@ def sequence_bounds(batch: int, seqlen_or_total: int, cu_seqlens=None, seqused=N
     return bounds
 
 
-def _layout(t: torch.Tensor, cu_seqlens) -> tuple[int, int, bool]:
-    """(batch, seqlen_or_total, varlen) of a dk-like tensor."""
-    if cu_seqlens is None:
-        if t.dim() != 4:
-            raise ValueError(f"expected (batch, seqlen, heads, headdim), got shape {tuple(t.shape)}")
-        return t.shape[0], t.shape[1], False
-    if t.dim() != 3:
-        raise ValueError(f"expected (total_tokens, heads, headdim) with cu_seqlens, got shape {tuple(t.shape)}")
-    return len(_to_list(cu_seqlens)) - 1, t.shape[0], True
-
-
 def _valid_rows(t: torch.Tensor, cu_seqlens, seqused) -> list[tuple]:
     """Per sequence, the index that views its valid rows (all heads, all columns) in a tensor of t's layout."""
-    batch, extent, varlen = _layout(t, cu_seqlens)
+    varlen = cu_seqlens is not None
+    if t.dim() != (3 if varlen else 4):
+        want = "(total_tokens, heads, headdim) with cu_seqlens" if varlen else "(batch, seqlen, heads, headdim)"
+        raise ValueError(f"expected {want}, got shape {tuple(t.shape)}")
+    batch, extent = (len(_ints(cu_seqlens)) - 1, t.shape[0]) if varlen else (t.shape[0], t.shape[1])
     return [(slice(start, start + length),) if varlen else (b, slice(start, start + length))
             for b, (start, length) in enumerate(sequence_bounds(batch, extent, cu_seqlens, seqused))]
 
@@ -73,17 +64,14 @@ def _as_index_list(idx, n: int) -> list[int]:
     """The selected indices in [0, n), in order (None: all); others (negative ones too: no wrap-around) skipped."""
     if idx is None:
         return list(range(n))
-    idx = [idx] if isinstance(idx, int) else idx.reshape(-1).tolist() if isinstance(idx, torch.Tensor) else idx
-    return [int(i) for i in idx if 0 <= int(i) < n]
+    return [i for i in _ints([idx] if isinstance(idx, int) else idx) if 0 <= i < n]
 
 
 def store_zero_reference(dk: torch.Tensor, dv: torch.Tensor, *, cu_seqlens=None, seqused=None,
                          batch_idx: Iterable[int] | None = None, head_idx: Iterable[int] | None = None,
                          row_start: int = 0, row_end: int | None = None) -> None:
-    """In place: zero rows [row_start, row_end) of each selected sequence (counted from its start, clamped to its
-    valid rows; ``row_end`` None: to the end) in the selected heads of dk and dv. ``batch_idx``/``head_idx``: None
-    (all), an int, a sequence of ints or an integer tensor; entries outside [0, batch) / [0, heads) are skipped,
-    duplicates change nothing. Everything else untouched."""
+    """In place: what :func:`flash_epilogue.store_zero` zeroes (``batch_idx``/``head_idx`` may also be integer tensors
+    of any device; entries outside [0, batch) / [0, heads) skipped, duplicates change nothing); nothing else."""
     _same_rows(dk, dv)
     valid = _valid_rows(dk, cu_seqlens, seqused)
     heads = None if head_idx is None else _as_index_list(head_idx, dk.shape[-2])
@@ -105,42 +93,35 @@ def _group_view(partial: torch.Tensor, num_heads_kv: int) -> torch.Tensor:
 def gqa_reduce_reference(dk_partial: torch.Tensor, dv_partial: torch.Tensor | None = None, *, num_heads_kv: int,
                          cu_seqlens=None, seqused=None, out=None, out_dtype: torch.dtype | None = None,
                          scale_dk: float = 1.0, scale_dv: float = 1.0, sequential: bool = False):
-    """:func:`flash_epilogue.gqa_reduce` from its arguments (the same names and defaults; out_dtype may be fp32 here):
-    each group of query heads summed in fp64, times the scale, cast to the output dtype (``out``'s; else
-    ``out_dtype``, default the partial's if 16-bit, else bf16), written to the valid rows of ``out`` (else of new
-    zero-filled tensors). Returns dk, or (dk, dv) with ``dv_partial``. ``sequential=True``: the kernel's arithmetic
-    bit for bit instead, :func:`gqa_reduce_sequential_fp32` rounded to nearest even."""
-    outs = tuple(out) if isinstance(out, (tuple, list)) else (out, None)
-    results = [_reduce_one(p, o, s, num_heads_kv, out_dtype, sequential, cu_seqlens, seqused)
-               for p, o, s in ((dk_partial, outs[0], scale_dk), (dv_partial, outs[1], scale_dv)) if p is not None]
+    """:func:`flash_epilogue.gqa_reduce` from its arguments (out_dtype may be fp32 here, new outputs are zero-filled):
+    each group summed in fp64, times the scale, rounded to the output dtype; ``sequential=True``: the kernel's
+    arithmetic bit for bit instead, :func:`gqa_reduce_sequential_fp32` rounded to nearest even."""
+    outs, results = tuple(out) if isinstance(out, (tuple, list)) else (out, None), []
+    for partial, out, scale in ((dk_partial, outs[0], scale_dk), (dv_partial, outs[1], scale_dv)):
+        if partial is None:
+            continue
+        if out is not None and out_dtype is not None and out.dtype != out_dtype:
+            raise ValueError(f"out has dtype {out.dtype}, out_dtype is {out_dtype}")
+        dtype = out.dtype if out is not None else out_dtype if out_dtype is not None else \
+            partial.dtype if partial.dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+        reduced = (gqa_reduce_sequential_fp32(partial, num_heads_kv, scale) if sequential else
+                   _group_view(partial, num_heads_kv).to(torch.float64).sum(dim=-2) * float(scale)).to(dtype)
+        if out is None:
+            out = torch.zeros(reduced.shape, dtype=dtype, device=partial.device)
+        elif out.shape != reduced.shape:
+            raise ValueError(f"out has shape {tuple(out.shape)}, expected {tuple(reduced.shape)}")
+        for rows in _valid_rows(partial, cu_seqlens, seqused):
+            out[rows].copy_(reduced[rows])
+        results.append(out)
     return results[0] if dv_partial is None else tuple(results)
 
 
-def _reduce_one(partial, out, scale, num_heads_kv, out_dtype, sequential, cu_seqlens, seqused) -> torch.Tensor:
-    if out is not None:
-        if out_dtype is not None and out.dtype != out_dtype:
-            raise ValueError(f"out has dtype {out.dtype}, out_dtype is {out_dtype}")
-        out_dtype = out.dtype
-    elif out_dtype is None:
-        out_dtype = partial.dtype if partial.dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
-    if sequential:
-        reduced = gqa_reduce_sequential_fp32(partial, num_heads_kv, scale).to(out_dtype)
-    else:
-        reduced = (_group_view(partial, num_heads_kv).to(torch.float64).sum(dim=-2) * float(scale)).to(out_dtype)
-    if out is None:
-        out = torch.zeros(reduced.shape, dtype=out_dtype, device=partial.device)
-    elif out.shape != reduced.shape:
-        raise ValueError(f"out has shape {tuple(out.shape)}, expected {tuple(reduced.shape)}")
-    for rows in _valid_rows(partial, cu_seqlens, seqused):
-        out[rows].copy_(reduced[rows])
-    return out
-
-
-def _sequential_sum(grouped: torch.Tensor) -> torch.Tensor:
-    """(..., g, d) -> (..., d): ``acc = 0 + p_0; acc = acc + p_1; ...`` in fp32 (the input's dtype if wider), in
-    order. The +0.0 start (the kernel's memset accumulator) turns a -0.0 sum into +0.0."""
-    dtype = torch.promote_types(grouped.dtype, torch.float32)
-    acc = torch.zeros(grouped.shape[:-2] + grouped.shape[-1:], dtype=dtype, device=grouped.device)
+def _sequential_sum(grouped: torch.Tensor, acc: torch.Tensor | None = None) -> torch.Tensor:
+    """(..., g, d) -> (..., d): ``acc = acc + p_0; acc = acc + p_1; ...`` in order, from ``acc``, by default +0.0 (the
+    kernel's memset accumulator, which turns a -0.0 sum into +0.0) in fp32 (the input's dtype if wider)."""
+    if acc is None:
+        acc = torch.zeros(grouped.shape[:-2] + grouped.shape[-1:], dtype=torch.promote_types(grouped.dtype,
+                          torch.float32), device=grouped.device)
     for g in range(grouped.shape[-2]):
         acc = acc + grouped[..., g, :]  # the exact upcast, then the add
     return acc
@@ -167,10 +148,9 @@ def group_sum_reference(grad: torch.Tensor, n_rep: int, dim: int = 1) -> torch.T
 def gqa_accumulate_reference(dk_partial: torch.Tensor, dv_partial: torch.Tensor | None,
                              dk_dense: torch.Tensor, dv_dense: torch.Tensor | None, *, num_heads_kv: int,
                              cu_seqlens=None, seqused=None, sequential: bool = True) -> None:
-    """In place: add each group of query-head partials (batched or varlen, h_q heads) into the valid rows of dense
-    accumulators of ``num_heads_kv`` heads (what ``GQAAccumulator.to_dense`` returns); query head j belongs to KV
-    head j // (h_q / h_k). A None partial with a None dense is skipped. ``sequential=True`` (fp32 dense only): what
-    deterministic ``gqa_accumulate`` computes bit for bit, ``((dense + p_0) + p_1) + ... + p_{g-1}`` in fp32;
+    """In place: :func:`flash_epilogue.gqa_accumulate` into dense accumulators of ``num_heads_kv`` heads (what
+    ``GQAAccumulator.to_dense`` returns; a None partial with a None dense is skipped). ``sequential=True`` (fp32
+    dense only): deterministic ``gqa_accumulate``'s bits, ``((dense + p_0) + p_1) + ... + p_{g-1}`` in fp32;
     ``False``: the group's fp64 sum added to the dense values (with fp64 dense tensors: an exact-enough oracle)."""
     for partial, dense, name in ((dk_partial, dk_dense, "dk"), (dv_partial, dv_dense, "dv")):
         if partial is None and dense is None:
@@ -185,10 +165,5 @@ def gqa_accumulate_reference(dk_partial: torch.Tensor, dv_partial: torch.Tensor 
             raise ValueError(f"sequential=True adds in fp32: {name}_dense must be float32, got {dense.dtype}")
         for rows in _valid_rows(partial, cu_seqlens, seqused):
             src, dst = grouped[rows], dense[rows]  # (rows, h_k, g, d), (rows, h_k, d)
-            if sequential:
-                acc = dst.clone()
-                for g in range(src.shape[-2]):
-                    acc = acc + src[..., g, :].to(torch.float32)
-            else:
-                acc = (dst.to(torch.float64) + src.to(torch.float64).sum(dim=-2)).to(dense.dtype)
-            dst.copy_(acc)
+            dst.copy_(_sequential_sum(src.to(torch.float32), dst) if sequential else
+                      (dst.to(torch.float64) + src.to(torch.float64).sum(dim=-2)).to(dense.dtype))

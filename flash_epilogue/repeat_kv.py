@@ -1,14 +1,6 @@
-"""repeat_kv: the KV-head expand of GQA attention, whose backward is the deterministic group reduce.
-
-Both directions are ops of the C++ extension with their autograd in C++: reverse mode (double backward included) and
-forward mode, torch.func's grad, vjp and jvp among them. Their fake kernels (output metadata only) and vmap rules (the
-vmapped dim folded into the batch dim: one launch) are here, so that they trace under torch.compile(fullgraph=True)
-and export and batch under torch.func.vmap.
-
-Without the extension (a pure-Python install) the same arithmetic runs in plain torch, as an autograd.Function with
-the same modes: the forward an expand + copy, the backward the head-order fp32 sum (the kernels' bits) in x's
-layout.
-"""
+"""repeat_kv: the KV-head expand of GQA attention, whose backward is the deterministic group reduce. Both directions
+are ops of the extension with their autograd in C++; here are their fake kernels and vmap rules (the vmapped dim folded
+into the batch dim: one launch), and, without the extension, the same arithmetic and modes in plain torch."""
 import torch
 
 from . import _extension
@@ -64,11 +56,6 @@ def _layout_of(x) -> list[int]:
     return order
 
 
-def _group_sum(grad, n_rep: int, dim: int, layout) -> torch.Tensor:
-    """x's gradient, reference.group_sum_reference (the kernels' bits) in a tensor of x's layout."""
-    return _gradient_like(grad, n_rep, dim, layout).copy_(group_sum_reference(grad, n_rep, dim))
-
-
 def _gradient_like(grad, n_rep: int, dim: int, layout) -> torch.Tensor:
     """An empty gradient of x: grad's shape with the heads in dim divided by n_rep, its dims dense in the order
     layout + [3] (what the op allocates)."""
@@ -105,8 +92,8 @@ def _functions(with_jvp: bool):
         generate_vmap_rule = True
 
         @staticmethod
-        def forward(grad, n_rep, dim, layout):
-            return _group_sum(grad, n_rep, dim, layout)
+        def forward(grad, n_rep, dim, layout):  # the kernels' bits, in x's layout
+            return _gradient_like(grad, n_rep, dim, layout).copy_(group_sum_reference(grad, n_rep, dim))
 
         @staticmethod
         def setup_context(ctx, inputs, output):
@@ -136,17 +123,15 @@ if _extension._C is not None:
     def _repeat_kv_backward_fake(grad, n_rep, dim, layout):
         return _gradient_like(grad, n_rep, dim, layout)
 
-    def _folded(in_dims, x, run):
-        """run(x with its vmapped dim folded into its batch dim), unfolded: a vmap rule of a per-head-group op (torch
-        calls it only when x is batched, its one tensor)."""
-        x = x.movedim(in_dims[0], 0)
-        out = run(x.flatten(0, 1))
-        return out.unflatten(0, (x.shape[0], x.shape[1])), 0
+    def _folded(op):
+        """The vmap rule of a per-head-group op: its vmapped dim folded into the batch dim (torch calls it only when
+        x, the op's one tensor, is batched)."""
 
-    @torch.library.register_vmap("flash_epilogue::repeat_kv")
-    def _repeat_kv_vmap(info, in_dims, x, n_rep, dim):
-        return _folded(in_dims, x, lambda t: torch.ops.flash_epilogue.repeat_kv(t, n_rep, dim))
+        def rule(info, in_dims, x, *rest):
+            x = x.movedim(in_dims[0], 0)
+            return op(x.flatten(0, 1), *rest).unflatten(0, (x.shape[0], x.shape[1])), 0
 
-    @torch.library.register_vmap("flash_epilogue::repeat_kv_backward")
-    def _repeat_kv_backward_vmap(info, in_dims, grad, n_rep, dim, layout):
-        return _folded(in_dims, grad, lambda t: torch.ops.flash_epilogue.repeat_kv_backward(t, n_rep, dim, layout))
+        return rule
+
+    for _name in ("repeat_kv", "repeat_kv_backward"):
+        torch.library.register_vmap(f"flash_epilogue::{_name}")(_folded(getattr(torch.ops.flash_epilogue, _name)))
