@@ -84,31 +84,28 @@ def varlen_big():
     return cu, used, row_mask(S_BIG, sequence_bounds(4, S_BIG, cu, used))
 
 
-@native_sm80
-def test_store_beyond_int32_batched(arch):
-    # dk in (b, s, h, d) and dv in heads-major (b, h, s, d) storage: the last head starts past 2^31
+@pytest.mark.parametrize("layout,arch", [("batched", 0), ("batched", 80), ("varlen", 0)],
+                         ids=("batched-native", "batched-sm80", "varlen-seqused"))
+def test_store_beyond_int32(layout, arch):
     need_gib(30)
-    assert S_BIG * H_BIG * D_BIG > INT32_ELEMS
-    acc_k = torch.randn((1, S_BIG, H_BIG, D_BIG), device=DEV)
-    acc_v = torch.randn((1, H_BIG, S_BIG, D_BIG), device=DEV).transpose(1, 2)
-    dk, dv = canary(acc_k.shape), canary((1, H_BIG, S_BIG, D_BIG)).transpose(1, 2)
-    fe.store(acc_k, acc_v, dk, dv, _arch=arch)
+    if layout == "batched":  # dk in (b, s, h, d), dv in heads-major (b, h, s, d) storage: its last head starts past 2^31
+        assert S_BIG * H_BIG * D_BIG > INT32_ELEMS
+        acc_k = torch.randn((1, S_BIG, H_BIG, D_BIG), device=DEV)
+        acc_v = torch.randn((1, H_BIG, S_BIG, D_BIG), device=DEV).transpose(1, 2)
+        dk, dv = canary(acc_k.shape), canary((1, H_BIG, S_BIG, D_BIG)).transpose(1, 2)
+        mask, kw = None, {}
+    else:
+        cu, used, mask = varlen_big()
+        assert mask[-5:].all() and not mask[-6]
+        acc_k, acc_v = torch.randn(S_BIG, H_BIG, D_BIG, device=DEV), torch.randn(S_BIG, H_BIG, 64, device=DEV)
+        dk, dv = canary(acc_k.shape), canary(acc_v.shape)
+        kw = {"cu_seqlens": cu, "seqused": used, "check_inputs": True}
+    fe.store(acc_k, acc_v, dk, dv, _arch=arch, **kw)
     torch.cuda.synchronize()
+    row_dim = dk.dim() - 3
     for name, out, acc in (("dk", dk, acc_k), ("dv", dv, acc_v)):
-        check_rows(name, out, lambda a, b: acc[:, a:b].to(BF16), None, 1)
-        assert bits(out[0, -1, -1, -1]) == bits(acc[0, -1, -1, -1].to(BF16))  # the very last element, explicitly
-
-
-def test_store_beyond_int32_varlen_seqused():
-    need_gib(30)
-    cu, used, mask = varlen_big()
-    acc_k, acc_v = torch.randn(S_BIG, H_BIG, D_BIG, device=DEV), torch.randn(S_BIG, H_BIG, 64, device=DEV)
-    dk, dv = canary(acc_k.shape), canary(acc_v.shape)
-    fe.store(acc_k, acc_v, dk, dv, cu_seqlens=cu, seqused=used, check_inputs=True)
-    torch.cuda.synchronize()
-    assert mask[-5:].all() and not mask[-6]
-    for name, out, acc in (("dk", dk, acc_k), ("dv", dv, acc_v)):
-        check_rows(name, out, lambda a, b: acc[a:b].to(BF16), mask, 0)
+        check_rows(name, out, lambda a, b: acc.narrow(row_dim, a, b - a).to(BF16), mask, row_dim)
+        assert bits(out[..., -1, -1, -1]) == bits(acc[..., -1, -1, -1].to(BF16))  # the very last element, explicitly
 
 
 @pytest.mark.parametrize("layout", ("varlen", "batched"))
