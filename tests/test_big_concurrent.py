@@ -88,7 +88,7 @@ def varlen_big():
                          ids=("batched-native", "batched-sm80", "varlen-seqused"))
 def test_store_beyond_int32(layout, arch):
     need_gib(30)
-    if layout == "batched":  # dk in (b, s, h, d), dv in heads-major (b, h, s, d) storage: its last head starts past 2^31
+    if layout == "batched":  # dk in (b, s, h, d), dv in heads-major (b, h, s, d) storage: its last head past 2^31
         assert S_BIG * H_BIG * D_BIG > INT32_ELEMS
         acc_k = torch.randn((1, S_BIG, H_BIG, D_BIG), device=DEV)
         acc_v = torch.randn((1, H_BIG, S_BIG, D_BIG), device=DEV).transpose(1, 2)
@@ -241,7 +241,7 @@ def bad_metadata_workload():
 
 
 def test_unchecked_metadata_near_int32_limit():
-    # such entries once wrapped 32-bit sums before the clamp: an illegal address, sticky (every later CUDA call failed)
+    # 32-bit sums of such entries before the clamp would wrap: an illegal address, sticky (every later CUDA call fails)
     run_in_child(bad_metadata_workload)
 
 
@@ -449,9 +449,8 @@ def test_persistent_drivers_on_two_streams_and_in_a_graph():
 
 
 def test_persistent_store_beside_another_kernel():
-    # the persistent store's TMA hand-off once shared a named barrier id with the tile's first barrier (two thread
-    # counts on one id): beside another kernel the issuing warp lagged, the other warps reached the next tile's
-    # barrier first, and this loop faulted ("illegal instruction") one run in two
+    # a named barrier id must not serve two thread counts (the store's TMA hand-off and a tile's first barrier): beside
+    # another kernel the issuing warp lags, the others reach the next tile's barrier first ("illegal instruction")
     gen = generator(2)
     b, s, h, d = 2, 4096, 8, 128
     acc_k, acc_v, part = rand((b, s, h, d), gen), rand((b, s, h, d), gen), rand((b, s, 2 * h, d), gen)
