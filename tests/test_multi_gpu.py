@@ -13,7 +13,7 @@ import flash_epilogue as fe
 from conftest import HAVE_SM90, arch_param, generator, same
 from flash_epilogue.reference import (gqa_accumulate_reference, gqa_reduce_reference, store_reference,
                                       store_zero_reference)
-from test_big_concurrent import run_in_child
+from test_big_concurrent import every_op, run_in_child
 
 I32, BF16, F16 = torch.int32, torch.bfloat16, torch.float16
 SLEEP_CYCLES = 200_000_000  # ~100 ms at the H200's clock: far longer than enqueueing one op
@@ -147,28 +147,13 @@ def hdim_80_96_workload():
     current throughout. Run in a fresh process by test_hdim_80_96_on_device1_first_in_a_fresh_process."""
     torch.cuda.set_device(0)
     for dev, arch, d in itertools.product((1, 0), (0, 80), (96, 80)):
-        D, where = torch.device("cuda", dev), (dev, arch, d)
-        g = torch.Generator(device=D).manual_seed(d + arch)
-        pk, pv = torch.randn(2, 200, 6, d, device=D, generator=g), torch.randn(2, 200, 6, d, device=D, generator=g)
-        ok, ov = (torch.zeros(2, 200, 2, d, dtype=BF16, device=D) for _ in range(2))
-        acc = fe.gqa_accumulator(2, d, batch=2, seqlen=200, deterministic=True, device=D, arch=arch)
-        fe.gqa_accumulate(pk, pv, acc, deterministic=True)
-        fe.gqa_postprocess(acc, ok, ov)
-        rk, rv = fe.gqa_reduce(pk, pv, num_heads_kv=2, out_dtype=BF16, _arch=arch)
-        sk, sv = (torch.zeros(2, 200, 6, d, dtype=F16, device=D) for _ in range(2))
-        fe.store(pk, pv, sk, sv, _arch=arch)
-        fe.store_zero(sk, sv, row_start=100, _arch=arch)
+        _, launches, check = every_op(d, generator(d + arch, torch.device("cuda", dev)), lead=(2, 200), h=2, g=3,
+                                      arch=arch, store_dtype=F16)
+        for launch in launches:
+            launch()
         assert torch.cuda.current_device() == 0
-        torch.cuda.synchronize(D)
-        ref = [torch.zeros(2, 200, 2, d, device=D) for _ in range(2)]
-        gqa_accumulate_reference(pk, pv, *ref, num_heads_kv=2)
-        reduced = [gqa_reduce_reference(p, num_heads_kv=2, out=torch.zeros_like(rk), sequential=True) for p in (pk, pv)]
-        want_sk = pk.half()
-        want_sk[:, 100:] = 0
-        checks = {"accumulate": (acc.to_dense(), ref), "postprocess": ((ok, ov), [r.bfloat16() for r in ref]),
-                  "reduce": ((rk, rv), reduced), "store/store_zero": ((sk,), (want_sk,))}
-        for what, (got, want) in checks.items():
-            assert all(torch.equal(x, w) for x, w in zip(got, want)), (what, *where)
+        torch.cuda.synchronize(dev)
+        check(dev, arch, d)
     print("OK")
 
 
