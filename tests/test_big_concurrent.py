@@ -291,27 +291,22 @@ H_MAX = 65535
 
 
 @native_sm80
-@pytest.mark.parametrize("d", (64, 128))
-def test_store_and_store_zero_65535_heads(d, arch):
-    gen = generator(4)
-    a_k, a_v = rand((1, 2, H_MAX, d), gen), rand((1, 2, H_MAX, d), gen)
-    dk, dv = canary(a_k.shape), canary(a_v.shape)
-    fe.store(a_k, a_v, dk, dv, _arch=arch)
-    torch.cuda.synchronize()
-    assert same(dk, a_k.to(BF16)) and same(dv, a_v.to(BF16))
-    fe.store_zero(dk, dv, row_start=1, _arch=arch)
-    torch.cuda.synchronize()
-    for out, a in ((dk, a_k), (dv, a_v)):
-        assert bool((out[:, 1] == 0).all()) and same(out[:, 0], a[:, 0].to(BF16))
-
-
-@native_sm80
 @pytest.mark.parametrize("deterministic", (True, False), ids=("deterministic", "atomic"))
-def test_gqa_ops_65535_heads(deterministic, arch):
-    # 65535 query heads into 65535 KV heads (accumulate, to_dense, postprocess), and gqa_reduce of them
+def test_every_op_65535_heads(deterministic, arch):
+    # store and store_zero at d 64 and 128; 65535 query heads into 65535 KV heads at d 64 (accumulate, to_dense,
+    # postprocess), and gqa_reduce of them
     need_gib(8)
-    gen = generator(5)
-    pk, pv = rand((1, 2, H_MAX, 64), gen), rand((1, 2, H_MAX, 64), gen)
+    gen = generator(4)
+    for d in (128, 64):
+        pk, pv = rand((1, 2, H_MAX, d), gen), rand((1, 2, H_MAX, d), gen)
+        dk, dv = canary(pk.shape), canary(pv.shape)
+        fe.store(pk, pv, dk, dv, _arch=arch)
+        torch.cuda.synchronize()
+        assert same(dk, pk.to(BF16)) and same(dv, pv.to(BF16))
+        fe.store_zero(dk, dv, row_start=1, _arch=arch)
+        torch.cuda.synchronize()
+        for out, a in ((dk, pk), (dv, pv)):
+            assert bool((out[:, 1] == 0).all()) and same(out[:, 0], a[:, 0].to(BF16))
     acc = fe.gqa_accumulator(H_MAX, 64, batch=1, seqlen=2, deterministic=deterministic, device=DEV, arch=arch)
     fe.gqa_accumulate(pk, pv, acc, deterministic=deterministic)
     dk, dv, red_k, red_v = canary(pk.shape), canary(pv.shape), canary(pk.shape), canary(pv.shape)
