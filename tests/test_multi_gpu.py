@@ -94,21 +94,25 @@ def test_store_and_store_zero_on_device1(arch):
 
 @arch_param
 @pytest.mark.parametrize("deterministic", [True, False])
-def test_gqa_ops_on_device1(arch, deterministic):
+def test_gqa_ops_and_repeat_kv_on_device1(arch, deterministic):
     hk, g, d, b, s = 2, 4, 128, 2, 300
     pk_real, pv_real = rand((b, s, hk * g, d), 5), rand((b, s, hk * g, d), 6)
     used = torch.tensor([s, 150], dtype=I32, device=D1)
     acc = fe.gqa_accumulator(hk, d, batch=b, seqlen=s, deterministic=deterministic, device=D1, arch=arch)
     assert acc.device == D1
     ok, ov = (torch.zeros(b, s, hk, d, dtype=BF16, device=D1) for _ in range(2))
+    x_real, gy_real = rand((2, 2, 300, 128), 7, BF16), rand((2, 8, 300, 128), 8, BF16)
 
-    def call(pk, pv):
+    def call(pk, pv, x, gy):
         acc.reset()
         fe.gqa_accumulate(pk, pv, acc, deterministic=deterministic, seqused=used)
         fe.gqa_postprocess(acc, ok, ov, scale_dk=0.5)
-        return acc.to_dense(), fe.gqa_reduce(pk, pv, num_heads_kv=hk, out_dtype=F16, _arch=arch)
+        y = fe.repeat_kv(x.requires_grad_(), 4)
+        return (acc.to_dense(), fe.gqa_reduce(pk, pv, num_heads_kv=hk, out_dtype=F16, _arch=arch), y,
+                torch.autograd.grad(y, x, gy)[0])
 
-    (dense_k, dense_v), (rk, rv) = run_on_device1(call, (pk_real, pv_real), (ok, ov, acc.dk_accum, acc.dv_accum))
+    (dense_k, dense_v), (rk, rv), y, gx = run_on_device1(call, (pk_real, pv_real, x_real, gy_real),
+                                                         (ok, ov, acc.dk_accum, acc.dv_accum))
     ref = [torch.zeros(b, s, hk, d, device=D1) for _ in range(2)]
     gqa_accumulate_reference(pk_real, pv_real, *ref, num_heads_kv=hk, seqused=used)
     want_k, want_v = torch.zeros_like(ok), torch.zeros_like(ov)
@@ -125,19 +129,9 @@ def test_gqa_ops_on_device1(arch, deterministic):
         want = torch.zeros_like(got)
         gqa_reduce_reference(p, num_heads_kv=hk, out=want, sequential=True)
         assert got.device == D1 and same(got, want)
-
-
-def test_repeat_kv_on_device1():
-    x_real, gy_real = rand((2, 2, 300, 128), 7, BF16), rand((2, 8, 300, 128), 8, BF16)
-
-    def call(x, gy):
-        y = fe.repeat_kv(x.requires_grad_(), 4)
-        return y, torch.autograd.grad(y, x, gy)[0]
-
-    y, gx = run_on_device1(call, (x_real, gy_real))
     assert y.device == gx.device == D1
     assert same(y, x_real.repeat_interleave(4, dim=1))
-    # the backward's arithmetic: the sequential fp32 group sum, rounded once
+    # repeat_kv's backward: the sequential fp32 group sum, rounded once
     want = gqa_reduce_reference(gy_real.transpose(1, 2), num_heads_kv=2, out_dtype=BF16, sequential=True)
     assert same(gx, want.transpose(1, 2))
 
