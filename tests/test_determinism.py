@@ -10,9 +10,9 @@ import torch
 
 import flash_epilogue as fe
 from conftest import bits, canary, cu_seqlens, deterministic_algorithms, generator, rand
-from test_big_concurrent import every_op
 from flash_epilogue.reference import (gqa_accumulate_reference, gqa_reduce_sequential_fp32, group_sum_reference,
                                       store_reference, store_zero_reference)
+from test_big_concurrent import every_op
 
 REPEATS = 1000
 F32, BF16 = torch.float32, torch.bfloat16
