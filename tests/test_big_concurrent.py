@@ -310,7 +310,7 @@ def test_every_op_65535_heads(deterministic, arch):
 
 def every_op(d, gen, lead=(2, 300), h=4, g=2, arch=0, store_dtype=BF16):
     """Every op at head dim d on h KV heads of g query heads each, on gen's device (`arch`: the path), as (acc,
-    launches, check): the launches (one function per op, all but the bf16 gqa_reduce making no CUDA call before
+    launches, check): the launches (one function per op call, all but the bf16 gqa_reduce making no CUDA call before
     the op's own, repeat_kv's backward on the autograd engine's device thread) accumulate into the deterministic
     accumulator `acc` (reset it before running them again); check(*where) then compares every output bitwise with
     its reference."""
@@ -318,16 +318,17 @@ def every_op(d, gen, lead=(2, 300), h=4, g=2, arch=0, store_dtype=BF16):
     ak, av, pk, pv = (rand(lead + (n, d), gen) for n in (h, h, h * g, h * g))
     p16 = pk.to(BF16)
     x, grad = rand((b, h, s, d), gen, BF16).requires_grad_(), rand((b, h * g, s, d), gen, BF16)
-    out = [canary(lead + (h, d), dt, dev) for dt in (store_dtype, store_dtype, BF16, BF16, BF16, BF16)]
+    out = [canary(lead + (h, d), dt, dev) for dt in (store_dtype, store_dtype, BF16, BF16, BF16, BF16, BF16)]
     sel = {"batch_idx": torch.tensor([1], dtype=I32, device=dev), "row_start": s // 2}  # a list: a copy, a CUDA call
     acc = fe.gqa_accumulator(h, d, batch=b, seqlen=s, deterministic=True, device=dev, arch=arch)
     got = {}
     launches = [lambda: fe.store(ak, av, out[0], out[1], _arch=arch),
                 lambda: fe.store_zero(out[0], out[1], **sel, _arch=arch),
                 lambda: fe.gqa_reduce(pk, pv, num_heads_kv=h, out=(out[2], out[3]), _arch=arch),
+                lambda: fe.gqa_reduce(pk, num_heads_kv=h, out=out[4], _arch=arch),
                 lambda: got.update(reduce16=fe.gqa_reduce(p16, num_heads_kv=h, _arch=arch)),
                 lambda: fe.gqa_accumulate(pk, pv, acc),
-                lambda: fe.gqa_postprocess(acc, out[4], out[5], scale_dk=0.5),
+                lambda: fe.gqa_postprocess(acc, out[5], out[6], scale_dk=0.5),
                 lambda: got.update(repeat_kv=torch.autograd.grad(fe.repeat_kv(x, g), x, grad))]
 
     def check(*where):
@@ -336,11 +337,11 @@ def every_op(d, gen, lead=(2, 300), h=4, g=2, arch=0, store_dtype=BF16):
         store_zero_reference(*stored, batch_idx=[1], row_start=s // 2)
         dense = [torch.zeros(lead + (h, d), device=dev) for _ in range(2)]
         gqa_accumulate_reference(pk, pv, *dense, num_heads_kv=h)
-        checks = {"store, store_zero": (out[:2], stored),
-                  "gqa_reduce": (out[2:4], [gqa_reduce_sequential_fp32(p, h).to(BF16) for p in (pk, pv)]),
+        reduced = [gqa_reduce_sequential_fp32(p, h).to(BF16) for p in (pk, pv, pk)]
+        checks = {"store, store_zero": (out[:2], stored), "gqa_reduce": (out[2:5], reduced),
                   "gqa_reduce bf16": ([got["reduce16"]], [gqa_reduce_sequential_fp32(p16.float(), h).to(BF16)]),
                   "gqa_accumulate": (acc.to_dense(), dense),
-                  "gqa_postprocess": (out[4:], [(dense[0] * 0.5).to(BF16), dense[1].to(BF16)]),
+                  "gqa_postprocess": (out[5:], [(dense[0] * 0.5).to(BF16), dense[1].to(BF16)]),
                   "repeat_kv backward": (got["repeat_kv"], [group_sum_reference(grad, g)])}
         for what, (outputs, want) in checks.items():
             assert all(same(o, w) for o, w in zip(outputs, want, strict=True)), (what, *where)
