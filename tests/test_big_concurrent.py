@@ -109,15 +109,17 @@ def test_store_and_store_zero_beyond_int32(layout, arch):
         check_rows(name, out, lambda a, b: acc.narrow(row_dim, a, b - a).to(BF16), mask, row_dim)
         assert bits(out[..., -1, -1, -1]) == bits(acc[..., -1, -1, -1].to(BF16))  # the very last element, explicitly
     acc_k = acc_v = acc = None  # freed: room for the store_zero references
-    ref_k, ref_v = dk.clone(), dv.clone()
-    store_zero_reference(ref_k, ref_v, **zero_kw)
-    fe.store_zero(dk, dv, _arch=arch, **zero_kw)
-    torch.cuda.synchronize()
-    for name, got, want in (("dk", dk, ref_k), ("dv", dv, ref_v)):
-        check_rows(name, got, lambda a, b: want.narrow(row_dim, a, b - a), None, row_dim)
-        assert (want == 0).sum().item() > 0
-        last = got.narrow(row_dim, rows - 1, 1)  # past 2^31 elements, explicitly
-        assert (last[..., 0, :] == 0).all() and (last[..., -1, :] == 0).all()
+    pairs = [(dk, dv)] + [(dk, torch.ones(1, S_BIG, H_BIG, 64, dtype=BF16, device=DEV))] * (layout == "batched")
+    for zk, zv in pairs:  # batched: dv heads-major, then a contiguous dv of head dim 64
+        ref_k, ref_v = zk.clone(), zv.clone()
+        store_zero_reference(ref_k, ref_v, **zero_kw)
+        fe.store_zero(zk, zv, _arch=arch, **zero_kw)
+        torch.cuda.synchronize()
+        for name, got, want in (("dk", zk, ref_k), ("dv", zv, ref_v)):
+            check_rows(name, got, lambda a, b: want.narrow(row_dim, a, b - a), None, row_dim)
+            assert (want == 0).sum().item() > 0
+            last = got.narrow(row_dim, rows - 1, 1)  # past 2^31 elements, explicitly
+            assert (last[..., 0, :] == 0).all() and (last[..., -1, :] == 0).all()
 
 
 @pytest.mark.parametrize("g,partial_dtype", [(8, torch.float32), (1, BF16)],
