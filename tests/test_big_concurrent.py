@@ -109,7 +109,9 @@ def test_store_and_store_zero_beyond_int32(layout, arch):
         check_rows(name, out, lambda a, b: acc.narrow(row_dim, a, b - a).to(BF16), mask, row_dim)
         assert bits(out[..., -1, -1, -1]) == bits(acc[..., -1, -1, -1].to(BF16))  # the very last element, explicitly
     acc_k = acc_v = acc = None  # freed: room for the store_zero references
-    pairs = [(dk, dv)] + [(dk, torch.ones(1, S_BIG, H_BIG, 64, dtype=BF16, device=DEV))] * (layout == "batched")
+    pairs = [(dk, dv)]
+    if layout == "batched":
+        pairs.append((dk, torch.ones(1, S_BIG, H_BIG, 64, dtype=BF16, device=DEV)))
     for zk, zv in pairs:  # batched: dv heads-major, then a contiguous dv of head dim 64
         ref_k, ref_v = zk.clone(), zv.clone()
         store_zero_reference(ref_k, ref_v, **zero_kw)
