@@ -323,7 +323,7 @@ def every_op(d, gen, lead=(2, 300), h=4, g=2, arch=0, store_dtype=BF16):
     p16 = pk.to(BF16)
     x, grad = rand((b, h, s, d), gen, BF16).requires_grad_(), rand((b, h * g, s, d), gen, BF16)
     out = [canary(lead + (h, d), dt, dev) for dt in (store_dtype, store_dtype, BF16, BF16, BF16, BF16, BF16)]
-    sel = {"batch_idx": torch.tensor([1], dtype=I32, device=dev), "row_start": s // 2}  # a list: a copy, a CUDA call
+    sel = {"batch_idx": torch.tensor([1], dtype=I32, device=dev), "row_start": s // 2}  # a list: a CUDA copy first
     acc = fe.gqa_accumulator(h, d, batch=b, seqlen=s, deterministic=True, device=dev, arch=arch)
     got = {}
     launches = [lambda: fe.store(ak, av, out[0], out[1], _arch=arch),
