@@ -16,7 +16,7 @@ import torch
 import flash_epilogue as fe
 from conftest import CANARY_BITS, bits, canary, cu_seqlens, cuda_graph, first_diff, generator, rand, same, same_view
 from flash_epilogue.reference import (gqa_accumulate_reference, gqa_reduce_reference, gqa_reduce_sequential_fp32,
-                                      sequence_bounds, store_zero_reference)
+                                      group_sum_reference, sequence_bounds, store_reference, store_zero_reference)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 DEV, I32, BF16 = "cuda", torch.int32, torch.bfloat16
@@ -84,57 +84,44 @@ def varlen_big():
     return cu, used, row_mask(S_BIG, sequence_bounds(4, S_BIG, cu, used))
 
 
-@native_sm80
-def test_store_beyond_int32_batched(arch):
-    # dk in (b, s, h, d) and dv in heads-major (b, h, s, d) storage: the last head starts past 2^31
+@pytest.mark.parametrize("layout,arch", [("batched", 0), ("batched", 80), ("varlen", 0)],
+                         ids=("batched-native", "batched-sm80", "varlen-seqused"))
+def test_store_and_store_zero_beyond_int32(layout, arch):
     need_gib(30)
-    assert S_BIG * H_BIG * D_BIG > INT32_ELEMS
-    acc_k = torch.randn((1, S_BIG, H_BIG, D_BIG), device=DEV)
-    acc_v = torch.randn((1, H_BIG, S_BIG, D_BIG), device=DEV).transpose(1, 2)
-    dk, dv = canary(acc_k.shape), canary((1, H_BIG, S_BIG, D_BIG)).transpose(1, 2)
-    fe.store(acc_k, acc_v, dk, dv, _arch=arch)
+    if layout == "batched":  # dk in (b, s, h, d), dv in heads-major (b, h, s, d) storage: its last head past 2^31
+        assert S_BIG * H_BIG * D_BIG > INT32_ELEMS
+        acc_k = torch.randn((1, S_BIG, H_BIG, D_BIG), device=DEV)
+        acc_v = torch.randn((1, H_BIG, S_BIG, D_BIG), device=DEV).transpose(1, 2)
+        dk, dv = canary(acc_k.shape), canary((1, H_BIG, S_BIG, D_BIG)).transpose(1, 2)
+        mask, kw = None, {}
+        zero_kw = {"row_start": S_BIG - 100, "row_end": S_BIG + 7}  # the last rows of the batch: past 2^31 elements
+    else:  # sequence 3 is the last 5 rows; rows 3 and 4 of it are zeroed in heads 0 and h - 1
+        cu, used, mask = varlen_big()
+        assert mask[-5:].all() and not mask[-6]
+        acc_k, acc_v = torch.randn(S_BIG, H_BIG, D_BIG, device=DEV), torch.randn(S_BIG, H_BIG, 64, device=DEV)
+        dk, dv = canary(acc_k.shape), canary(acc_v.shape)
+        kw = {"cu_seqlens": cu, "seqused": used, "check_inputs": True}
+        zero_kw = {"cu_seqlens": cu, "seqused": used, "head_idx": [0, H_BIG - 1], "row_start": 3}
+    fe.store(acc_k, acc_v, dk, dv, _arch=arch, **kw)
     torch.cuda.synchronize()
+    row_dim, rows = dk.dim() - 3, dk.shape[dk.dim() - 3]
     for name, out, acc in (("dk", dk, acc_k), ("dv", dv, acc_v)):
-        check_rows(name, out, lambda a, b: acc[:, a:b].to(BF16), None, 1)
-        assert bits(out[0, -1, -1, -1]) == bits(acc[0, -1, -1, -1].to(BF16))  # the very last element, explicitly
-
-
-def test_store_beyond_int32_varlen_seqused():
-    need_gib(30)
-    cu, used, mask = varlen_big()
-    acc_k, acc_v = torch.randn(S_BIG, H_BIG, D_BIG, device=DEV), torch.randn(S_BIG, H_BIG, 64, device=DEV)
-    dk, dv = canary(acc_k.shape), canary(acc_v.shape)
-    fe.store(acc_k, acc_v, dk, dv, cu_seqlens=cu, seqused=used, check_inputs=True)
-    torch.cuda.synchronize()
-    assert mask[-5:].all() and not mask[-6]
-    for name, out, acc in (("dk", dk, acc_k), ("dv", dv, acc_v)):
-        check_rows(name, out, lambda a, b: acc[a:b].to(BF16), mask, 0)
-
-
-@pytest.mark.parametrize("layout", ("varlen", "batched"))
-def test_store_zero_beyond_int32(layout):
-    need_gib(25)
-    if layout == "varlen":  # sequence 3 is the last 5 rows; rows 3 and 4 of it are zeroed in heads 0 and h - 1
-        cu, used, _ = varlen_big()
-        lead, row_dim = (S_BIG,), 0
-        kw = {"cu_seqlens": cu, "seqused": used, "head_idx": [0, H_BIG - 1], "row_start": 3}
-    else:  # zero the last rows of the batch only: they sit past 2^31 elements
-        lead, row_dim, kw = (1, S_BIG), 1, {"row_start": S_BIG - 100, "row_end": S_BIG + 7}
-    dk, dv = (torch.ones(lead + (H_BIG, n), dtype=BF16, device=DEV) for n in (D_BIG, 64))
-    ref_k, ref_v = dk.clone(), dv.clone()
-    store_zero_reference(ref_k, ref_v, **kw)
-    fe.store_zero(dk, dv, **kw)
-    torch.cuda.synchronize()
-    for name, got, want in (("dk", dk, ref_k), ("dv", dv, ref_v)):
-        check_rows(name, got, lambda a, b: want.narrow(row_dim, a, b - a), None, row_dim)
-        zeroed = (want == 0).sum().item()
-        assert zeroed > 0 and (got == 0).sum().item() == zeroed
-        rows = got.shape[row_dim]
-        last = got.narrow(row_dim, rows - 1, 1)  # past 2^31 elements, explicitly
-        if layout == "batched":
-            assert (last == 0).all() and (got.narrow(row_dim, rows - 101, 1) == 1).all()
-        else:
-            assert (last[:, 0] == 0).all() and (last[:, -1] == 0).all() and (last[:, 1:-1] == 1).all()
+        check_rows(name, out, lambda a, b: acc.narrow(row_dim, a, b - a).to(BF16), mask, row_dim)
+        assert bits(out[..., -1, -1, -1]) == bits(acc[..., -1, -1, -1].to(BF16))  # the very last element, explicitly
+    acc_k = acc_v = acc = None  # freed: room for the store_zero references
+    pairs = [(dk, dv)]
+    if layout == "batched":
+        pairs.append((dk, torch.ones(1, S_BIG, H_BIG, 64, dtype=BF16, device=DEV)))
+    for zk, zv in pairs:  # batched: dv heads-major, then a contiguous dv of head dim 64
+        ref_k, ref_v = zk.clone(), zv.clone()
+        store_zero_reference(ref_k, ref_v, **zero_kw)
+        fe.store_zero(zk, zv, _arch=arch, **zero_kw)
+        torch.cuda.synchronize()
+        for name, got, want in (("dk", zk, ref_k), ("dv", zv, ref_v)):
+            check_rows(name, got, lambda a, b: want.narrow(row_dim, a, b - a), None, row_dim)
+            assert (want == 0).sum().item() > 0
+            last = got.narrow(row_dim, rows - 1, 1)  # past 2^31 elements, explicitly
+            assert (last[..., 0, :] == 0).all() and (last[..., -1, :] == 0).all()
 
 
 @pytest.mark.parametrize("g,partial_dtype", [(8, torch.float32), (1, BF16)],
@@ -244,7 +231,7 @@ def bad_metadata_workload():
 
 
 def test_unchecked_metadata_near_int32_limit():
-    # such entries once wrapped 32-bit sums before the clamp: an illegal address, sticky (every later CUDA call failed)
+    # 32-bit sums of such entries before the clamp would wrap: an illegal address, sticky (every later CUDA call fails)
     run_in_child(bad_metadata_workload)
 
 
@@ -294,27 +281,22 @@ H_MAX = 65535
 
 
 @native_sm80
-@pytest.mark.parametrize("d", (64, 128))
-def test_store_and_store_zero_65535_heads(d, arch):
-    gen = generator(4)
-    a_k, a_v = rand((1, 2, H_MAX, d), gen), rand((1, 2, H_MAX, d), gen)
-    dk, dv = canary(a_k.shape), canary(a_v.shape)
-    fe.store(a_k, a_v, dk, dv, _arch=arch)
-    torch.cuda.synchronize()
-    assert same(dk, a_k.to(BF16)) and same(dv, a_v.to(BF16))
-    fe.store_zero(dk, dv, row_start=1, _arch=arch)
-    torch.cuda.synchronize()
-    for out, a in ((dk, a_k), (dv, a_v)):
-        assert bool((out[:, 1] == 0).all()) and same(out[:, 0], a[:, 0].to(BF16))
-
-
-@native_sm80
 @pytest.mark.parametrize("deterministic", (True, False), ids=("deterministic", "atomic"))
-def test_gqa_ops_65535_heads(deterministic, arch):
-    # 65535 query heads into 65535 KV heads (accumulate, to_dense, postprocess), and gqa_reduce of them
+def test_every_op_65535_heads(deterministic, arch):
+    # store and store_zero at d 64 and 128; 65535 query heads into 65535 KV heads at d 64 (accumulate, to_dense,
+    # postprocess), and gqa_reduce of them
     need_gib(8)
-    gen = generator(5)
-    pk, pv = rand((1, 2, H_MAX, 64), gen), rand((1, 2, H_MAX, 64), gen)
+    gen = generator(4)
+    for d in (128, 64):
+        pk, pv = rand((1, 2, H_MAX, d), gen), rand((1, 2, H_MAX, d), gen)
+        dk, dv = canary(pk.shape), canary(pv.shape)
+        fe.store(pk, pv, dk, dv, _arch=arch)
+        torch.cuda.synchronize()
+        assert same(dk, pk.to(BF16)) and same(dv, pv.to(BF16))
+        fe.store_zero(dk, dv, row_start=1, _arch=arch)
+        torch.cuda.synchronize()
+        for out, a in ((dk, pk), (dv, pv)):
+            assert bool((out[:, 1] == 0).all()) and same(out[:, 0], a[:, 0].to(BF16))
     acc = fe.gqa_accumulator(H_MAX, 64, batch=1, seqlen=2, deterministic=deterministic, device=DEV, arch=arch)
     fe.gqa_accumulate(pk, pv, acc, deterministic=deterministic)
     dk, dv, red_k, red_v = canary(pk.shape), canary(pv.shape), canary(pk.shape), canary(pv.shape)
@@ -328,6 +310,47 @@ def test_gqa_ops_65535_heads(deterministic, arch):
 
 
 # concurrency: streams, a graph, host threads
+
+
+def every_op(d, gen, lead=(2, 300), h=4, g=2, arch=0, store_dtype=BF16):
+    """Every op at head dim d on h KV heads of g query heads each, on gen's device (`arch`: the path), as (acc,
+    launches, check): the launches (one function per op call, all but the bf16 gqa_reduce making no CUDA call before
+    the op's own, repeat_kv's backward on the autograd engine's device thread) accumulate into the deterministic
+    accumulator `acc` (reset it before running them again); check(*where) then compares every output bitwise with
+    its reference."""
+    dev, (b, s) = gen.device, lead
+    ak, av, pk, pv = (rand(lead + (n, d), gen) for n in (h, h, h * g, h * g))
+    p16 = pk.to(BF16)
+    x, grad = rand((b, h, s, d), gen, BF16).requires_grad_(), rand((b, h * g, s, d), gen, BF16)
+    out = [canary(lead + (h, d), dt, dev) for dt in (store_dtype, store_dtype, BF16, BF16, BF16, BF16, BF16)]
+    sel = {"batch_idx": torch.tensor([1], dtype=I32, device=dev), "row_start": s // 2}  # a list: a CUDA copy first
+    acc = fe.gqa_accumulator(h, d, batch=b, seqlen=s, deterministic=True, device=dev, arch=arch)
+    got = {}
+    launches = [lambda: fe.store(ak, av, out[0], out[1], _arch=arch),
+                lambda: fe.store_zero(out[0], out[1], **sel, _arch=arch),
+                lambda: fe.gqa_reduce(pk, pv, num_heads_kv=h, out=(out[2], out[3]), _arch=arch),
+                lambda: fe.gqa_reduce(pk, num_heads_kv=h, out=out[4], _arch=arch),
+                lambda: got.update(reduce16=fe.gqa_reduce(p16, num_heads_kv=h, _arch=arch)),
+                lambda: fe.gqa_accumulate(pk, pv, acc),
+                lambda: fe.gqa_postprocess(acc, out[5], out[6], scale_dk=0.5),
+                lambda: got.update(repeat_kv=torch.autograd.grad(fe.repeat_kv(x, g), x, grad))]
+
+    def check(*where):
+        stored = [torch.zeros_like(o) for o in out[:2]]
+        store_reference(ak, av, *stored)
+        store_zero_reference(*stored, batch_idx=[1], row_start=s // 2)
+        dense = [torch.zeros(lead + (h, d), device=dev) for _ in range(2)]
+        gqa_accumulate_reference(pk, pv, *dense, num_heads_kv=h)
+        reduced = [gqa_reduce_sequential_fp32(p, h).to(BF16) for p in (pk, pv, pk)]
+        checks = {"store, store_zero": (out[:2], stored), "gqa_reduce": (out[2:5], reduced),
+                  "gqa_reduce bf16": ([got["reduce16"]], [gqa_reduce_sequential_fp32(p16.float(), h).to(BF16)]),
+                  "gqa_accumulate": (acc.to_dense(), dense),
+                  "gqa_postprocess": (out[5:], [(dense[0] * 0.5).to(BF16), dense[1].to(BF16)]),
+                  "repeat_kv backward": (got["repeat_kv"], [group_sum_reference(grad, g)])}
+        for what, (outputs, want) in checks.items():
+            assert all(same(o, w) for o, w in zip(outputs, want, strict=True)), (what, *where)
+
+    return acc, launches, check
 
 
 def test_two_streams_deterministic_accumulations():
@@ -368,43 +391,6 @@ def test_two_streams_deterministic_accumulations():
             for (acc, _, _, kw), r in zip(jobs, (ref, ref, ref_c)):
                 assert all(same(x, w) for x, w in zip(acc.to_dense(**kw), r))
         assert all(same(x, w) for x, w in zip(got, first))
-
-
-def test_two_streams_mixed_ops():
-    # stream 1: store + store_zero; stream 2: gqa_reduce + non-deterministic accumulate + postprocess; five rounds
-    # each, launches interleaved, then everything against the reference
-    gen = generator(1)
-    b, s, h, d = 2, 4096, 8, 128
-    accs = [(rand((b, s, h, d), gen), rand((b, s, h, d), gen)) for _ in range(5)]
-    parts = [rand((b, s, 2 * h, d), gen) for _ in range(5)]
-    outs_store, outs_post = ([[canary((b, s, h, d)) for _ in range(2)] for _ in range(5)] for _ in range(2))
-    outs_reduce = [canary((b, s, h, d), torch.float16) for _ in range(5)]
-    acc = fe.gqa_accumulator(h, d, batch=b, seqlen=s, device=DEV)
-    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
-    s1.wait_stream(torch.cuda.current_stream())
-    s2.wait_stream(torch.cuda.current_stream())
-    for i in range(5):
-        with torch.cuda.stream(s1):
-            fe.store(*accs[i], *outs_store[i])
-            fe.store_zero(*outs_store[i], head_idx=[i % h], row_start=100, row_end=1000)
-        with torch.cuda.stream(s2):
-            fe.gqa_reduce(parts[i], num_heads_kv=h, out=outs_reduce[i], scale_dk=0.5)
-            acc.reset()
-            fe.gqa_accumulate(parts[i], parts[i], acc, deterministic=False)
-            fe.gqa_postprocess(acc, *outs_post[i], scale_dv=2.0)
-    torch.cuda.current_stream().wait_stream(s1)
-    torch.cuda.current_stream().wait_stream(s2)
-    torch.cuda.synchronize()
-    for i in range(5):
-        for out, a in zip(outs_store[i], accs[i]):
-            want = a.to(BF16)
-            want[:, 100:1000, i % h] = 0
-            assert same(out, want), f"store round {i}"
-        want = gqa_reduce_reference(parts[i], num_heads_kv=h, out_dtype=torch.float16, scale_dk=0.5, sequential=True)
-        assert same(outs_reduce[i], want), f"reduce round {i}"
-        summed = gqa_reduce_sequential_fp32(parts[i], h)  # two query heads per KV head, one call: exact in any order
-        assert same(outs_post[i][0], summed.to(BF16)), f"postprocess dk round {i}"
-        assert same(outs_post[i][1], (summed * 2.0).to(BF16)), f"postprocess dv round {i}"
 
 
 def test_persistent_drivers_on_two_streams_and_in_a_graph():
@@ -451,85 +437,77 @@ def test_persistent_drivers_on_two_streams_and_in_a_graph():
         assert all(same(got, w) for got, w in zip([*outs[0], *dense], expected()))
 
 
-def test_persistent_store_beside_another_kernel():
-    # the persistent store's TMA hand-off once shared a named barrier id with the tile's first barrier (two thread
-    # counts on one id): beside another kernel the issuing warp lagged, the other warps reached the next tile's
-    # barrier first, and this loop faulted ("illegal instruction") one run in two
+def test_persistent_store_beside_other_ops():
+    # a named barrier id must not serve two thread counts (the store's TMA hand-off and a tile's first barrier): beside
+    # another kernel the issuing warp lags, the others reach the next tile's barrier first ("illegal instruction").
+    # Stream 0: the store; stream 1, in turn: a second store + store_zero, or gqa_reduce into bf16 and (scaled) into
+    # fp16 + a non-deterministic accumulate + postprocess; launches interleaved, then everything against the reference
     gen = generator(2)
     b, s, h, d = 2, 4096, 8, 128
     acc_k, acc_v, part = rand((b, s, h, d), gen), rand((b, s, h, d), gen), rand((b, s, 2 * h, d), gen)
-    outs = [canary((b, s, h, d)) for _ in range(5)]
+    outs = [canary((b, s, h, d), dt) for dt in (BF16, BF16, BF16, torch.float16, BF16, BF16, BF16, BF16)]
+    acc = fe.gqa_accumulator(h, d, batch=b, seqlen=s, device=DEV)
     streams = torch.cuda.Stream(), torch.cuda.Stream()
     for st in streams:
         st.wait_stream(torch.cuda.current_stream())
     for i in range(300):
         with torch.cuda.stream(streams[0]):
             fe.store(acc_k, acc_v, outs[0], outs[1])
-        with torch.cuda.stream(streams[1]):  # gqa_reduce and a second store, in turn
-            fe.gqa_reduce(part, num_heads_kv=h, out=outs[2]) if i % 2 else fe.store(acc_v, acc_k, outs[3], outs[4])
+        with torch.cuda.stream(streams[1]):
+            if i % 2:
+                fe.gqa_reduce(part, num_heads_kv=h, out=outs[2])
+                fe.gqa_reduce(part, num_heads_kv=h, out=outs[3], scale_dk=0.5)
+                acc.reset()
+                fe.gqa_accumulate(part, part, acc, deterministic=False)
+                fe.gqa_postprocess(acc, outs[4], outs[5], scale_dv=2.0)
+            else:
+                fe.store(acc_v, acc_k, outs[6], outs[7])
+                fe.store_zero(outs[6], outs[7], head_idx=[3], row_start=100, row_end=1000)
     torch.cuda.synchronize()
-    reduced = gqa_reduce_reference(part, num_heads_kv=h, out_dtype=BF16, sequential=True)
-    for out, want in zip(outs, (acc_k, acc_v, reduced, acc_v, acc_k)):
-        assert same(out, want.to(BF16))
+    summed = gqa_reduce_sequential_fp32(part, h)  # two query heads per KV head, one call: exact in any order
+    zeroed = [a.to(BF16) for a in (acc_v, acc_k)]
+    for z in zeroed:
+        z[:, 100:1000, 3] = 0
+    wants = (acc_k.to(BF16), acc_v.to(BF16), summed.to(BF16),
+             gqa_reduce_reference(part, num_heads_kv=h, out_dtype=torch.float16, scale_dk=0.5, sequential=True),
+             summed.to(BF16), (summed * 2.0).to(BF16), *zeroed)
+    for k, (out, want) in enumerate(zip(outs, wants, strict=True)):
+        assert same(out, want), k
 
 
 def test_host_threads_with_own_streams():
     # four host threads, each with its own stream and tensors, validating and launching at once
     barrier = threading.Barrier(4, timeout=60)
 
-    def worker(k):
+    def worker(d):
         torch.cuda.set_device(0)
-        gen, stream, d = generator(100 + k), torch.cuda.Stream(), (64, 96, 128, 256)[k]
+        stream = torch.cuda.Stream()
         with torch.cuda.stream(stream):
-            a, p = rand((2, 1000, 4, d), gen), rand((2, 1000, 8, d), gen)
-            acc = fe.gqa_accumulator(4, d, batch=2, seqlen=1000, deterministic=True, device=DEV)
+            acc, launches, check = every_op(d, generator(100 + d), lead=(2, 1000))
             barrier.wait()
             for _ in range(10):
-                out, dk = canary((2, 1000, 4, d)), canary((2, 1000, 4, d))
-                fe.store(a, a, out, canary((2, 1000, 4, d)))
-                red = fe.gqa_reduce(p, num_heads_kv=4, out_dtype=BF16)
                 acc.reset()
-                fe.gqa_accumulate(p, p, acc)
-                fe.gqa_postprocess(acc, dk, canary((2, 1000, 4, d)))
+                for launch in launches:
+                    launch()
             stream.synchronize()
-            return a, p, out, red, dk
+        return check
 
     with ThreadPoolExecutor(4) as pool:  # four threads: each task waits at the barrier for the others
-        results = [f.result(timeout=120) for f in [pool.submit(worker, k) for k in range(4)]]
+        checks = [f.result(timeout=120) for f in [pool.submit(worker, d) for d in (64, 96, 128, 256)]]
     torch.cuda.synchronize()
-    for k, (a, p, out, red, dk) in enumerate(results):
-        want = gqa_reduce_sequential_fp32(p, 4).to(BF16)
-        assert same(out, a.to(BF16)) and same(red, want) and same(dk, want), k
+    for d, check in zip((64, 96, 128, 256), checks):
+        check(d)
 
 
 def fresh_thread_workload():
-    """Every op called from a host thread that made no CUDA call (no current CUDA context), then repeat_kv's backward
-    on the autograd engine's own device thread; every result bitwise."""
-    gen = generator(7)
-    b, s, h, g, d = 2, 300, 4, 2, 128
-    a, p32 = rand((b, s, h, d), gen), rand((b, s, h * g, d), gen)
-    p16 = p32.to(BF16)
-    o = {k: canary((b, s, h, d)) for k in ("dk", "dv", "z0", "z1", "r32", "r16", "pk", "pv")}
-    acc = fe.gqa_accumulator(h, d, batch=b, seqlen=s, deterministic=True, device=DEV)
+    """Every op called from a host thread that made no CUDA call (no current CUDA context); every result bitwise."""
+    _, launches, check = every_op(128, generator(7))
     torch.cuda.synchronize()
-    for fn in (lambda: fe.store(a, a, o["dk"], o["dv"]), lambda: fe.store_zero(o["z0"], o["z1"]),
-               lambda: fe.gqa_reduce(p32, num_heads_kv=h, out=o["r32"]),
-               lambda: fe.gqa_reduce(p16, num_heads_kv=h, out=o["r16"]),
-               lambda: fe.gqa_accumulate(p32, p32, acc), lambda: fe.gqa_postprocess(acc, o["pk"], o["pv"])):
+    for launch in launches:
         with ThreadPoolExecutor(1) as pool:  # a new host thread for each op
-            pool.submit(fn).result()
+            pool.submit(launch).result()
     torch.cuda.synchronize()
-    want_store, want_reduce = a.to(BF16), gqa_reduce_sequential_fp32(p32, h).to(BF16)
-    assert same(o["dk"], want_store) and same(o["dv"], want_store), "store"
-    assert bool((o["z0"] == 0).all()) and bool((o["z1"] == 0).all()), "store_zero"
-    assert same(o["r32"], want_reduce), "gqa_reduce fp32 partials"
-    assert same(o["r16"], gqa_reduce_sequential_fp32(p16.float(), h).to(BF16)), "gqa_reduce bf16 partials"
-    assert same(o["pk"], want_reduce) and same(o["pv"], want_reduce), "gqa_accumulate + postprocess"
-    x = rand((b, h, s, d), gen, BF16).requires_grad_()
-    grad = rand((b, h * g, s, d), gen, BF16)
-    (dx,) = torch.autograd.grad(fe.repeat_kv(x, g), x, grad)
-    want = gqa_reduce_sequential_fp32(grad.transpose(1, 2).float(), h).to(BF16).transpose(1, 2)
-    assert same(dx, want), "repeat_kv backward"
+    check()
     print("OK")
 
 

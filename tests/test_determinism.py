@@ -3,6 +3,8 @@ deterministically by default, its atomic mode asked for explicitly is torch's al
 other ops are unchanged. Every deterministic path repeated 1000 times (FlashAttention-3's standard; marked slow) on
 stressing shapes, the outputs refilled with canary bits before each repeat: each repeat bitwise the first.
 """
+import contextlib
+
 import pytest
 import torch
 
@@ -10,14 +12,14 @@ import flash_epilogue as fe
 from conftest import bits, canary, cu_seqlens, deterministic_algorithms, generator, rand
 from flash_epilogue.reference import (gqa_accumulate_reference, gqa_reduce_sequential_fp32, group_sum_reference,
                                       store_reference, store_zero_reference)
+from test_big_concurrent import every_op
 
 REPEATS = 1000
 F32, BF16 = torch.float32, torch.bfloat16
 
 
+@pytest.mark.ops
 def test_accumulator_default_follows_the_switch():
-    if not fe.kernels_available():
-        pytest.skip(f"no extension: {fe.UNAVAILABLE_REASON}")
     kw = dict(batch=1, seqlen=64, device="cpu")
     assert fe.gqa_accumulator(2, 128, **kw).semaphores is None
     for warn_only in (False, True):
@@ -62,33 +64,20 @@ def test_accumulate_under_the_switch():
 
 @pytest.mark.gpu
 def test_other_ops_are_unchanged_by_the_switch():
-    gen = generator(2)
-    ak, av = rand((2, 200, 2, 128), gen), rand((2, 200, 2, 128), gen)
-    pk = rand((2, 200, 16, 128), gen, BF16)
-    x = rand((2, 2, 200, 128), gen, BF16).requires_grad_()
+    for switch in (False, True):  # the same reference-exact bits either way
+        with deterministic_algorithms() if switch else contextlib.nullcontext():
+            _, launches, check = every_op(128, generator(2), lead=(2, 200), h=2, g=8)
+            for launch in launches:
+                launch()
+        check(switch)
 
+
+def assert_repeatable(step, outputs, want=(), n=REPEATS):
+    """step() n times, the outputs set to all-ones bits before each; every output after each run bitwise its value
+    after the first, and the first outputs bitwise `want` (as many as given). The comparisons stay on the GPU (one
+    count, read at the end)."""
     def run():
-        dk, dv, ok, ov = (canary((2, 200, 2, 128)) for _ in range(4))
-        fe.store(ak, av, dk, dv)
-        fe.store_zero(dk, dv, batch_idx=[1], row_start=50)
-        red = fe.gqa_reduce(pk, num_heads_kv=2)
-        acc = fe.gqa_accumulator(2, 128, batch=2, seqlen=200, deterministic=True)
-        fe.gqa_accumulate(ak.repeat_interleave(4, 2), av.repeat_interleave(4, 2), acc)
-        fe.gqa_postprocess(acc, ok, ov, scale_dk=0.5)
-        (gx,) = torch.autograd.grad(fe.repeat_kv(x, 8), x, pk.transpose(1, 2))
-        return dk, dv, red, ok, ov, gx
-
-    want = run()
-    with deterministic_algorithms():
-        got = run()
-    assert all(torch.equal(bits(g), bits(w)) for g, w in zip(got, want))
-
-
-def assert_repeatable(step, outputs, refill, n=REPEATS):
-    """step() n times, the `refill` tensors set to all-ones bits before each; every output after each run bitwise
-    its value after the first (returned). The comparisons stay on the GPU (one count, read at the end)."""
-    def run():
-        for o in refill:
+        for o in outputs:
             bits(o).fill_(-1)
         step()
 
@@ -101,7 +90,8 @@ def assert_repeatable(step, outputs, refill, n=REPEATS):
             differing += (bits(o) != f).any()
     torch.cuda.synchronize()
     assert differing.item() == 0, f"{differing.item()} (output, repeat) pairs of {n - 1} repeats differ from the first"
-    return first
+    for f, w in zip(first, want):
+        assert torch.equal(f, bits(w))
 
 
 # (d, dv, h_k, group, layout): group 8 and 16, hundreds of short sequences, head dim 256, (192, 128)
@@ -121,40 +111,33 @@ def gqa_problem(layout, seed):
 
 @pytest.mark.gpu
 @pytest.mark.slow
-@pytest.mark.parametrize("partial_dtype", [F32, BF16], ids=str)
+@pytest.mark.parametrize("op", ["reduce-fp32", "reduce-bf16", "accumulate-sm90", "accumulate-sm80"])
 @pytest.mark.parametrize("d,dv,h_k,g,layout", GQA_SHAPES, ids=GQA_IDS)
-def test_gqa_reduce_1000_repeats(d, dv, h_k, g, layout, partial_dtype):
-    lead, kw, _ = gqa_problem(layout, seed=d + g)
-    gen = generator(d * g)
-    pk, pv = rand(lead + (h_k * g, d), gen, partial_dtype), rand(lead + (h_k * g, dv), gen, partial_dtype)
+def test_gqa_1000_repeats(d, dv, h_k, g, layout, op):
+    # reduce: fp32 or bf16 partials; accumulate: three calls into one deterministic accumulator, then the postprocess
+    accumulate = op.startswith("accumulate")
+    lead, kw, alloc = gqa_problem(layout, seed=d + g + accumulate)
+    gen = generator(d * g + accumulate)
     outs = canary(lead + (h_k, d)), canary(lead + (h_k, dv))
-    first = assert_repeatable(lambda: fe.gqa_reduce(pk, pv, num_heads_kv=h_k, out=outs, scale_dk=0.5, **kw), outs, outs)
-    assert torch.equal(first[0], bits(gqa_reduce_sequential_fp32(pk.float(), h_k, 0.5).to(BF16)))
-
-
-@pytest.mark.gpu
-@pytest.mark.slow
-@pytest.mark.parametrize("arch", [90, 80], ids=["sm90", "sm80"])
-@pytest.mark.parametrize("d,dv,h_k,g,layout", GQA_SHAPES, ids=GQA_IDS)
-def test_deterministic_accumulate_and_postprocess_1000_repeats(d, dv, h_k, g, layout, arch):
-    lead, kw, alloc = gqa_problem(layout, seed=d + g + 1)
-    gen = generator(d * g + 1)
+    if not accumulate:
+        pk, pv = (rand(lead + (h_k * g, n), gen, F32 if op == "reduce-fp32" else BF16) for n in (d, dv))
+        want = gqa_reduce_sequential_fp32(pk.float(), h_k, 0.5).to(BF16)
+        assert_repeatable(lambda: fe.gqa_reduce(pk, pv, num_heads_kv=h_k, out=outs, scale_dk=0.5, **kw), outs, [want])
+        return
     chunks = [(rand(lead + (h_k * g, d), gen), rand(lead + (h_k * g, dv), gen)) for _ in range(3)]
-    acc = fe.gqa_accumulator(h_k, d, dv, deterministic=True, arch=arch, **alloc)
-    outs = canary(lead + (h_k, d)), canary(lead + (h_k, dv))
+    acc = fe.gqa_accumulator(h_k, d, dv, deterministic=True, arch=int(op[-2:]), **alloc)
 
     def step():
         acc.reset()
-        for pk, pv in chunks:  # three calls into one accumulator, then the postprocess
+        for pk, pv in chunks:
             fe.gqa_accumulate(pk, pv, acc, **kw)
         fe.gqa_postprocess(acc, *outs, scale_dk=0.125, **kw)
 
-    assert_repeatable(step, (acc.dk_accum, acc.dv_accum, *outs), outs)
+    assert_repeatable(step, (*outs, acc.dk_accum, acc.dv_accum))
     ref = [torch.zeros(lead + (h_k, n), device="cuda") for n in (d, dv)]
     for pk, pv in chunks:
         gqa_accumulate_reference(pk, pv, *ref, num_heads_kv=h_k, **kw)
-    for got, want in zip(acc.to_dense(**kw), ref):
-        assert torch.equal(bits(got), bits(want))
+    assert all(torch.equal(bits(got), bits(want)) for got, want in zip(acc.to_dense(**kw), ref))
 
 
 @pytest.mark.gpu
@@ -167,8 +150,8 @@ def test_repeat_kv_backward_1000_repeats(d, n_rep, dim):
     y = fe.repeat_kv(x, n_rep, dim=dim)
     g = rand(y.shape, gen, BF16)
     gx = torch.empty_like(x)
-    first = assert_repeatable(lambda: gx.copy_(torch.autograd.grad(y, x, g, retain_graph=True)[0]), (gx,), (gx,))
-    assert torch.equal(first[0], bits(group_sum_reference(g, n_rep, dim)))
+    assert_repeatable(lambda: gx.copy_(torch.autograd.grad(y, x, g, retain_graph=True)[0]), (gx,),
+                      [group_sum_reference(g, n_rep, dim)])
 
 
 @pytest.mark.gpu
@@ -181,13 +164,12 @@ def test_store_and_store_zero_1000_repeats(d, dv, layout):
     ak, av = rand(lead + (4, d), gen), rand(lead + (4, dv), gen)
     outs = canary(lead + (4, d)), canary(lead + (4, dv))
     sel = dict(batch_idx=[0, 1, 5, 300][: 2 if layout == "batched" else 4], head_idx=[1, 3], row_start=3, row_end=40)
+    want = canary(lead + (4, d)), canary(lead + (4, dv))
+    store_reference(ak, av, *want, **kw)
+    store_zero_reference(*want, **sel, **kw)
 
     def step():
         fe.store(ak, av, *outs, **kw)
         fe.store_zero(*outs, **sel, **kw)
 
-    first = assert_repeatable(step, outs, outs)
-    want = canary(lead + (4, d)), canary(lead + (4, dv))
-    store_reference(ak, av, *want, **kw)
-    store_zero_reference(*want, **sel, **kw)
-    assert torch.equal(first[0], bits(want[0])) and torch.equal(first[1], bits(want[1]))
+    assert_repeatable(step, outs, want)

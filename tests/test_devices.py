@@ -18,9 +18,9 @@ DEVICE = "cuda" if HAVE_SM90 else "cpu"  # the problem's
 
 
 def calls(t, acc, sizes):
-    """(op, args, kwargs) of every op through torch.ops.flash_epilogue on test_ecosystem's problem: each tensor
-    argument of each schema given at least once."""
-    return [
+    """(op, kwargs by schema name) of every op through torch.ops.flash_epilogue on test_ecosystem's problem: each
+    tensor argument of each schema given at least once."""
+    table = [
         ("store", (t["ak"], t["av"], t["dk"], t["dv"]), {"seqused": t["used"]}),
         ("store", (t["vak"], t["vav"], t["vdk"], t["vdv"]), {"cu_seqlens": t["cu"], "seqused": t["vused"]}),
         ("store_zero", (t["vdk"], t["vdv"]), {"cu_seqlens": t["cu"], "seqused": t["vused"], "batch_idx": t["bidx"],
@@ -31,6 +31,8 @@ def calls(t, acc, sizes):
         ("gqa_accum_to_dense", (acc.dk_accum, t["dense"]), {"head_dim": max(sizes["d"], sizes["dv"])}),
         ("gqa_reduce", (t["rpk"], t["rpv"], t["rk"], t["rv"]), {"cu_seqlens": t["cu"], "seqused": t["vused"]}),
     ]
+    return [(op, dict(zip((a.name for a in getattr(OPS, op).default._schema.arguments), args)) | kwargs)
+            for op, args, kwargs in table]
 
 
 def on(device, t):
@@ -45,21 +47,13 @@ def test_a_tensor_on_another_device_is_refused_naming_both(other):
     t, acc, sizes = make_problem(DEVICE)
     everything = [*t.values(), acc.dk_accum, acc.dv_accum, acc.semaphores]
     before = [x.clone() for x in everything]
-    for op, args, kwargs in calls(t, acc, sizes):
-        names = [a.name for a in getattr(OPS, op).default._schema.arguments]
-        # [(schema name, position or kwarg name)] of the tensor arguments
-        tensors = [(names[i], i) for i, a in enumerate(args) if isinstance(a, torch.Tensor)] + [
-            (k, k) for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
-        for name, where in tensors:
-            ref = next(n for n, _ in tensors if n != name)  # the expected device: the first other tensor's
-            a, kw = list(args), dict(kwargs)
-            if isinstance(where, int):
-                a[where] = on(other, a[where])
-            else:
-                kw[where] = on(other, kw[where])
+    for op, kwargs in calls(t, acc, sizes):
+        tensors = [name for name, v in kwargs.items() if isinstance(v, torch.Tensor)]
+        for name in tensors:
+            ref = next(n for n in tensors if n != name)  # the expected device: the first other tensor's
             want = rf"flash_epilogue\.{op}: {name}: device: expected {DEVICE}(:0)? \(the device of {ref}\), got {other}"
             with pytest.raises(ValueError, match=want):
-                getattr(OPS, op)(*a, **kw)
+                getattr(OPS, op)(**kwargs | {name: on(other, kwargs[name])})
     if DEVICE == "cuda":
         torch.cuda.synchronize()
     for x, y in zip(everything, before):
@@ -78,10 +72,9 @@ def test_the_wrappers_raise_the_package_error():
 
 def test_all_meta_calls_run_the_fake_kernels():
     t, acc, sizes = make_problem("cpu")
-    for op, args, kwargs in calls(t, acc, sizes):
-        args = [on("meta", a) if isinstance(a, torch.Tensor) else a for a in args]
-        kwargs = {k: on("meta", v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
-        assert getattr(OPS, op)(*args, **kwargs) is None
+    for op, kwargs in calls(t, acc, sizes):
+        assert getattr(OPS, op)(**{k: on("meta", v) if isinstance(v, torch.Tensor) else v
+                                   for k, v in kwargs.items()}) is None
     x = torch.empty(2, 2, 8, 64, device="meta")
     assert fe.repeat_kv(x, 3).shape == (2, 6, 8, 64) and fe.repeat_kv(x, 3).device.type == "meta"
     assert fe.gqa_reduce(on("meta", t["rpk"]), num_heads_kv=2).device.type == "meta"

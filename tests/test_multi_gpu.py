@@ -1,10 +1,9 @@
 """Two GPUs (skipped unless two sm_90 devices): every op on both paths on cuda:1 tensors, cuda:0 current, gives the
 reference's results on device 1's *current* stream, a side stream that first sleeps, then copies the real inputs over
-stale ones (an op launched on any other stream would read the stale values); hdim 96 and 80 (the raised dynamic
+zeroed ones (an op launched on any other stream would read the zeros); hdim 96 and 80 (the raised dynamic
 shared-memory limit, an attribute set per device) work on device 1 first in a fresh process.
 """
 import itertools
-from contextlib import contextmanager
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ import flash_epilogue as fe
 from conftest import HAVE_SM90, arch_param, generator, same
 from flash_epilogue.reference import (gqa_accumulate_reference, gqa_reduce_reference, store_reference,
                                       store_zero_reference)
-from test_big_concurrent import run_in_child
+from test_big_concurrent import every_op, run_in_child
 
 I32, BF16, F16 = torch.int32, torch.bfloat16, torch.float16
 SLEEP_CYCLES = 200_000_000  # ~100 ms at the H200's clock: far longer than enqueueing one op
@@ -27,121 +26,93 @@ def rand(shape, seed, dtype=torch.float32):
     return conftest.rand(shape, generator(seed, D1), dtype, binades=6)
 
 
-@contextmanager
-def device1_side_stream():
-    """Device 1's current stream is a new side stream; the current device stays cuda:0."""
-    torch.cuda.set_device(0)
-    stream = torch.cuda.Stream(device=D1)
-    with torch.cuda.device(1):
-        previous = torch.cuda.current_stream()
-        torch.cuda.set_stream(stream)
-    try:
-        assert torch.cuda.current_device() == 0 and torch.cuda.current_stream(D1) == stream
-        yield stream
-    finally:
-        with torch.cuda.device(1):
-            torch.cuda.set_stream(previous)
-        torch.cuda.set_device(0)
-
-
-class Inputs:
-    """cuda:1 inputs that hold stale values until fill() copies the real ones over them (on device 1's current
-    stream); reset() makes them stale again."""
-
-    def __init__(self):
-        self.pairs = []
-
-    def add(self, shape, seed, dtype=torch.float32):
-        return self.add_tensor(rand(shape, seed + 1000, dtype), rand(shape, seed, dtype))
-
-    def add_tensor(self, stale, real):
-        self.pairs.append((stale, real, stale.clone()))
-        return stale, real
-
-    @torch.no_grad()
-    def fill(self, reset=False):
-        for stale, real, backup in self.pairs:
-            stale.copy_(backup if reset else real)
-
-
-def run_on_device1(inputs, call, outputs=()):
-    """call() with cuda:0 current while device 1's current stream is a side stream that first sleeps, then copies
-    the real inputs in; returns call()'s result once that stream has finished. A warm-up run with a short sleep first
-    loads every kernel involved on device 1 (lazy module loading can wait for work already running); inputs and
-    `outputs` are restored after it."""
+def run_on_device1(call, real, outputs=()):
+    """call(*inputs) with cuda:0 current while device 1's current stream is a side stream that first sleeps, then
+    copies `real` into `inputs` (zeroed cuda:1 tensors); returns call()'s result once that stream has finished. A
+    warm-up run with a short sleep first loads every kernel involved on device 1 (lazy module loading can wait for
+    work already running); inputs and `outputs` are restored after it."""
+    inputs = [torch.zeros_like(r) for r in real]
     before = [o.clone() for o in outputs]
     for sleep in (1000, SLEEP_CYCLES):
         torch.cuda.synchronize(D0)
         torch.cuda.synchronize(D1)
-        inputs.fill(reset=True)
         with torch.no_grad():
-            for o, b in zip(outputs, before):
+            for o, b in zip([*inputs, *outputs], [*map(torch.zeros_like, real), *before]):
                 o.copy_(b)
         torch.cuda.synchronize(D1)
-        with device1_side_stream() as stream:
+        torch.cuda.set_device(0)
+        stream = torch.cuda.Stream(device=D1)
+        with torch.cuda.device(1):
+            previous = torch.cuda.current_stream()
+            torch.cuda.set_stream(stream)
+        try:
+            assert torch.cuda.current_device() == 0 and torch.cuda.current_stream(D1) == stream
             with torch.cuda.device(1):
                 torch.cuda._sleep(sleep)  # on device 1's current stream
-            inputs.fill()  # tensor ops on cuda:1 tensors run on device 1's current stream
+            with torch.no_grad():  # tensor ops on cuda:1 tensors run on device 1's current stream
+                for i, r in zip(inputs, real):
+                    i.copy_(r)
             assert torch.cuda.current_device() == 0
-            result = call()
+            result = call(*inputs)
             assert torch.cuda.current_device() == 0, "the op changed the current device"
             assert sleep < SLEEP_CYCLES or not stream.query(), "the stream finished before the op: raise SLEEP_CYCLES"
             stream.synchronize()
+        finally:
+            with torch.cuda.device(1):
+                torch.cuda.set_stream(previous)
+            torch.cuda.set_device(0)
     return result
 
 
 @arch_param
 def test_store_and_store_zero_on_device1(arch):
-    inputs = Inputs()
-    (ak, ak_real), (av, av_real) = inputs.add((2, 300, 3, 128), 1), inputs.add((2, 300, 3, 64), 2)
-    used = torch.tensor([300, 131], dtype=I32, device=D1)
+    ak, av, used = rand((2, 300, 3, 128), 1), rand((2, 300, 3, 64), 2), torch.tensor([300, 131], dtype=I32, device=D1)
     dk = torch.zeros(2, 300, 3, 128, dtype=BF16, device=D1)
     dv = torch.zeros(2, 3, 300, 64, dtype=BF16, device=D1).transpose(1, 2)
-    run_on_device1(inputs, lambda: fe.store(ak, av, dk, dv, seqused=used, _arch=arch), (dk, dv))
+    run_on_device1(lambda k, v: fe.store(k, v, dk, dv, seqused=used, _arch=arch), (ak, av), (dk, dv))
     want_k, want_v = torch.zeros_like(dk), torch.zeros_like(dv)
-    store_reference(ak_real, av_real, want_k, want_v, seqused=used)
+    store_reference(ak, av, want_k, want_v, seqused=used)
     assert same(dk, want_k) and same(dv, want_v)
-    # store_zero: the selection tensor is the stale/real input here
-    inputs = Inputs()
-    idx, _ = inputs.add_tensor(torch.tensor([0], dtype=I32, device=D1), torch.tensor([1], dtype=I32, device=D1))
-    run_on_device1(inputs, lambda: fe.store_zero(dk, dv, seqused=used, batch_idx=idx, row_start=100, _arch=arch),
-                   (dk, dv))
+    # store_zero: the selection tensor is the staged input here (0 before the copy: another batch)
+    run_on_device1(lambda idx: fe.store_zero(dk, dv, seqused=used, batch_idx=idx, row_start=100, _arch=arch),
+                   (torch.tensor([1], dtype=I32, device=D1),), (dk, dv))
     store_zero_reference(want_k, want_v, seqused=used, batch_idx=[1], row_start=100)
     assert same(dk, want_k) and same(dv, want_v)
     # varlen
-    inputs = Inputs()
     cu = torch.tensor([0, 129, 129, 400], dtype=I32, device=D1)
-    (ak, ak_real), (av, av_real) = inputs.add((410, 2, 96), 3), inputs.add((410, 2, 96), 4)
+    ak, av = rand((410, 2, 96), 3), rand((410, 2, 96), 4)
     vk, vv = torch.zeros(410, 2, 96, dtype=F16, device=D1), torch.zeros(410, 2, 96, dtype=F16, device=D1)
     heads = torch.tensor([1], dtype=I32, device=D1)  # (a list would be copied to the device with a sync)
-    run_on_device1(inputs, lambda: (fe.store(ak, av, vk, vv, cu_seqlens=cu, _arch=arch),
-                                    fe.store_zero(vk, vv, cu_seqlens=cu, head_idx=heads, row_end=64, _arch=arch)),
-                   (vk, vv))
+    run_on_device1(lambda k, v: (fe.store(k, v, vk, vv, cu_seqlens=cu, _arch=arch),
+                                 fe.store_zero(vk, vv, cu_seqlens=cu, head_idx=heads, row_end=64, _arch=arch)),
+                   (ak, av), (vk, vv))
     want_k, want_v = torch.zeros_like(vk), torch.zeros_like(vv)
-    store_reference(ak_real, av_real, want_k, want_v, cu_seqlens=cu)
+    store_reference(ak, av, want_k, want_v, cu_seqlens=cu)
     store_zero_reference(want_k, want_v, cu_seqlens=cu, head_idx=[1], row_end=64)
     assert same(vk, want_k) and same(vv, want_v)
 
 
 @arch_param
 @pytest.mark.parametrize("deterministic", [True, False])
-def test_gqa_ops_on_device1(arch, deterministic):
+def test_gqa_ops_and_repeat_kv_on_device1(arch, deterministic):
     hk, g, d, b, s = 2, 4, 128, 2, 300
-    inputs = Inputs()
-    (pk, pk_real), (pv, pv_real) = inputs.add((b, s, hk * g, d), 5), inputs.add((b, s, hk * g, d), 6)
+    pk_real, pv_real = rand((b, s, hk * g, d), 5), rand((b, s, hk * g, d), 6)
     used = torch.tensor([s, 150], dtype=I32, device=D1)
     acc = fe.gqa_accumulator(hk, d, batch=b, seqlen=s, deterministic=deterministic, device=D1, arch=arch)
     assert acc.device == D1
-    ok = torch.zeros(b, s, hk, d, dtype=BF16, device=D1)
-    ov = torch.zeros(b, s, hk, d, dtype=BF16, device=D1)
+    ok, ov = (torch.zeros(b, s, hk, d, dtype=BF16, device=D1) for _ in range(2))
+    x_real, gy_real = rand((2, 2, 300, 128), 7, BF16), rand((2, 8, 300, 128), 8, BF16)
 
-    def call():
+    def call(pk, pv, x, gy):
         acc.reset()
         fe.gqa_accumulate(pk, pv, acc, deterministic=deterministic, seqused=used)
         fe.gqa_postprocess(acc, ok, ov, scale_dk=0.5)
-        return acc.to_dense(), fe.gqa_reduce(pk, pv, num_heads_kv=hk, out_dtype=F16, _arch=arch)
+        y = fe.repeat_kv(x.requires_grad_(), 4)
+        return (acc.to_dense(), fe.gqa_reduce(pk, pv, num_heads_kv=hk, out_dtype=F16, _arch=arch), y,
+                torch.autograd.grad(y, x, gy)[0])
 
-    (dense_k, dense_v), (rk, rv) = run_on_device1(inputs, call, (ok, ov, acc.dk_accum, acc.dv_accum))
+    (dense_k, dense_v), (rk, rv), y, gx = run_on_device1(call, (pk_real, pv_real, x_real, gy_real),
+                                                         (ok, ov, acc.dk_accum, acc.dv_accum))
     ref = [torch.zeros(b, s, hk, d, device=D1) for _ in range(2)]
     gqa_accumulate_reference(pk_real, pv_real, *ref, num_heads_kv=hk, seqused=used)
     want_k, want_v = torch.zeros_like(ok), torch.zeros_like(ov)
@@ -158,21 +129,9 @@ def test_gqa_ops_on_device1(arch, deterministic):
         want = torch.zeros_like(got)
         gqa_reduce_reference(p, num_heads_kv=hk, out=want, sequential=True)
         assert got.device == D1 and same(got, want)
-
-
-def test_repeat_kv_on_device1():
-    inputs = Inputs()
-    (x, x_real), (gy, gy_real) = inputs.add((2, 2, 300, 128), 7, BF16), inputs.add((2, 8, 300, 128), 8, BF16)
-    x.requires_grad_()
-
-    def call():
-        y = fe.repeat_kv(x, 4)
-        return y, torch.autograd.grad(y, x, gy)[0]
-
-    y, gx = run_on_device1(inputs, call)
     assert y.device == gx.device == D1
     assert same(y, x_real.repeat_interleave(4, dim=1))
-    # the backward's arithmetic: the sequential fp32 group sum, rounded once
+    # repeat_kv's backward: the sequential fp32 group sum, rounded once
     want = gqa_reduce_reference(gy_real.transpose(1, 2), num_heads_kv=2, out_dtype=BF16, sequential=True)
     assert same(gx, want.transpose(1, 2))
 
@@ -182,33 +141,13 @@ def hdim_80_96_workload():
     current throughout. Run in a fresh process by test_hdim_80_96_on_device1_first_in_a_fresh_process."""
     torch.cuda.set_device(0)
     for dev, arch, d in itertools.product((1, 0), (0, 80), (96, 80)):
-        D = torch.device("cuda", dev)
-        g = torch.Generator(device=D).manual_seed(d + arch)
-        pk = torch.randn(2, 200, 6, d, device=D, generator=g)
-        pv = torch.randn(2, 200, 6, d, device=D, generator=g)
-        ok, ov = (torch.zeros(2, 200, 2, d, dtype=BF16, device=D) for _ in range(2))
-        acc = fe.gqa_accumulator(2, d, batch=2, seqlen=200, deterministic=True, device=D, arch=arch)
-        fe.gqa_accumulate(pk, pv, acc, deterministic=True)
-        fe.gqa_postprocess(acc, ok, ov)
-        rk, rv = fe.gqa_reduce(pk, pv, num_heads_kv=2, out_dtype=BF16, _arch=arch)
-        sk, sv = (torch.zeros(2, 200, 6, d, dtype=F16, device=D) for _ in range(2))
-        fe.store(pk, pv, sk, sv, _arch=arch)
-        fe.store_zero(sk, sv, row_start=100, _arch=arch)
+        _, launches, check = every_op(d, generator(d + arch, torch.device("cuda", dev)), lead=(2, 200), h=2, g=3,
+                                      arch=arch, store_dtype=F16)
+        for launch in launches:
+            launch()
         assert torch.cuda.current_device() == 0
-        torch.cuda.synchronize(D)
-        ref = [torch.zeros(2, 200, 2, d, device=D) for _ in range(2)]
-        gqa_accumulate_reference(pk, pv, *ref, num_heads_kv=2)
-        for got, want in zip(acc.to_dense(), ref):
-            assert torch.equal(got, want), ("accumulate", dev, arch, d)
-        assert torch.equal(ok, ref[0].bfloat16()), ("postprocess", dev, arch, d)
-        assert torch.equal(ov, ref[1].bfloat16()), ("postprocess", dev, arch, d)
-        for got, p in ((rk, pk), (rv, pv)):
-            want = torch.zeros_like(got)
-            gqa_reduce_reference(p, num_heads_kv=2, out=want, sequential=True)
-            assert torch.equal(got, want), ("reduce", dev, arch, d)
-        want = pk.half()
-        want[:, 100:] = 0
-        assert torch.equal(sk, want), ("store/store_zero", dev, arch, d)
+        torch.cuda.synchronize(dev)
+        check(dev, arch, d)
     print("OK")
 
 
