@@ -19,8 +19,8 @@ import torch
 
 import flash_epilogue as fe
 from conftest import same
-from test_ecosystem import cpu_kernels  # noqa: F401 (the fixture of the CPU stand-ins)
-from test_ecosystem import DEVICES, OPS, assert_same_problem, clone_problem, device_setup, every_op, make_problem
+from test_ecosystem import cpu_kernels, device as device  # noqa: F401 (fixtures: the device, its CPU stand-in kernels)
+from test_ecosystem import OPS, assert_same_problem, clone_problem, every_op, make_problem
 
 pytestmark = pytest.mark.skipif(not fe.kernels_available(), reason=f"no extension: {fe.UNAVAILABLE_REASON}")
 
@@ -80,9 +80,7 @@ def skip_if_no_package_loads(device, tmp_path):
                     f"AOTInductor); {err[-300:]}")
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_a_package_of_every_op_runs_as_eager(request, device, tmp_path):
-    device_setup(request, device)  # on the CPU: the stand-in kernels
+def test_a_package_of_every_op_runs_as_eager(device, tmp_path):
     t, acc, sizes = make_problem(device)
     module = EveryOp(sizes["d"])
     pkg = package(module, (clone_problem(t, acc)[0], acc.dk_accum.clone(), acc.dv_accum.clone(),

@@ -10,6 +10,8 @@ import pytest
 import torch
 
 import flash_epilogue as fe
+import types
+
 from conftest import CANARY_BITS, bits, cuda_graph, int32, same
 from flash_epilogue.reference import (
     gqa_accumulate_reference,
@@ -20,7 +22,7 @@ from flash_epilogue.reference import (
 
 I32, BF16, F16 = torch.int32, torch.bfloat16, torch.float16
 OPS = torch.ops.flash_epilogue
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+REFERENCE = types.SimpleNamespace(store=store_reference, store_zero=store_zero_reference)
 
 
 # ---- CPU stand-ins for the CUDA kernels (reference semantics; the accumulator row-major per tile)
@@ -89,11 +91,14 @@ def cpu_kernels():
     lib._destroy()
 
 
-def device_setup(request, device):
-    if device == "cpu":
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request):
+    """The device a test runs on; the CPU's ops get the stand-in kernels."""
+    if request.param == "cpu":
         request.getfixturevalue("cpu_kernels")
     else:
         torch._dynamo.reset()
+    return request.param
 
 
 # ---- one problem for every op
@@ -189,10 +194,8 @@ COMPILED = {"ops": (every_op, lambda t, acc, p: (t, acc.dk_accum, acc.dv_accum, 
             "wrappers": (every_wrapper, lambda t, acc, p: (t, acc, p["hk"]))}
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("api", list(COMPILED))
-def test_compile_fullgraph_every_op(request, device, api):
-    device_setup(request, device)
+def test_compile_fullgraph_every_op(device, api):
     fn, args = COMPILED[api]
     compiled = torch.compile(fn, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")
     for seed in (0, 1):  # the second call reuses the compiled graph on new data
@@ -296,10 +299,8 @@ def export_inputs(device, seed):
     return ak, av, dk, dv, int32(200, 150 - seed, device=device), int32(1, device=device)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("api,strict", [(fe, False), (OPS, True)], ids=["wrappers", "ops"])
-def test_export_store_and_store_zero(request, device, api, strict):
-    device_setup(request, device)
+def test_export_store_and_store_zero(device, api, strict):
     ep = torch.export.export(EpilogueStep(api), export_inputs(device, 0), strict=strict)
     code = ep.graph_module.code
     assert "flash_epilogue.store.default" in code and "flash_epilogue.store_zero.default" in code
@@ -315,9 +316,7 @@ def test_export_store_and_store_zero(request, device, api, strict):
 # ---- CUDA graphs
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_cuda_graph_every_op(request, device):
-    device_setup(request, device)
+def test_cuda_graph_every_op(device):
     gen = torch.Generator(device=device).manual_seed(12)
     t, acc, p = make_problem(device, 12)
     hk, d = p["hk"], p["d"]
@@ -331,9 +330,7 @@ def test_cuda_graph_every_op(request, device):
     varlen = {"cu_seqlens": t["cu"], "seqused": t["vused"]}
 
     def step():
-        fe.store(t["ak"], t["av"], t["dk"], t["dv"], seqused=t["used"])
-        fe.store(t["vak"], t["vav"], t["vdk"], t["vdv"], **varlen)
-        fe.store_zero(t["vdk"], t["vdv"], **varlen, batch_idx=t["bidx"], head_idx=t["hidx"], row_start=3, row_end=60)
+        stores(fe, t)
         acc.reset()
         fe.gqa_accumulate(t["pk"], t["pv"], acc, deterministic=True, seqused=t["used"])
         fe.gqa_accumulate(t["pk"], t["pv"], acc, deterministic=True)
@@ -370,10 +367,7 @@ def test_cuda_graph_every_op(request, device):
         if device == "cuda":
             torch.cuda.synchronize()
 
-        store_reference(t["ak"], t["av"], e["dk"], e["dv"], seqused=t["used"])
-        store_reference(t["vak"], t["vav"], e["vdk"], e["vdv"], **varlen)
-        store_zero_reference(e["vdk"], e["vdv"], **varlen, batch_idx=t["bidx"], head_idx=t["hidx"], row_start=3,
-                             row_end=60)
+        stores(REFERENCE, {**t, **e})
         ref = [torch.zeros(t["pk"].shape[:2] + (hk, w), device=device) for w in (d, p["dv"])]
         gqa_accumulate_reference(t["pk"], t["pv"], *ref, num_heads_kv=hk, seqused=t["used"])
         gqa_accumulate_reference(t["pk"], t["pv"], *ref, num_heads_kv=hk)
@@ -428,10 +422,8 @@ def autograd_problem(device):
 CASES = list(op_calls(None))
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_inplace_ops_bump_the_written_versions(request, device):
+def test_inplace_ops_bump_the_written_versions(device):
     # like torch's copy_ (one bump of the written tensor): each written tensor +1, every other one unchanged
-    device_setup(request, device)
     t = autograd_problem(device)
     ref = torch.zeros(3)
     ref.copy_(torch.ones(3))
@@ -443,12 +435,10 @@ def test_inplace_ops_bump_the_written_versions(request, device):
         assert bumps == dict.fromkeys(written, 1), case
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("how", ["torch", "fe"])
-def test_overwritten_saved_tensor_raises_in_backward(request, device, how):
+def test_overwritten_saved_tensor_raises_in_backward(device, how):
     # y = x * w saves w; exp saves its output (overwritten under no_grad: it requires grad): backward raises, as
     # after torch's own in-place ops (on the CPU the stand-ins' torch writes would bump as well: the GPU run checks)
-    device_setup(request, device)
     t = autograd_problem(device)
     x = torch.randn(t["dk"].shape, device=device).to(BF16).requires_grad_()
     w = t["dk"]
@@ -469,10 +459,8 @@ def test_overwritten_saved_tensor_raises_in_backward(request, device, how):
 
 
 @pytest.mark.ops
-@pytest.mark.parametrize("device", DEVICES)
-def test_inplace_into_an_inference_tensor(request, device):
-    # outside InferenceMode: torch's own error, before the kernel writes (CPU tensors reach it, no stand-ins
-    # needed); inside it the op runs
+def test_inplace_into_an_inference_tensor(device):
+    # outside InferenceMode: torch's own error, before the kernel writes; inside it the op runs
     t = autograd_problem(device)
     for case, (call, written, _) in op_calls(t).items():
         for k in written:
@@ -483,7 +471,6 @@ def test_inplace_into_an_inference_tensor(request, device):
                 with pytest.raises(RuntimeError, match="Inplace update to inference tensor outside InferenceMode"):
                     f()
             assert same(u[k], want), (case, k)
-    device_setup(request, device)
     with torch.inference_mode():
         t = autograd_problem(device)
         dk = t["dk"].clone()
@@ -529,11 +516,9 @@ def test_arguments_requiring_grad_raise(case):
                 call(u)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_gqa_reduce_of_partials_requiring_grad(request, device):
+def test_gqa_reduce_of_partials_requiring_grad(device):
     # the wrapper raises the op's error (it used to return a result with requires_grad=False); under no_grad it
     # reduces; fe.repeat_kv is the differentiable path
-    device_setup(request, device)
     p = torch.randn(2, 64, 6, 64, device=device).requires_grad_()
     with pytest.raises(RuntimeError, match="gqa_reduce: dk_partial: requires grad.*flash_epilogue.repeat_kv"):
         fe.gqa_reduce(p, num_heads_kv=2)
