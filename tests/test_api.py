@@ -22,6 +22,14 @@ OP_NAMES = ("store", "store_zero", "gqa_accumulate", "gqa_postprocess", "gqa_acc
             "repeat_kv", "repeat_kv_backward")
 
 
+def _load(name, relative_path):
+    spec = importlib.util.spec_from_file_location(name, ROOT / relative_path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
 @needs_C
 def test_tile_table_is_the_extension_s():
     rows = C.tile_configs()
@@ -34,35 +42,21 @@ def test_tile_table_is_the_extension_s():
         assert got == {k: r[k] for k in got}, r
     # an uncompiled head dim runs on the next compiled tile
     assert fe.tile_config(80).head_dim == 96 and fe.tile_config(72, 136).head_dim == 192
-
-
-def _load(name, relative_path):
-    spec = importlib.util.spec_from_file_location(name, ROOT / relative_path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-@needs_C
-def test_instantiation_generator_has_the_extension_s_head_dims():
-    # every tile head dim of the C++ switch; a build of them all has a tile config of each
+    # the instantiation generator's head dims: every tile head dim of the C++ switch; a build of them all has a tile
+    # config of each
     head_dims = tuple(_load("generate_instantiations", "scripts/generate_instantiations.py").HEAD_DIMS)
     build = C.build_info()
     assert head_dims == tuple(build["tile_head_dims"])
     if build["compiled_head_dims"] == build["tile_head_dims"]:
-        assert head_dims == tuple(sorted({r["head_dim"] for r in C.tile_configs()}))
+        assert head_dims == tuple(sorted({r["head_dim"] for r in rows}))
 
 
-def test_performance_table_is_the_committed_run():
+def test_generated_text_is_up_to_date():
     # docs/performance.md's table is `bench_ops.py --from-json benchmarks/results/h200.json --readme-table`, so the
-    # figures and the results file the docs cite cannot drift apart
+    # figures and the results file the docs cite cannot drift apart; csrc/instantiations is the generator's output
     common = _load("bench_common", "benchmarks/common.py")
     table = common.readme_table(json.loads((ROOT / "benchmarks/results/h200.json").read_text()))
     assert table in (ROOT / "docs/performance.md").read_text(), "regenerate the docs' performance table:\n" + table
-
-
-def test_instantiations_are_up_to_date():
     out = subprocess.run([sys.executable, "scripts/generate_instantiations.py", "--check"], cwd=ROOT,
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -202,16 +196,12 @@ def test_accumulator_reset_and_pytree():
 
 
 @needs_C
-def test_every_op_has_a_fake_kernel():
-    from torch._library.simple_registry import singleton
-
-    for name in OP_NAMES:
-        assert singleton.find(f"flash_epilogue::{name}").fake_impl.kernel is not None, name
-
-
-@needs_C
 @pytest.mark.parametrize("varlen", [False, True])
 def test_fake_kernels(varlen):
+    from torch._library.simple_registry import singleton
+
+    for name in OP_NAMES:  # every op has one
+        assert singleton.find(f"flash_epilogue::{name}").fake_impl.kernel is not None, name
     device = "cuda" if torch.cuda.is_available() else "cpu"
     with FakeTensorMode():
         cs = torch.tensor([0, 40, 100], dtype=I32, device=device)

@@ -172,13 +172,6 @@ def test_backward_sign_of_zero_and_specials():
     assert out[0, 1, 0, 0].item() == float("inf") and out[0, 2, 0, 0].isnan()
 
 
-@pytest.mark.ops
-def test_backward_of_empty_heads_with_a_huge_n_rep():
-    # 0 KV heads divide by any n_rep: the plain-PyTorch backward once looped n_rep times over empty slices
-    out = torch.ops.flash_epilogue.repeat_kv_backward(torch.empty(2, 0, 3, 8), 2**40, 1, [0, 1, 2])
-    assert out.shape == (2, 0, 3, 8)
-
-
 @pytest.mark.parametrize("dim", [1, 2])
 def test_gradient_follows_the_layout_of_x(dim):
     for order in ((0, 1, 2), (0, 2, 1), (1, 0, 2), (2, 1, 0)):
@@ -257,6 +250,9 @@ def test_backward_output_strides_are_the_fakes(dim):
     assert torch.equal(torch.ops.flash_epilogue.repeat_kv_backward(x, 2, -2, [0, 1, 2]), group_sum(x, 2, 2))
     assert torch.equal(torch.ops.flash_epilogue.repeat_kv(x, 2, -3), fe.repeat_kv(x, 2, dim=1))
     assert torch.equal(fe.repeat_kv(x, 2, dim=-2), fe.repeat_kv(x, 2, dim=2))
+    # 0 KV heads divide by any n_rep (no loop of n_rep steps over empty slices)
+    assert torch.ops.flash_epilogue.repeat_kv_backward(torch.empty(2, 0, 3, 8), 2**40, 1, [0, 1, 2]).shape == \
+        (2, 0, 3, 8)
 
 
 # ---- GPU
@@ -309,21 +305,18 @@ def backward_path(grad, n_rep=4, dim=1):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dim", [1, 2])
-def test_gpu_backward_kernel_reads_strided_gradients(dim, profiler_sees_kernels):
-    # contiguous, padded rows (a stride of 72 halves is a multiple of 16 bytes), both memory orders
-    shape = kv_shape((2, 8, 9, 72), dim)
-    for grad in (torch.randn(shape[:3] + (64,), device="cuda").bfloat16(),
-                 torch.randn(shape, device="cuda").half()[..., :64]):
-        for g in (grad, grad.transpose(1, 2).contiguous().transpose(1, 2)):
-            gx, launched = backward_path(g, dim=dim)
-            assert launched and gx.stride(-1) == 1
-
-
-@pytest.mark.gpu
-def test_gpu_backward_kernel_after_a_copy(profiler_sees_kernels):
-    # the stride-0 gradient of a .sum(), a row pitch that is not a multiple of 16 bytes, a misaligned
-    # start: one contiguous copy, then the kernel (the result does not depend on it)
+def test_gpu_backward_path(profiler_sees_kernels):
+    # the kernel reads strided gradients: contiguous, padded rows (a stride of 72 halves is a multiple of 16 bytes),
+    # both memory orders
+    for dim in (1, 2):
+        shape = kv_shape((2, 8, 9, 72), dim)
+        for grad in (torch.randn(shape[:3] + (64,), device="cuda").bfloat16(),
+                     torch.randn(shape, device="cuda").half()[..., :64]):
+            for g in (grad, grad.transpose(1, 2).contiguous().transpose(1, 2)):
+                gx, launched = backward_path(g, dim=dim)
+                assert launched and gx.stride(-1) == 1
+    # the stride-0 gradient of a .sum(), a row pitch that is not a multiple of 16 bytes, a misaligned start: one
+    # contiguous copy, then the kernel (the result does not depend on it)
     shape = (2, 8, 9, 64)
     misaligned = torch.randn(2 * 8 * 9 * 64 + 1, device="cuda").bfloat16()[1:].view(shape)
     for grad in (torch.ones((), dtype=BF16, device="cuda").expand(shape),
@@ -332,12 +325,8 @@ def test_gpu_backward_kernel_after_a_copy(profiler_sees_kernels):
     x = torch.randn(2, 2, 200, 128, device="cuda").bfloat16().requires_grad_()
     assert flash_kernels(lambda: fe.repeat_kv(x, 4).sum().backward())
     assert torch.equal(x.grad, torch.full_like(x, 4.0))
-
-
-@pytest.mark.gpu
-def test_gpu_backward_falls_back_to_plain_pytorch(profiler_sees_kernels):
-    # fp32/fp64 gradients (the kernel writes 16-bit only), head dims without a tile, empty ones, and
-    # past the launchers' grid limits (batch or heads >= 65536): no flash_epilogue kernel, no error
+    # plain PyTorch, no flash_epilogue kernel, no error: fp32/fp64 gradients (the kernel writes 16-bit only), head
+    # dims without a tile, empty ones, and past the launchers' grid limits (batch or heads >= 65536)
     cases = [torch.randn(2, 8, 9, 64), torch.randn(2, 8, 9, 64, dtype=F64), torch.randn(2, 8, 9, 12).bfloat16(),
              torch.randn(2, 8, 9, 264).bfloat16(), torch.randn(2, 8, 0, 64).bfloat16(), torch.randn(0, 8, 9, 64).half()]
     for grad in cases:
