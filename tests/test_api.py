@@ -152,6 +152,15 @@ def test_accumulator_allocation():
                              arch=80)
     assert acc.dk_accum.shape == (1, 1, (90 + 2 * 80) // 80, 96 * 192) and acc.block_n == 80
     assert fe.gqa_accumulator(1, 128, batch=1, seqlen=10, device="meta", arch=90).arch == 90
+    # the extension's layouts
+    for args in ((2, 128, 128, 3, 300, False, 0), (2, 192, 128, 2, 200, False, 80), (3, 64, 64, 4, 710, True, 90)):
+        layout = C.gqa_accum_layout(*args, torch.device("cpu"))
+        h_k, d, dv, batch, rows, varlen, arch = args
+        acc = fe.gqa_accumulator(h_k, d, dv, batch=batch, **({"total_tokens": rows} if varlen else {"seqlen": rows}),
+                                 deterministic=True, device="cpu", arch=arch)
+        assert tuple(map(tuple, layout["shapes"])) == (tuple(acc.dk_accum.shape), tuple(acc.dv_accum.shape))
+        assert layout["semaphore_numel"] == acc.semaphores.numel()
+        assert (layout["arch"], layout["block_n"]) == (acc.arch, acc.block_n)
 
 
 @pytest.mark.parametrize("d,dv,arch,elems", [
@@ -167,18 +176,6 @@ def test_accumulator_tiles_hold_the_slabs_of_their_head_dim(d, dv, arch, elems):
     cfg, slabs = acc.config, acc.config.num_threads // 128 if arch == 90 else 1
     split = (cfg.head_dim, arch) == (192, 90)
     assert (cfg.slab_cols, cfg.slab_elems) == ((64, 6144) if split else (0, cfg.accum_tile_elems // slabs))
-
-
-@needs_C
-def test_accumulator_layout_is_the_extension_s():
-    for args in ((2, 128, 128, 3, 300, False, 0), (2, 192, 128, 2, 200, False, 80), (3, 64, 64, 4, 710, True, 90)):
-        layout = C.gqa_accum_layout(*args, torch.device("cpu"))
-        h_k, d, dv, batch, rows, varlen, arch = args
-        acc = fe.gqa_accumulator(h_k, d, dv, batch=batch, **({"total_tokens": rows} if varlen else {"seqlen": rows}),
-                                 deterministic=True, device="cpu", arch=arch)
-        assert tuple(map(tuple, layout["shapes"])) == (tuple(acc.dk_accum.shape), tuple(acc.dv_accum.shape))
-        assert layout["semaphore_numel"] == acc.semaphores.numel()
-        assert (layout["arch"], layout["block_n"]) == (acc.arch, acc.block_n)
 
 
 @pytest.mark.ops

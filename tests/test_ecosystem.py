@@ -517,8 +517,7 @@ def test_arguments_requiring_grad_raise(case):
 
 
 def test_gqa_reduce_of_partials_requiring_grad(device):
-    # the wrapper raises the op's error (it used to return a result with requires_grad=False); under no_grad it
-    # reduces; fe.repeat_kv is the differentiable path
+    # the wrapper raises the op's error (fe.repeat_kv is the differentiable path); under no_grad it reduces
     p = torch.randn(2, 64, 6, 64, device=device).requires_grad_()
     with pytest.raises(RuntimeError, match="gqa_reduce: dk_partial: requires grad.*flash_epilogue.repeat_kv"):
         fe.gqa_reduce(p, num_heads_kv=2)

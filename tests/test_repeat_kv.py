@@ -1,10 +1,7 @@
 """flash_epilogue.repeat_kv: transformers' repeat_kv with the deterministic group reduce as backward.
 
-CPU: the forward against the original expand+reshape, the backward's arithmetic (plain PyTorch), the gradient's
-layout, opcheck, torch.compile. GPU: the forward; the kernel backward bitwise and within the bound below; which way
-the backward went (torch.profiler: a flash_epilogue kernel or none); an SDPA GQA layer against enable_gqa=True;
-repeatability; torch.compile (inductor); a CUDA graph. Autograd modes: test_repeat_kv_autograd.py; errors:
-test_bad_inputs.py.
+Against transformers' expand + reshape; the GPU's backward bitwise and within the bound below, its path seen by
+torch.profiler. Autograd modes: test_repeat_kv_autograd.py; errors: test_bad_inputs.py.
 
 Bound (u: the gradient dtype's unit roundoff; u32 = 2^-24, the fp32 accumulator's, 2^-53 for fp64; M = sum_j |g_j|
 over a group of n query-head gradients g_j): the backward computes rnd(fl(0 + g_0 + ... + g_{n-1})); the n - 1
