@@ -77,17 +77,26 @@ def test_info_and_main_run():
         assert out.returncode == 0, out.stderr
 
 
-@pytest.mark.parametrize("d,arch,block,elems", [
-    (64, 90, 128, 8192), (80, 90, 128, 12288), (96, 90, 128, 12288), (128, 90, 128, 16384), (192, 90, 96, 18432),
-    (256, 90, 80, 20480), (64, 80, 128, 8192), (128, 80, 128, 16384), (192, 80, 80, 96 * 192), (256, 80, 64, 16384)])
+@pytest.mark.parametrize("d,dv,arch,block,elems", [
+    (64, 64, 90, 128, (8192,) * 2), (80, 80, 90, 128, (12288,) * 2), (96, 96, 90, 128, (12288,) * 2),
+    (128, 128, 90, 128, (16384,) * 2), (192, 192, 90, 96, (18432,) * 2), (256, 256, 90, 80, (20480,) * 2),
+    (64, 64, 80, 128, (8192,) * 2), (128, 128, 80, 128, (16384,) * 2), (192, 192, 80, 80, (96 * 192,) * 2),
+    (256, 256, 80, 64, (16384,) * 2), (192, 128, 90, 96, (18432, 12288)), (128, 192, 90, 96, (12288, 18432)),
+    (192, 64, 90, 96, (18432, 6144)), (136, 72, 90, 96, (18432, 12288)), (256, 128, 90, 80, (20480, 20480)),
+    (128, 64, 90, 128, (16384, 16384)), (192, 128, 80, 80, (96 * 192, 96 * 192))])
 @pytest.mark.ops
-def test_accumulator_shape_batched(d, arch, block, elems):
+def test_accumulator_shape_batched(d, dv, arch, block, elems):
+    # hdim 192's sm_90 tile is three warpgroup slabs of 64 columns (6144 floats each): a narrower accumulator keeps
+    # the slabs covering its head dim; hdim 256's slabs and the others' span every column, as sm_80's one slab does
     for seqlen in (0, 1, block - 1, block, block + 1, 1000):
-        acc = fe.gqa_accumulator(2, d, batch=3, seqlen=seqlen, deterministic=True, device="meta", arch=arch)
-        assert acc.dk_accum.shape == acc.dv_accum.shape == (3, 2, -(-seqlen // block), elems)
+        acc = fe.gqa_accumulator(2, d, dv, batch=3, seqlen=seqlen, deterministic=True, device="meta", arch=arch)
+        assert (acc.dk_accum.shape, acc.dv_accum.shape) == tuple((3, 2, -(-seqlen // block), e) for e in elems)
         assert (acc.block_n, acc.arch) == (block, arch)
         assert acc.semaphores.shape == (2 * 3 * acc.num_tiles * 2 + 1,) and acc.semaphores.dtype == I32
-    assert fe.gqa_accumulator(2, d, batch=0, seqlen=50, device="meta", arch=arch).dk_accum.shape[0] == 0
+    assert fe.gqa_accumulator(2, d, dv, batch=0, seqlen=50, device="meta", arch=arch).dk_accum.shape[0] == 0
+    cfg, slabs = acc.config, acc.config.num_threads // 128 if arch == 90 else 1
+    split = (cfg.head_dim, arch) == (192, 90)
+    assert (cfg.slab_cols, cfg.slab_elems) == ((64, 6144) if split else (0, cfg.accum_tile_elems // slabs))
 
 
 @pytest.mark.ops
@@ -161,21 +170,6 @@ def test_accumulator_allocation():
         assert tuple(map(tuple, layout["shapes"])) == (tuple(acc.dk_accum.shape), tuple(acc.dv_accum.shape))
         assert layout["semaphore_numel"] == acc.semaphores.numel()
         assert (layout["arch"], layout["block_n"]) == (acc.arch, acc.block_n)
-
-
-@pytest.mark.parametrize("d,dv,arch,elems", [
-    (192, 128, 90, (18432, 12288)), (128, 192, 90, (12288, 18432)), (192, 64, 90, (18432, 6144)),
-    (136, 72, 90, (18432, 12288)), (256, 128, 90, (20480, 20480)), (128, 64, 90, (16384, 16384)),
-    (192, 128, 80, (96 * 192, 96 * 192))])
-@pytest.mark.ops
-def test_accumulator_tiles_hold_the_slabs_of_their_head_dim(d, dv, arch, elems):
-    # hdim 192's sm_90 tile is three warpgroup slabs of 64 columns (6144 floats each): a narrower accumulator keeps
-    # the slabs covering its head dim; hdim 256's slabs and the others' span every column, as sm_80's one slab does
-    acc = fe.gqa_accumulator(2, d, dv, batch=1, seqlen=100, device="meta", arch=arch)
-    assert (acc.dk_accum.shape[3], acc.dv_accum.shape[3]) == elems
-    cfg, slabs = acc.config, acc.config.num_threads // 128 if arch == 90 else 1
-    split = (cfg.head_dim, arch) == (192, 90)
-    assert (cfg.slab_cols, cfg.slab_elems) == ((64, 6144) if split else (0, cfg.accum_tile_elems // slabs))
 
 
 @pytest.mark.ops
