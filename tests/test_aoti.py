@@ -1,14 +1,11 @@
-"""AOTInductor: one module calling every op (store batched and varlen, store_zero, deterministic gqa_accumulate twice
-into an accumulator, gqa_postprocess, gqa_accum_to_dense, gqa_reduce, repeat_kv and repeat_kv_backward), exported and
-packaged with torch._inductor.aoti_compile_and_package, loads with aoti_load_package and gives bitwise eager's
-results (outputs and every tensor it writes): in this process, and in a fresh process that imports flash_epilogue
-(which registers the ops) before loading the package. On the CPU the stand-in kernels of test_ecosystem serve the
-ops in this process, so the fresh process only loads the package there.
+"""AOTInductor: a package of every op (test_ecosystem.every_op, repeat_kv and repeat_kv_backward) gives bitwise
+eager's results (outputs and every tensor it writes) in this process and in a fresh one that imports flash_epilogue
+(which registers the ops) before loading it. On the CPU the stand-in kernels serve only this process's ops, so the
+fresh process only loads the package there.
 
-A package is first loaded in a fresh process, since a broken one kills the loading process. Where that fails and a
-package of `a + 1` (no flash_epilogue op) fails to load too, the compiler AOTInductor used is at fault, not the
-package (docs/semantics.md: a C++ compiler that links libstdc++ statically gives model libraries whose std::regex
-crashes in a process with the shared libstdc++); the test then skips, naming the compiler.
+A package is first loaded in a fresh process: a broken one kills the loading process. Where a package of `a + 1` (no
+flash_epilogue op) fails to load too, the compiler AOTInductor used is at fault (docs/semantics.md: a C++ compiler that
+links libstdc++ statically gives model libraries whose std::regex crashes beside the shared libstdc++): the test skips.
 """
 import subprocess
 import sys
@@ -19,8 +16,8 @@ import torch
 
 import flash_epilogue as fe
 from conftest import same
-from test_ecosystem import cpu_kernels  # noqa: F401 (the fixture of the CPU stand-ins)
-from test_ecosystem import DEVICES, OPS, assert_same_problem, clone_problem, device_setup, every_op, make_problem
+from test_ecosystem import cpu_kernels, device as device  # noqa: F401 (fixtures: the device, its CPU stand-in kernels)
+from test_ecosystem import OPS, assert_same_problem, clone_problem, every_op, make_problem
 
 pytestmark = pytest.mark.skipif(not fe.kernels_available(), reason=f"no extension: {fe.UNAVAILABLE_REASON}")
 
@@ -80,9 +77,7 @@ def skip_if_no_package_loads(device, tmp_path):
                     f"AOTInductor); {err[-300:]}")
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_a_package_of_every_op_runs_as_eager(request, device, tmp_path):
-    device_setup(request, device)  # on the CPU: the stand-in kernels
+def test_a_package_of_every_op_runs_as_eager(device, tmp_path):
     t, acc, sizes = make_problem(device)
     module = EveryOp(sizes["d"])
     pkg = package(module, (clone_problem(t, acc)[0], acc.dk_accum.clone(), acc.dv_accum.clone(),

@@ -22,6 +22,14 @@ OP_NAMES = ("store", "store_zero", "gqa_accumulate", "gqa_postprocess", "gqa_acc
             "repeat_kv", "repeat_kv_backward")
 
 
+def _load(name, relative_path):
+    spec = importlib.util.spec_from_file_location(name, ROOT / relative_path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
 @needs_C
 def test_tile_table_is_the_extension_s():
     rows = C.tile_configs()
@@ -34,35 +42,21 @@ def test_tile_table_is_the_extension_s():
         assert got == {k: r[k] for k in got}, r
     # an uncompiled head dim runs on the next compiled tile
     assert fe.tile_config(80).head_dim == 96 and fe.tile_config(72, 136).head_dim == 192
-
-
-def _load(name, relative_path):
-    spec = importlib.util.spec_from_file_location(name, ROOT / relative_path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-@needs_C
-def test_instantiation_generator_has_the_extension_s_head_dims():
-    # every tile head dim of the C++ switch; a build of them all has a tile config of each
+    # the instantiation generator's head dims: every tile head dim of the C++ switch; a build of them all has a tile
+    # config of each
     head_dims = tuple(_load("generate_instantiations", "scripts/generate_instantiations.py").HEAD_DIMS)
     build = C.build_info()
     assert head_dims == tuple(build["tile_head_dims"])
     if build["compiled_head_dims"] == build["tile_head_dims"]:
-        assert head_dims == tuple(sorted({r["head_dim"] for r in C.tile_configs()}))
+        assert head_dims == tuple(sorted({r["head_dim"] for r in rows}))
 
 
-def test_performance_table_is_the_committed_run():
+def test_generated_text_is_up_to_date():
     # docs/performance.md's table is `bench_ops.py --from-json benchmarks/results/h200.json --readme-table`, so the
-    # figures and the results file the docs cite cannot drift apart
+    # figures and the results file the docs cite cannot drift apart; csrc/instantiations is the generator's output
     common = _load("bench_common", "benchmarks/common.py")
     table = common.readme_table(json.loads((ROOT / "benchmarks/results/h200.json").read_text()))
     assert table in (ROOT / "docs/performance.md").read_text(), "regenerate the docs' performance table:\n" + table
-
-
-def test_instantiations_are_up_to_date():
     out = subprocess.run([sys.executable, "scripts/generate_instantiations.py", "--check"], cwd=ROOT,
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -83,17 +77,26 @@ def test_info_and_main_run():
         assert out.returncode == 0, out.stderr
 
 
-@pytest.mark.parametrize("d,arch,block,elems", [
-    (64, 90, 128, 8192), (80, 90, 128, 12288), (96, 90, 128, 12288), (128, 90, 128, 16384), (192, 90, 96, 18432),
-    (256, 90, 80, 20480), (64, 80, 128, 8192), (128, 80, 128, 16384), (192, 80, 80, 96 * 192), (256, 80, 64, 16384)])
+@pytest.mark.parametrize("d,dv,arch,block,elems", [
+    (64, 64, 90, 128, (8192,) * 2), (80, 80, 90, 128, (12288,) * 2), (96, 96, 90, 128, (12288,) * 2),
+    (128, 128, 90, 128, (16384,) * 2), (192, 192, 90, 96, (18432,) * 2), (256, 256, 90, 80, (20480,) * 2),
+    (64, 64, 80, 128, (8192,) * 2), (128, 128, 80, 128, (16384,) * 2), (192, 192, 80, 80, (96 * 192,) * 2),
+    (256, 256, 80, 64, (16384,) * 2), (192, 128, 90, 96, (18432, 12288)), (128, 192, 90, 96, (12288, 18432)),
+    (192, 64, 90, 96, (18432, 6144)), (136, 72, 90, 96, (18432, 12288)), (256, 128, 90, 80, (20480, 20480)),
+    (128, 64, 90, 128, (16384, 16384)), (192, 128, 80, 80, (96 * 192, 96 * 192))])
 @pytest.mark.ops
-def test_accumulator_shape_batched(d, arch, block, elems):
+def test_accumulator_shape_batched(d, dv, arch, block, elems):
+    # hdim 192's sm_90 tile is three warpgroup slabs of 64 columns (6144 floats each): a narrower accumulator keeps
+    # the slabs covering its head dim; hdim 256's slabs and the others' span every column, as sm_80's one slab does
     for seqlen in (0, 1, block - 1, block, block + 1, 1000):
-        acc = fe.gqa_accumulator(2, d, batch=3, seqlen=seqlen, deterministic=True, device="meta", arch=arch)
-        assert acc.dk_accum.shape == acc.dv_accum.shape == (3, 2, -(-seqlen // block), elems)
+        acc = fe.gqa_accumulator(2, d, dv, batch=3, seqlen=seqlen, deterministic=True, device="meta", arch=arch)
+        assert (acc.dk_accum.shape, acc.dv_accum.shape) == tuple((3, 2, -(-seqlen // block), e) for e in elems)
         assert (acc.block_n, acc.arch) == (block, arch)
         assert acc.semaphores.shape == (2 * 3 * acc.num_tiles * 2 + 1,) and acc.semaphores.dtype == I32
-    assert fe.gqa_accumulator(2, d, batch=0, seqlen=50, device="meta", arch=arch).dk_accum.shape[0] == 0
+    assert fe.gqa_accumulator(2, d, dv, batch=0, seqlen=50, device="meta", arch=arch).dk_accum.shape[0] == 0
+    cfg, slabs = acc.config, acc.config.num_threads // 128 if arch == 90 else 1
+    split = (cfg.head_dim, arch) == (192, 90)
+    assert (cfg.slab_cols, cfg.slab_elems) == ((64, 6144) if split else (0, cfg.accum_tile_elems // slabs))
 
 
 @pytest.mark.ops
@@ -158,25 +161,7 @@ def test_accumulator_allocation():
                              arch=80)
     assert acc.dk_accum.shape == (1, 1, (90 + 2 * 80) // 80, 96 * 192) and acc.block_n == 80
     assert fe.gqa_accumulator(1, 128, batch=1, seqlen=10, device="meta", arch=90).arch == 90
-
-
-@pytest.mark.parametrize("d,dv,arch,elems", [
-    (192, 128, 90, (18432, 12288)), (128, 192, 90, (12288, 18432)), (192, 64, 90, (18432, 6144)),
-    (136, 72, 90, (18432, 12288)), (256, 128, 90, (20480, 20480)), (128, 64, 90, (16384, 16384)),
-    (192, 128, 80, (96 * 192, 96 * 192))])
-@pytest.mark.ops
-def test_accumulator_tiles_hold_the_slabs_of_their_head_dim(d, dv, arch, elems):
-    # hdim 192's sm_90 tile is three warpgroup slabs of 64 columns (6144 floats each): a narrower accumulator keeps
-    # the slabs covering its head dim; hdim 256's slabs and the others' span every column, as sm_80's one slab does
-    acc = fe.gqa_accumulator(2, d, dv, batch=1, seqlen=100, device="meta", arch=arch)
-    assert (acc.dk_accum.shape[3], acc.dv_accum.shape[3]) == elems
-    cfg, slabs = acc.config, acc.config.num_threads // 128 if arch == 90 else 1
-    split = (cfg.head_dim, arch) == (192, 90)
-    assert (cfg.slab_cols, cfg.slab_elems) == ((64, 6144) if split else (0, cfg.accum_tile_elems // slabs))
-
-
-@needs_C
-def test_accumulator_layout_is_the_extension_s():
+    # the extension's layouts
     for args in ((2, 128, 128, 3, 300, False, 0), (2, 192, 128, 2, 200, False, 80), (3, 64, 64, 4, 710, True, 90)):
         layout = C.gqa_accum_layout(*args, torch.device("cpu"))
         h_k, d, dv, batch, rows, varlen, arch = args
@@ -202,16 +187,12 @@ def test_accumulator_reset_and_pytree():
 
 
 @needs_C
-def test_every_op_has_a_fake_kernel():
-    from torch._library.simple_registry import singleton
-
-    for name in OP_NAMES:
-        assert singleton.find(f"flash_epilogue::{name}").fake_impl.kernel is not None, name
-
-
-@needs_C
 @pytest.mark.parametrize("varlen", [False, True])
 def test_fake_kernels(varlen):
+    from torch._library.simple_registry import singleton
+
+    for name in OP_NAMES:  # every op has one
+        assert singleton.find(f"flash_epilogue::{name}").fake_impl.kernel is not None, name
     device = "cuda" if torch.cuda.is_available() else "cpu"
     with FakeTensorMode():
         cs = torch.tensor([0, 40, 100], dtype=I32, device=device)

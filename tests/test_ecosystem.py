@@ -1,16 +1,18 @@
 """The ops in PyTorch's machinery: torch.compile(fullgraph=True) of every op (ops and Python API, bitwise eager's),
 opcheck of store/store_zero (the GQA ops': test_gqa.py; repeat_kv's: test_repeat_kv.py), torch.export, CUDA graphs
-(every op captured once, replayed on new static inputs and metadata), autograd (the in-place ops as torch's own).
+(every op captured once, replayed on new static inputs and metadata: eager's results), autograd (the in-place ops as
+torch's own).
 
 On the CPU, kernels written with flash_epilogue.reference stand in for the CUDA ones (the accumulator row-major per
-tile): checked there are the tracing, the C++ ADInplaceOrView/Autograd kernels and these tests' references.
+tile): checked there are the tracing and the C++ ADInplaceOrView/Autograd kernels.
 """
 
 import pytest
 import torch
 
 import flash_epilogue as fe
-from conftest import CANARY_BITS, bits, cuda_graph, int32, same
+
+from conftest import CANARY_BITS, bits, cuda_graph, generator, int32, same
 from flash_epilogue.reference import (
     gqa_accumulate_reference,
     gqa_reduce_reference,
@@ -20,7 +22,6 @@ from flash_epilogue.reference import (
 
 I32, BF16, F16 = torch.int32, torch.bfloat16, torch.float16
 OPS = torch.ops.flash_epilogue
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 # ---- CPU stand-ins for the CUDA kernels (reference semantics; the accumulator row-major per tile)
@@ -89,11 +90,14 @@ def cpu_kernels():
     lib._destroy()
 
 
-def device_setup(request, device):
-    if device == "cpu":
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request):
+    """The device a test runs on; the CPU's ops get the stand-in kernels."""
+    if request.param == "cpu":
         request.getfixturevalue("cpu_kernels")
     else:
         torch._dynamo.reset()
+    return request.param
 
 
 # ---- one problem for every op
@@ -189,10 +193,8 @@ COMPILED = {"ops": (every_op, lambda t, acc, p: (t, acc.dk_accum, acc.dv_accum, 
             "wrappers": (every_wrapper, lambda t, acc, p: (t, acc, p["hk"]))}
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("api", list(COMPILED))
-def test_compile_fullgraph_every_op(request, device, api):
-    device_setup(request, device)
+def test_compile_fullgraph_every_op(device, api):
     fn, args = COMPILED[api]
     compiled = torch.compile(fn, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")
     for seed in (0, 1):  # the second call reuses the compiled graph on new data
@@ -296,10 +298,8 @@ def export_inputs(device, seed):
     return ak, av, dk, dv, int32(200, 150 - seed, device=device), int32(1, device=device)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("api,strict", [(fe, False), (OPS, True)], ids=["wrappers", "ops"])
-def test_export_store_and_store_zero(request, device, api, strict):
-    device_setup(request, device)
+def test_export_store_and_store_zero(device, api, strict):
     ep = torch.export.export(EpilogueStep(api), export_inputs(device, 0), strict=strict)
     code = ep.graph_module.code
     assert "flash_epilogue.store.default" in code and "flash_epilogue.store_zero.default" in code
@@ -315,25 +315,23 @@ def test_export_store_and_store_zero(request, device, api, strict):
 # ---- CUDA graphs
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_cuda_graph_every_op(request, device):
-    device_setup(request, device)
-    gen = torch.Generator(device=device).manual_seed(12)
-    t, acc, p = make_problem(device, 12)
-    hk, d = p["hk"], p["d"]
-    # varlen accumulator too (the batched one is make_problem's): its tile offsets come from cu_seqlens
-    vacc = fe.gqa_accumulator(hk, d, cu_seqlens=t["cu"], total_tokens=t["vak"].shape[0], deterministic=True,
-                              device=device)
-    t["vpk"] = torch.randn(t["vak"].shape[0], hk * p["g"], d, device=device, generator=gen)
-    t["vok"] = torch.zeros(t["vak"].shape[0], hk, d, dtype=F16, device=device)
+@pytest.mark.gpu
+def test_cuda_graph_every_op():
+    # every op captured once; each replay, on new contents of every static input (the sequence metadata and index
+    # selections included) and canary-filled outputs, writes what an eager run of the same calls on copies does
+    gen = generator(12)
+    t, acc, p = make_problem("cuda", 12)
+    hk, d, total = p["hk"], p["d"], t["vak"].shape[0]
+    t["vpk"] = torch.randn(total, hk * p["g"], d, device="cuda", generator=gen)
+    t["vok"] = torch.zeros(total, hk, d, dtype=F16, device="cuda")
     t["vov"] = torch.zeros_like(t["vok"])
-    outputs = ("dk", "dv", "vdk", "vdv", "ok", "ov", "rk", "rv", "vok", "vov")
-    varlen = {"cu_seqlens": t["cu"], "seqused": t["vused"]}
 
-    def step():
-        fe.store(t["ak"], t["av"], t["dk"], t["dv"], seqused=t["used"])
-        fe.store(t["vak"], t["vav"], t["vdk"], t["vdv"], **varlen)
-        fe.store_zero(t["vdk"], t["vdv"], **varlen, batch_idx=t["bidx"], head_idx=t["hidx"], row_start=3, row_end=60)
+    def varlen_accumulator(t):  # its tile offsets come from cu_seqlens
+        return fe.gqa_accumulator(hk, d, cu_seqlens=t["cu"], total_tokens=total, deterministic=True)
+
+    def step(t, acc, vacc):
+        varlen = {"cu_seqlens": t["cu"], "seqused": t["vused"]}
+        stores(fe, t)
         acc.reset()
         fe.gqa_accumulate(t["pk"], t["pv"], acc, deterministic=True, seqused=t["used"])
         fe.gqa_accumulate(t["pk"], t["pv"], acc, deterministic=True)
@@ -344,50 +342,28 @@ def test_cuda_graph_every_op(request, device):
         fe.gqa_reduce(t["rpk"], t["rpv"], num_heads_kv=hk, out=(t["rk"], t["rv"]), **varlen, scale_dk=0.25)
         return acc.to_dense(seqused=t["used"])
 
-    dense = []  # the accumulator decoded (GPU: the graph's static outputs)
-    if device == "cuda":
-        graph, dense[:] = cuda_graph(step)
-        run = graph.replay
-    else:  # the CPU stand-ins, eagerly: checks this test's references
-        def run():
-            dense[:] = step()
-
+    vacc = varlen_accumulator(t)
+    graph, dense = cuda_graph(lambda: step(t, acc, vacc))
     for trial in range(3):
-        # new contents of every static input, the sequence metadata and index selections included
         with torch.no_grad():
             for k in ("ak", "av", "vak", "vav", "pk", "pv", "rpk", "rpv", "vpk"):
-                t[k].copy_(torch.randn(t[k].shape, device=device, generator=gen))
+                t[k].copy_(torch.randn(t[k].shape, device="cuda", generator=gen))
             lens = [[100, 0, 37, 129], [10, 200, 0, 56], [0, 0, 266, 0]][trial]
             t["cu"].copy_(torch.tensor([0] + lens, dtype=I32).cumsum(0, dtype=I32))
             t["vused"].copy_(torch.tensor([max(0, n - 5 * trial) for n in lens], dtype=I32))
             t["used"].copy_(torch.tensor([150 - trial, 40 * trial], dtype=I32))
             t["bidx"].copy_(torch.tensor([[0, 3], [1, 1], [2, -1]][trial], dtype=I32))
             t["hidx"].copy_(torch.tensor([[1], [0], [5]][trial], dtype=I32))
-            for k in outputs:
+            for k in ("dk", "dv", "vdk", "vdv", "ok", "ov", "rk", "rv", "vok", "vov"):
                 bits(t[k]).fill_(CANARY_BITS)
-        e = {k: t[k].clone() for k in outputs}  # the references write into the canary-filled copies
-        run()
-        if device == "cuda":
-            torch.cuda.synchronize()
-
-        store_reference(t["ak"], t["av"], e["dk"], e["dv"], seqused=t["used"])
-        store_reference(t["vak"], t["vav"], e["vdk"], e["vdv"], **varlen)
-        store_zero_reference(e["vdk"], e["vdv"], **varlen, batch_idx=t["bidx"], head_idx=t["hidx"], row_start=3,
-                             row_end=60)
-        ref = [torch.zeros(t["pk"].shape[:2] + (hk, w), device=device) for w in (d, p["dv"])]
-        gqa_accumulate_reference(t["pk"], t["pv"], *ref, num_heads_kv=hk, seqused=t["used"])
-        gqa_accumulate_reference(t["pk"], t["pv"], *ref, num_heads_kv=hk)
-        store_reference(ref[0] * 0.125, ref[1], e["ok"], e["ov"])  # a power of 2: the fp32 product is exact
-        vref = [torch.zeros(t["vok"].shape, device=device) for _ in range(2)]
-        gqa_accumulate_reference(t["vpk"], t["vpk"] * 2, *vref, num_heads_kv=hk, **varlen)
-        store_reference(vref[0], vref[1] * 0.5, e["vok"], e["vov"], **varlen)
-        gqa_reduce_reference(t["rpk"], num_heads_kv=hk, out=e["rk"], scale_dk=0.25, sequential=True, **varlen)
-        gqa_reduce_reference(t["rpv"], num_heads_kv=hk, out=e["rv"], sequential=True, **varlen)
-        for k in outputs:
-            assert same(t[k], e[k]), (trial, k)
-        dense_want = [torch.zeros_like(r) for r in ref]
-        store_reference(ref[0], ref[1], dense_want[0], dense_want[1], seqused=t["used"])
-        assert same(dense[0], dense_want[0]) and same(dense[1], dense_want[1]), trial
+        t_eager, acc_eager = clone_problem(t, acc)
+        vacc_eager = varlen_accumulator(t_eager)
+        want = step(t_eager, acc_eager, vacc_eager)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_same_problem(t, acc, t_eager, acc_eager)
+        assert same(vacc.dk_accum, vacc_eager.dk_accum) and same(vacc.dv_accum, vacc_eager.dv_accum), trial
+        assert same(dense[0], want[0]) and same(dense[1], want[1]), trial
 
 
 # ---- autograd: the in-place ops as torch's own (csrc/binding/autograd.cpp; torch's in-place ops the reference)
@@ -428,27 +404,38 @@ def autograd_problem(device):
 CASES = list(op_calls(None))
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_inplace_ops_bump_the_written_versions(request, device):
-    # like torch's copy_ (one bump of the written tensor): each written tensor +1, every other one unchanged
-    device_setup(request, device)
+def test_inplace_ops_as_torch_s_own(device):
+    # like torch's copy_ (one bump of the written tensor): each written tensor +1, every other one unchanged. Into an
+    # inference tensor outside InferenceMode: torch's own error, before the kernel writes; inside it the op runs
     t = autograd_problem(device)
     ref = torch.zeros(3)
     ref.copy_(torch.ones(3))
     assert ref._version == 1
     for case, (call, written, _) in op_calls(t).items():
+        for k in written:
+            with torch.inference_mode():
+                u = {**t, k: t[k].clone()}
+            want = u[k].clone()
+            for f in (lambda: call(u), lambda: u[k].add_(0)):  # the op, torch's own
+                with pytest.raises(RuntimeError, match="Inplace update to inference tensor outside InferenceMode"):
+                    f()
+            assert same(u[k], want), (case, k)
         before = {k: v._version for k, v in t.items()}
         call(t)
         bumps = {k: v._version - before[k] for k, v in t.items() if v._version != before[k]}
         assert bumps == dict.fromkeys(written, 1), case
+    with torch.inference_mode():
+        t = autograd_problem(device)
+        dk = t["dk"].clone()
+        OPS.store(t["ak"], t["av"], dk, t["dv"], seqused=t["used"])
+        store_reference(t["ak"], t["av"], t["dk"], t["dv"], seqused=t["used"])
+        assert dk.is_inference() and same(dk, t["dk"])
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("how", ["torch", "fe"])
-def test_overwritten_saved_tensor_raises_in_backward(request, device, how):
+def test_overwritten_saved_tensor_raises_in_backward(device, how):
     # y = x * w saves w; exp saves its output (overwritten under no_grad: it requires grad): backward raises, as
     # after torch's own in-place ops (on the CPU the stand-ins' torch writes would bump as well: the GPU run checks)
-    device_setup(request, device)
     t = autograd_problem(device)
     x = torch.randn(t["dk"].shape, device=device).to(BF16).requires_grad_()
     w = t["dk"]
@@ -466,30 +453,6 @@ def test_overwritten_saved_tensor_raises_in_backward(request, device, how):
     for out in (y, z):
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             out.backward()
-
-
-@pytest.mark.ops
-@pytest.mark.parametrize("device", DEVICES)
-def test_inplace_into_an_inference_tensor(request, device):
-    # outside InferenceMode: torch's own error, before the kernel writes (CPU tensors reach it, no stand-ins
-    # needed); inside it the op runs
-    t = autograd_problem(device)
-    for case, (call, written, _) in op_calls(t).items():
-        for k in written:
-            with torch.inference_mode():
-                u = {**t, k: t[k].clone()}
-            want = u[k].clone()
-            for f in (lambda: call(u), lambda: u[k].add_(0)):  # the op, torch's own
-                with pytest.raises(RuntimeError, match="Inplace update to inference tensor outside InferenceMode"):
-                    f()
-            assert same(u[k], want), (case, k)
-    device_setup(request, device)
-    with torch.inference_mode():
-        t = autograd_problem(device)
-        dk = t["dk"].clone()
-        OPS.store(t["ak"], t["av"], dk, t["dv"], seqused=t["used"])
-        store_reference(t["ak"], t["av"], t["dk"], t["dv"], seqused=t["used"])
-        assert dk.is_inference() and same(dk, t["dk"])
 
 
 @pytest.mark.ops
@@ -529,11 +492,8 @@ def test_arguments_requiring_grad_raise(case):
                 call(u)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_gqa_reduce_of_partials_requiring_grad(request, device):
-    # the wrapper raises the op's error (it used to return a result with requires_grad=False); under no_grad it
-    # reduces; fe.repeat_kv is the differentiable path
-    device_setup(request, device)
+def test_gqa_reduce_of_partials_requiring_grad(device):
+    # the wrapper raises the op's error (fe.repeat_kv is the differentiable path); under no_grad it reduces
     p = torch.randn(2, 64, 6, 64, device=device).requires_grad_()
     with pytest.raises(RuntimeError, match="gqa_reduce: dk_partial: requires grad.*flash_epilogue.repeat_kv"):
         fe.gqa_reduce(p, num_heads_kv=2)

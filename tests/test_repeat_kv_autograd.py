@@ -15,8 +15,9 @@ import flash_epilogue as fe
 from conftest import same
 from test_repeat_kv import group_sum, kv_shape, original_repeat_kv
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 N_REP = 3
+pytestmark = [pytest.mark.parametrize("dim", [1, 2]),
+              pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])]
 
 
 def inputs(device, dim, dtype=torch.float32, batch=()):
@@ -29,8 +30,6 @@ def inputs(device, dim, dtype=torch.float32, batch=()):
     return [torch.randn(s, generator=gen, device=device).to(dtype) for s in (shape, shape, out_shape)]
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dim", [1, 2])
 def test_forward_ad_carries_the_repeated_tangent(device, dim):
     x, t, _ = inputs(device, dim, torch.bfloat16)
     with fwAD.dual_level():
@@ -44,8 +43,6 @@ def test_forward_ad_carries_the_repeated_tangent(device, dim):
         assert same(tangent, original_repeat_kv(t, N_REP, dim))
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dim", [1, 2])
 def test_func_grad_and_vjp_are_the_head_order_sum(device, dim):
     x, _, g = inputs(device, dim, torch.bfloat16)
     y, pullback = vjp(lambda a: fe.repeat_kv(a, N_REP, dim=dim), x)
@@ -57,8 +54,6 @@ def test_func_grad_and_vjp_are_the_head_order_sum(device, dim):
     torch.testing.assert_close(gx, vjp(lambda a: original_repeat_kv(a, N_REP, dim), x)[1](g)[0])
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dim", [1, 2])
 def test_vmap_over_a_batch_of_inputs(device, dim):
     xs, ts, gs = inputs(device, dim, torch.bfloat16, batch=(4,))
     f = functools.partial(fe.repeat_kv, n_rep=N_REP, dim=dim)
@@ -73,18 +68,15 @@ def test_vmap_over_a_batch_of_inputs(device, dim):
     assert same(tangents, torch.stack([original_repeat_kv(t, N_REP, dim) for t in ts]))
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_jacobians_and_hessian_match_transformers(device):
-    x = torch.randn(1, 2, 3, 8, dtype=torch.float64, device=device)
-    w = torch.randn(1, 4, 3, 8, dtype=torch.float64, device=device)
-    mine, theirs = (lambda a: fe.repeat_kv(a, 2)), (lambda a: original_repeat_kv(a, 2))
+def test_jacobians_and_hessian_match_transformers(device, dim):
+    x = torch.randn(kv_shape((1, 2, 3, 8), dim), dtype=torch.float64, device=device)
+    w = torch.randn(kv_shape((1, 4, 3, 8), dim), dtype=torch.float64, device=device)
+    mine, theirs = (lambda a: fe.repeat_kv(a, 2, dim=dim)), (lambda a: original_repeat_kv(a, 2, dim))
     for jac in (jacrev, jacfwd):
         assert torch.equal(jac(mine)(x), jac(theirs)(x))
     assert torch.equal(hessian(lambda a: (mine(a) ** 2 * w).sum())(x), hessian(lambda a: (theirs(a) ** 2 * w).sum())(x))
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dim", [1, 2])
 def test_gradcheck_fp64(device, dim):
     for shape in ((2, 3, 4, 8), (1, 1, 3, 8), (1, 2, 3, 8)):
         x = torch.randn(kv_shape(shape, dim), dtype=torch.float64, device=device, requires_grad=True)
@@ -92,8 +84,6 @@ def test_gradcheck_fp64(device, dim):
         assert torch.autograd.gradgradcheck(lambda t: fe.repeat_kv(t, 3, dim=dim), (x,))
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dim", [1, 2])
 def test_double_backward_and_forward_over_reverse(device, dim):
     x, t, g = inputs(device, dim)
     x.requires_grad_()
