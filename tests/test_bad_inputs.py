@@ -16,8 +16,8 @@ import torch
 
 from test_bad_inputs_calls import (
     B, BF16, CPU_T, CUDA1, D, DKV, EXPANDED, F16, F32, FIRST, H_K, H_Q, I32, INPUT, OP, OVERLAPPING, PARTIALS, PY, RAW,
-    S, STORE4, TOTAL, TYPE, UNSQUEEZED, WIDENED, R, accumulator, alias, assert_healthy, call, check_accepted, cut, each,
-    i32, ints, like, misaligned, on, padded, replace_acc, sh, z, zs)
+    S, STORE4, TOTAL, TYPE, UNSQUEEZED, WIDENED, R, acc_shape, accumulator, alias, assert_healthy, call, check_accepted,
+    cut, each, i32, ints, like, misaligned, on, padded, replace_acc, sh, z, zs)
 
 # message fragments (regexes): types and shapes
 TENSOR, DT, HALF = (r"expected a torch\.Tensor, got ", r"dtype: expected torch\.{}, got torch\.{}",
@@ -42,8 +42,6 @@ OVER, CPU = r"memory: expected no overlap with {}, got bytes", r"device: expecte
 DEV0 = r"device: expected cuda:0 \(the device of {}\), got {}"  # a tensor on another device than the first
 DEV1 = DEV0.format("{}", "cuda:1")
 # the GQA accumulator
-ACC = (r"shape: expected {} \(the accumulator of {}, {} KV heads and head dim {d} in the tile of head dim {c} on the "
-       r"sm_{a} path: allocate it with flash_epilogue\.gqa_accumulator\), got {}")
 HEADS = (r"heads: expected a positive multiple of the {} KV heads \({}\): every KV head serves h_q / h_k query heads, "
          r"got {} query heads \(dk_partial\.shape\[-2\]\)")
 SEMS = (r"acc\.semaphores: expected an int32 workspace because {}: allocate .*, got None \(allocated with "
@@ -60,11 +58,6 @@ FP32_RANGE = r"expected a float in fp32's range \(\|scale\| <= 3\.40282346638528
 IN_RANGE = r"expected a value in \[0, 2\) \(the {}\), got {}"
 STATIC = r"seqused\[{}\]: expected <= 40 \(the static seqlen\), got 41"
 CHECKED = {"check_inputs": True}
-
-
-def acc_shape(got, want=(2, 2, 1, 8192), h_k=2, d=64, c=64, a=90, of="batch 2, seqlen 40"):
-    """ACC for an accumulator of shape `got` where `want` (the baseline's by default) is expected."""
-    return ACC.format(sh(*want), of, h_k, sh(*got), d=d, c=c, a=a)
 
 
 ROWS = [
