@@ -1,11 +1,9 @@
 """The bad-input table: each (op, argument, condition) of the public API raises its error class with a message naming
-the op, the argument, what was expected and what was given; and the accepted inputs next to them.
-
-Each row: the op's baseline call is accepted, then the row's change of the arguments is rejected. The wrappers re-raise
-an op's ValueError as fe.FlashEpilogueInputError, its TypeError (a dtype, None, a wrong Python type) as
-fe.FlashEpilogueTypeError; rows named ..._op call torch.ops.flash_epilogue directly. The ops run every metadata check
-on CPU tensors too, then refuse the device: such rows also run on the CPU (CI). On an sm_90 GPU every row runs with
-CUDA tensors and the process must be healthy afterwards. The harness: test_bad_inputs_calls.py.
+the op, the argument, what was expected and what was given; and the accepted inputs next to them. Each row: the op's
+baseline call is accepted, then the row's change is rejected. The wrappers re-raise an op's ValueError as
+fe.FlashEpilogueInputError, its TypeError (a dtype, None, a wrong Python type) as fe.FlashEpilogueTypeError; ..._op rows
+call torch.ops.flash_epilogue. The ops check all metadata on CPU tensors too, then refuse the device: such rows run on
+the CPU (CI) too. On an sm_90 GPU every row runs on CUDA tensors and the process must be healthy afterwards.
 """
 import collections
 import re

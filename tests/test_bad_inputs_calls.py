@@ -1,7 +1,5 @@
-"""The harness of the bad-input table (test_bad_inputs.py): each op's valid baseline call, the changes of its arguments,
-the checks of a call and of the process's health; and the bad inputs outside the table: the sm_80 deterministic mode's
-work-item limit, accumulators of two head dims, the env switches of the content checks, a missing extension, a build
-for another torch.
+"""The harness of the bad-input table (test_bad_inputs.py): each op's baseline call, the changes of its arguments, the
+checks of a call and of the process's health; and the bad inputs outside the table.
 """
 import collections
 import dataclasses
@@ -293,16 +291,12 @@ sys.meta_path.insert(0, Blocked())
 import torch, flash_epilogue as fe
 assert not fe.kernels_available() and fe.UNAVAILABLE_REASON
 a, o, p = torch.zeros(1, 8, 2, 64), torch.zeros(1, 8, 2, 64, dtype=torch.bfloat16), torch.zeros(1, 8, 4, 64)
-calls = {"store": lambda: fe.store(a, a.clone(), o, o.clone()), "store_zero": lambda: fe.store_zero(o, o.clone()),
-         "gqa_accumulator": lambda: fe.gqa_accumulator(2, 64, batch=1, seqlen=8, device="cpu"),
-         "gqa_reduce": lambda: fe.gqa_reduce(p, num_heads_kv=2)}
-for name, f in calls.items():
+for f in (lambda: fe.store(a, a.clone(), o, o.clone()), lambda: fe.store_zero(o, o.clone()),
+          lambda: fe.gqa_accumulator(2, 64, batch=1, seqlen=8, device="cpu"), lambda: fe.gqa_reduce(p, num_heads_kv=2)):
     try:
         f()
-        print("ACCEPTED", name)
     except fe.FlashEpilogueBuildError as e:
-        assert isinstance(e, RuntimeError)
-        print("RAISED", e)
+        print("RAISED", e, isinstance(e, RuntimeError))
 fe.reference.store_reference(a, a, o, o.clone())
 x = torch.randn(1, 2, 8, 64, requires_grad=True)
 y = fe.repeat_kv(x, 3)
@@ -311,7 +305,7 @@ assert torch.equal(torch.autograd.grad(y, x, y)[0], fe.reference.group_sum_refer
 print("REFERENCE OK")
 """)
     for name in ("store", "store_zero", "gqa_accumulator", "gqa_reduce"):
-        assert f"RAISED flash_epilogue.{name}: the CUDA kernels are not available: " in out, out
+        assert re.search(rf"RAISED flash_epilogue\.{name}: the CUDA kernels are not available: .* True\n", out), out
     assert "REFERENCE OK" in out
 
 
