@@ -107,7 +107,6 @@ def store_zero_cases(draw):
     return p | {"layouts": picks(draw, 2), "seed": draw(SEEDS)}
 
 
-@st.composite
 def group_shape(draw):
     g = draw(st.sampled_from(GROUPS))
     return draw(st.integers(1, max(1, min(3, 24 // g)))), g
@@ -116,7 +115,7 @@ def group_shape(draw):
 @st.composite
 def accumulate_cases(draw):
     arch, d, dv = paths_and_dims(draw)
-    h_k, g = draw(group_shape())
+    h_k, g = group_shape(draw)
     p = {"d": d, "dv": dv, "arch": arch, "h_k": h_k, "g": g, "deterministic": draw(st.booleans())}
     p |= draw(geometry(block_n(d, dv, arch)))
     chunks = draw(st.integers(1, 3))
@@ -131,7 +130,7 @@ def reduce_cases(draw):
     arch, d, dv = paths_and_dims(draw)
     with_dv = draw(st.booleans())
     dv = dv if with_dv else d
-    h_k, g = draw(group_shape())
+    h_k, g = group_shape(draw)
     partial_dtype = draw(st.sampled_from(("fp32", "fp32", "bf16", "fp16")))
     out_dtype = partial_dtype if partial_dtype != "fp32" else draw(st.sampled_from(("bf16", "fp16")))
     p = {"d": d, "dv": dv, "with_dv": with_dv, "arch": arch, "h_k": h_k, "g": g, "partial_dtype": partial_dtype,
@@ -261,7 +260,6 @@ def run_case(check, p, dev="cuda"):
 
 
 def fuzz_settings(n):
-    """n cases (times FLASH_EPILOGUE_FUZZ_SCALE), no deadline or database, derandomized unless a seed is given."""
     return settings(max_examples=max(1, int(n * _SCALE)), deadline=None, database=None, derandomize=_SEED is None,
                     print_blob=True, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                                             HealthCheck.filter_too_much,
