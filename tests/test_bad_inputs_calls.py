@@ -1,7 +1,5 @@
-"""The harness of the bad-input table (test_bad_inputs.py): each op's valid baseline call, the changes of its arguments,
-the checks of a call and of the process's health; and the bad inputs outside the table: the sm_80 deterministic mode's
-work-item limit, accumulators of two head dims, the env switches of the content checks, a missing extension, a build
-for another torch.
+"""The harness of the bad-input table (test_bad_inputs.py): each op's baseline call, the changes of its arguments, the
+checks of a call and of the process's health; and the bad inputs outside the table.
 """
 import collections
 import dataclasses
@@ -179,6 +177,12 @@ def sh(*dims):
     return re.escape(str(tuple(dims)))
 
 
+def acc_shape(got, want=(2, 2, 1, 8192), h_k=2, d=64, c=64, a=90, of="batch 2, seqlen 40"):
+    """The message for an accumulator of shape `got` where `want` (the baseline's by default) is expected."""
+    return (rf"shape: expected {sh(*want)} \(the accumulator of {of}, {h_k} KV heads and head dim {d} in the tile of "
+            rf"head dim {c} on the sm_{a} path: allocate it with flash_epilogue\.gqa_accumulator\), got {sh(*got)}")
+
+
 def call(op, d, changes=()):
     a = op.build(d)
     for k, v in dict(changes).items():
@@ -245,18 +249,14 @@ def test_accumulators_of_two_head_dims_are_checked_each_against_its_own():
     # dK's shape) is another problem's, in gqa_accumulate, gqa_postprocess and to_dense alike
     acc = fe.gqa_accumulator(2, 192, 128, batch=2, seqlen=40, device="cpu", arch=90)
     pk, pv, whole = torch.zeros(2, 40, 4, 192), torch.zeros(2, 40, 4, 128), torch.zeros(acc.dk_accum.shape)
-    want = (r"dv_accum: shape: expected \(2, 2, 1, 12288\) \(the accumulator of batch 2, seqlen 40, 2 KV heads and "
-            r"head dim 128 in the tile of head dim 192 on the sm_90 path: allocate it with "
-            r"flash_epilogue\.gqa_accumulator\), got \(2, 2, 1, 18432\)")
-    with pytest.raises(ValueError, match=r"flash_epilogue\.gqa_accumulate: " + want):
+    want = acc_shape((2, 2, 1, 18432), (2, 2, 1, 12288), d=128, c=192)
+    with pytest.raises(ValueError, match=r"flash_epilogue\.gqa_accumulate: dv_accum: " + want):
         OPS.gqa_accumulate(pk, pv, acc.dk_accum, whole, None, deterministic=False, _arch=90)
-    with pytest.raises(ValueError, match=r"flash_epilogue\.gqa_postprocess: " + want):
+    with pytest.raises(ValueError, match=r"flash_epilogue\.gqa_postprocess: dv_accum: " + want):
         OPS.gqa_postprocess(acc.dk_accum, whole, pk[:, :, :2].to(BF16), pv[:, :, :2].to(BF16), _arch=90)
-    with pytest.raises(ValueError, match=r"flash_epilogue\.gqa_accum_to_dense: accum: shape: expected \(2, 2, 1, "
-                       r"12288\) \(the accumulator of batch 2, seqlen 40, 2 KV heads and head dim 128 in the tile of "
-                       r"head dim 192 on the sm_90 path"):
+    with pytest.raises(ValueError, match=r"flash_epilogue\.gqa_accum_to_dense: accum: " + want):
         OPS.gqa_accum_to_dense(whole, pv[:, :, :2].clone(), head_dim=192, _arch=90)
-    with pytest.raises(ValueError, match=r"dv_accum: shape: expected \(2, 2, 1, 12288\)"):  # and through the wrapper
+    with pytest.raises(ValueError, match="dv_accum: " + want):  # and through the wrapper
         fe.gqa_accumulate(pk, pv, dataclasses.replace(acc, dv_accum=whole))
 
 
@@ -291,16 +291,12 @@ sys.meta_path.insert(0, Blocked())
 import torch, flash_epilogue as fe
 assert not fe.kernels_available() and fe.UNAVAILABLE_REASON
 a, o, p = torch.zeros(1, 8, 2, 64), torch.zeros(1, 8, 2, 64, dtype=torch.bfloat16), torch.zeros(1, 8, 4, 64)
-calls = {"store": lambda: fe.store(a, a.clone(), o, o.clone()), "store_zero": lambda: fe.store_zero(o, o.clone()),
-         "gqa_accumulator": lambda: fe.gqa_accumulator(2, 64, batch=1, seqlen=8, device="cpu"),
-         "gqa_reduce": lambda: fe.gqa_reduce(p, num_heads_kv=2)}
-for name, f in calls.items():
+for f in (lambda: fe.store(a, a.clone(), o, o.clone()), lambda: fe.store_zero(o, o.clone()),
+          lambda: fe.gqa_accumulator(2, 64, batch=1, seqlen=8, device="cpu"), lambda: fe.gqa_reduce(p, num_heads_kv=2)):
     try:
         f()
-        print("ACCEPTED", name)
     except fe.FlashEpilogueBuildError as e:
-        assert isinstance(e, RuntimeError)
-        print("RAISED", e)
+        print("RAISED", e, isinstance(e, RuntimeError))
 fe.reference.store_reference(a, a, o, o.clone())
 x = torch.randn(1, 2, 8, 64, requires_grad=True)
 y = fe.repeat_kv(x, 3)
@@ -309,7 +305,7 @@ assert torch.equal(torch.autograd.grad(y, x, y)[0], fe.reference.group_sum_refer
 print("REFERENCE OK")
 """)
     for name in ("store", "store_zero", "gqa_accumulator", "gqa_reduce"):
-        assert f"RAISED flash_epilogue.{name}: the CUDA kernels are not available: " in out, out
+        assert re.search(rf"RAISED flash_epilogue\.{name}: the CUDA kernels are not available: .* True\n", out), out
     assert "REFERENCE OK" in out
 
 

@@ -1,9 +1,7 @@
-"""Devices: every op refuses a tensor argument on another device than the others' (a meta tensor among CUDA or CPU
-tensors, a CPU tensor among CUDA ones), whichever argument it is, naming the argument and both devices, and writes
-nothing. The expected device is the first CUDA tensor's (in the schema's order), else the first tensor's. A call whose
-tensors are all meta runs the fake kernel: no error, nothing computed (torch's convention). Another GPU's tensor:
-test_bad_inputs (two GPUs). On the CPU (CI) the problem's tensors are CPU ones and the odd one out is meta; on the GPU,
-meta and CPU.
+"""Devices: every op refuses a tensor argument on another device than the others' (meta among CUDA or CPU tensors,
+CPU among CUDA ones), whichever argument it is, naming the argument and both devices, and writes nothing; the expected
+device is the first CUDA tensor's (in the schema's order), else the first tensor's. All-meta calls run the fake kernel
+(torch's convention). Another GPU's tensor: test_bad_inputs.
 """
 import pytest
 import torch
