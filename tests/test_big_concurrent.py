@@ -295,16 +295,16 @@ def test_every_op_65535_heads(deterministic, arch):
 
 
 def every_op(d, gen, lead=(2, 300), h=4, g=2, arch=0, store_dtype=BF16, deterministic=True):
-    """Every op at head dim d on h KV heads of g query heads each, on gen's device (`arch`: the path), as (acc,
-    launches, check): the launches (one function per op call, all but the bf16 gqa_reduce making no CUDA call before
-    the op's own, repeat_kv's backward on the autograd engine's device thread) accumulate into `acc` (reset it before
-    running them again; atomic mode is exact only for g <= 2); check(*where) compares every output bitwise with its
-    reference."""
+    """Every op at head dim d on h KV heads of g query heads each, on gen's device (`arch`: the path; `store_dtype`:
+    the outputs of store, store_zero and the single-tensor gqa_reduce), as (acc, launches, check): the launches (one
+    function per op call, all but the bf16 gqa_reduce making no CUDA call before the op's own, repeat_kv's backward
+    on the autograd engine's device thread) accumulate into `acc` (reset it before running them again; atomic mode
+    is exact for g <= 2); check(*where) compares every output bitwise with its reference."""
     dev, (b, s) = gen.device, lead
     ak, av, pk, pv = (rand(lead + (n, d), gen) for n in (h, h, h * g, h * g))
     p16 = pk.to(BF16)
     x, grad = rand((b, h, s, d), gen, BF16).requires_grad_(), rand((b, h * g, s, d), gen, BF16)
-    out = [canary(lead + (h, d), dt, dev) for dt in (store_dtype, store_dtype, BF16, BF16, BF16, BF16, BF16)]
+    out = [canary(lead + (h, d), dt, dev) for dt in (store_dtype, store_dtype, BF16, BF16, store_dtype, BF16, BF16)]
     sel = {"batch_idx": torch.tensor([1], dtype=I32, device=dev), "row_start": s // 2}  # a list: a CUDA copy first
     acc = fe.gqa_accumulator(h, d, batch=b, seqlen=s, deterministic=deterministic, device=dev, arch=arch)
     got = {}
@@ -323,7 +323,7 @@ def every_op(d, gen, lead=(2, 300), h=4, g=2, arch=0, store_dtype=BF16, determin
         store_zero_reference(*stored, batch_idx=[1], row_start=s // 2)
         dense = [torch.zeros(lead + (h, d), device=dev) for _ in range(2)]
         gqa_accumulate_reference(pk, pv, *dense, num_heads_kv=h)
-        reduced = [gqa_reduce_sequential_fp32(p, h).to(BF16) for p in (pk, pv, pk)]
+        reduced = [gqa_reduce_sequential_fp32(p, h).to(o.dtype) for p, o in zip((pk, pv, pk), out[2:5])]
         checks = {"store, store_zero": (out[:2], stored), "gqa_reduce": (out[2:5], reduced),
                   "gqa_reduce bf16": ([got["reduce16"]], [gqa_reduce_sequential_fp32(p16.float(), h).to(BF16)]),
                   "gqa_accumulate": (acc.to_dense(), dense),
@@ -428,7 +428,7 @@ def test_persistent_store_beside_other_ops():
     b, s, h, d = 2, 4096, 8, 128
     acc_k, acc_v = rand((b, s, h, d), gen), rand((b, s, h, d), gen)
     dk, dv = canary((b, s, h, d)), canary((b, s, h, d))
-    acc, launches, check = every_op(d, gen, (b, s), h, 2, deterministic=False)
+    acc, launches, check = every_op(d, gen, (b, s), h, 2, store_dtype=torch.float16, deterministic=False)
     streams = torch.cuda.Stream(), torch.cuda.Stream()
     for st in streams:
         st.wait_stream(torch.cuda.current_stream())
