@@ -335,49 +335,12 @@ def every_op(d, gen, lead=(2, 300), h=4, g=2, arch=0, store_dtype=BF16, determin
     return acc, launches, check
 
 
-def test_two_streams_deterministic_accumulations():
-    # acc_a and acc_b (same problem, same partials) on two streams, acc_c (another head dim, varlen) with them,
-    # launches interleaved: three rounds must give identical, reference-exact bits
-    gen = generator(0)
-    b, s, h_k, g, d = 2, 8192, 2, 8, 128
-    chunks = [(rand((b, s, h_k * g, d), gen), rand((b, s, h_k * g, d), gen)) for _ in range(3)]
-    lens = [4000, 0, 5000, 7000]
-    cu, total = cu_seqlens(lens), sum(lens) + 11
-    chunks_c = [(rand((total, 16, 64), gen), rand((total, 16, 64), gen)) for _ in range(3)]
-    acc_a, acc_b = (fe.gqa_accumulator(h_k, d, batch=b, seqlen=s, deterministic=True, device=DEV) for _ in range(2))
-    acc_c = fe.gqa_accumulator(4, 64, cu_seqlens=cu, total_tokens=total, deterministic=True, device=DEV)
-    ref = [torch.zeros(b, s, h_k, d, device=DEV) for _ in range(2)]
-    ref_c = [torch.zeros(total, 4, 64, device=DEV) for _ in range(2)]
-    for (pk, pv), (ck, cv) in zip(chunks, chunks_c):
-        gqa_accumulate_reference(pk, pv, *ref, num_heads_kv=h_k)
-        gqa_accumulate_reference(ck, cv, *ref_c, num_heads_kv=4, cu_seqlens=cu)
-    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
-    # (accumulator, stream, partials, kwargs), launched in this order for each chunk
-    jobs = [(acc_a, s1, chunks, {}), (acc_b, s2, chunks, {}), (acc_c, s1, chunks_c, {"cu_seqlens": cu})]
-    first = None
-    for _ in range(3):
-        for acc, st, _, _ in jobs:
-            st.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(st):
-                acc.reset()
-        for i, (acc, st, parts, kw) in itertools.product(range(3), jobs):
-            with torch.cuda.stream(st):
-                fe.gqa_accumulate(*parts[i], acc, **kw)
-        for st in (s1, s2):
-            torch.cuda.current_stream().wait_stream(st)
-        got = [t.clone() for acc, *_ in jobs for t in (acc.dk_accum, acc.dv_accum)]
-        torch.cuda.synchronize()
-        assert same(got[0], got[2]) and same(got[1], got[3])
-        if first is None:
-            first = got
-            for (acc, _, _, kw), r in zip(jobs, (ref, ref, ref_c)):
-                assert all(same(x, w) for x, w in zip(acc.to_dense(**kw), r))
-        assert all(same(x, w) for x, w in zip(got, first))
-
-
-def test_persistent_drivers_on_two_streams_and_in_a_graph():
-    # the persistent sm_90 drivers on problems of 8-31 tiles per SM (store 31, gqa_reduce 8, gqa_accumulate 16 on
-    # 132 SMs): on two streams at once, launches interleaved, then in one CUDA graph replayed on new inputs
+def test_two_streams_then_a_graph():
+    # on two streams at once, launches interleaved, three rounds, each reference-exact: per stream, the persistent
+    # sm_90 drivers on problems of 8-31 tiles per SM (store 31, gqa_reduce 8, gqa_accumulate 16 on 132 SMs) into its
+    # own outputs, and deterministic accumulations of three chunks: acc_a and acc_b (same problem, same partials) on
+    # one stream each, acc_c (another head dim, varlen) beside acc_a; the raw accumulators of every round bitwise the
+    # first's. Then the persistent drivers in one CUDA graph replayed on new inputs
     gen = generator(3)
     b, s, h, d = 4, 8192, 8, 128
     ak, av = rand((b, s, h, d), gen), rand((b, s, h, d), gen)
@@ -385,6 +348,17 @@ def test_persistent_drivers_on_two_streams_and_in_a_graph():
     pk, pv = rand((b // 2, s, 4 * h, d), gen), rand((b // 2, s, 4 * h, d), gen)
     accs = [fe.gqa_accumulator(h, d, batch=b // 2, seqlen=s, device=DEV) for _ in range(2)]
     outs = [[canary((b, s, h, d)), canary((b, s, h, d)), canary((b, s // 2, h, d))] for _ in range(2)]
+    lens = [4000, 0, 5000, 7000]
+    cu, total = cu_seqlens(lens), sum(lens) + 11
+    chunks = [(rand((2, s, 16, d), gen), rand((2, s, 16, d), gen)) for _ in range(3)]
+    chunks_c = [(rand((total, 16, 64), gen), rand((total, 16, 64), gen)) for _ in range(3)]
+    det = [fe.gqa_accumulator(2, d, batch=2, seqlen=s, deterministic=True, device=DEV) for _ in range(2)]
+    det.append(fe.gqa_accumulator(4, 64, cu_seqlens=cu, total_tokens=total, deterministic=True, device=DEV))
+    ref = [torch.zeros(2, s, 2, d, device=DEV) for _ in range(2)]
+    ref_c = [torch.zeros(total, 4, 64, device=DEV) for _ in range(2)]
+    for (ck, cv), (vk, vv) in zip(chunks, chunks_c):
+        gqa_accumulate_reference(ck, cv, *ref, num_heads_kv=2)
+        gqa_accumulate_reference(vk, vv, *ref_c, num_heads_kv=4, cu_seqlens=cu)
 
     def step(acc, outs):
         fe.store(ak, av, outs[0], outs[1])
@@ -397,19 +371,32 @@ def test_persistent_drivers_on_two_streams_and_in_a_graph():
         return [ak.to(BF16), av.to(BF16), gqa_reduce_reference(red, num_heads_kv=h, out_dtype=BF16, sequential=True),
                 gqa_reduce_sequential_fp32(pk, h), gqa_reduce_sequential_fp32(pv, h)]
 
-    want = expected()
-    streams = torch.cuda.Stream(), torch.cuda.Stream()
-    for st in streams:
-        st.wait_stream(torch.cuda.current_stream())
+    want, streams, first = expected(), (torch.cuda.Stream(), torch.cuda.Stream()), None
+    # (accumulator, stream, partials, kwargs), launched in this order for each chunk
+    jobs = [(det[0], streams[0], chunks, {}), (det[1], streams[1], chunks, {}),
+            (det[2], streams[0], chunks_c, {"cu_seqlens": cu})]
     for _ in range(3):
+        for st in streams:
+            st.wait_stream(torch.cuda.current_stream())
         dense = []
         for st, acc, o in zip(streams, accs, outs):
             with torch.cuda.stream(st):
                 dense.append(step(acc, o))
+        for acc, st, _, _ in jobs:
+            with torch.cuda.stream(st):
+                acc.reset()
+        for i, (acc, st, parts, kw) in itertools.product(range(3), jobs):
+            with torch.cuda.stream(st):
+                fe.gqa_accumulate(*parts[i], acc, **kw)
         for st in streams:
             torch.cuda.current_stream().wait_stream(st)
         for o, dn in zip(outs, dense):
             assert all(same(got, w) for got, w in zip([*o, *dn], want))
+        raw = [t.clone() for acc, *_ in jobs for t in (acc.dk_accum, acc.dv_accum)]
+        first = first or raw
+        assert same(raw[0], raw[2]) and same(raw[1], raw[3]) and all(same(x, w) for x, w in zip(raw, first))
+        for (acc, _, _, kw), r in zip(jobs, (ref, ref, ref_c)):
+            assert all(same(x, w) for x, w in zip(acc.to_dense(**kw), r))
     graph, dense = cuda_graph(lambda: step(accs[0], outs[0]))
     for _ in range(3):
         for t in (ak, av, pk, pv):
