@@ -409,26 +409,26 @@ def test_two_streams_then_a_graph():
 def test_persistent_store_beside_other_ops():
     # a named barrier id must not serve two thread counts (the store's TMA hand-off and a tile's first barrier): beside
     # another kernel the issuing warp lags, the others reach the next tile's barrier first ("illegal instruction").
-    # Stream 0: the store; stream 1: every op of every_op in turn (its accumulate atomic: two query heads per KV head,
-    # one call, exact in any order); launches interleaved, then everything against the reference
+    # Stream 0: the store; stream 1: every op of every_op in turn, with bf16 and with fp16 outputs (its accumulate
+    # atomic: two query heads per KV head, one call, exact in any order); launches interleaved, then every result
     gen = generator(2)
     b, s, h, d = 2, 4096, 8, 128
     acc_k, acc_v = rand((b, s, h, d), gen), rand((b, s, h, d), gen)
     dk, dv = canary((b, s, h, d)), canary((b, s, h, d))
-    acc, launches, check = every_op(d, gen, (b, s), h, 2, store_dtype=torch.float16, deterministic=False)
+    ops = [every_op(d, gen, (b, s), h, 2, store_dtype=dt, deterministic=False) for dt in (BF16, torch.float16)]
+    launches = [launch for acc, each, _ in ops for launch in (acc.reset, *each)]
     streams = torch.cuda.Stream(), torch.cuda.Stream()
     for st in streams:
         st.wait_stream(torch.cuda.current_stream())
-    for i in range(38 * len(launches)):  # 304 rounds, every_op's launches run whole
+    for i in range(17 * len(launches)):  # 306 rounds, the launches run whole
         with torch.cuda.stream(streams[0]):
             fe.store(acc_k, acc_v, dk, dv)
         with torch.cuda.stream(streams[1]):
-            if i % len(launches) == 0:
-                acc.reset()
             launches[i % len(launches)]()
     torch.cuda.synchronize()
     assert same(dk, acc_k.to(BF16)) and same(dv, acc_v.to(BF16))
-    check()
+    for *_, check in ops:
+        check()
 
 
 def test_host_threads_with_own_streams():
