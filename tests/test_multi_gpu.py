@@ -78,7 +78,6 @@ def test_store_and_store_zero_on_device1(arch):
                    (torch.tensor([1], dtype=I32, device=D1),), (dk, dv))
     store_zero_reference(want_k, want_v, seqused=used, batch_idx=[1], row_start=100)
     assert same(dk, want_k) and same(dv, want_v)
-    # varlen
     cu = torch.tensor([0, 129, 129, 400], dtype=I32, device=D1)
     ak, av = rand((410, 2, 96), 3), rand((410, 2, 96), 4)
     vk, vv = torch.zeros(410, 2, 96, dtype=F16, device=D1), torch.zeros(410, 2, 96, dtype=F16, device=D1)
@@ -138,7 +137,7 @@ def test_gqa_ops_and_repeat_kv_on_device1(arch, deterministic):
 
 def hdim_80_96_workload():
     """Every op at hdim 96 and 80 on device 1 first (its shared-memory attributes set before device 0's), cuda:0
-    current throughout. Run in a fresh process by test_hdim_80_96_on_device1_first_in_a_fresh_process."""
+    current throughout."""
     torch.cuda.set_device(0)
     for dev, arch, d in itertools.product((1, 0), (0, 80), (96, 80)):
         _, launches, check = every_op(d, generator(d + arch, torch.device("cuda", dev)), lead=(2, 200), h=2, g=3,
