@@ -7,14 +7,14 @@ compile there too (to empty bodies: they are never launched on sm_80).
 """
 import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from conftest import nvcc
+from conftest import nvcc, run_checked
 
 ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.skipif(nvcc() is None, reason="no nvcc")
 
 
 def _cuobjdump():
@@ -28,31 +28,27 @@ def _cuobjdump():
     return next((str(c) for base in nvidia.__path__ for c in Path(base).glob("cu*/bin/cuobjdump")), None)
 
 
-def _compile(src: str, out: Path, gencode: str) -> None:
+def compile_for_sm80(src: str, tmp_path: Path) -> Path:
     from flash_epilogue._cutlass import cutlass_include_dirs
 
-    cmd = [nvcc(), "-std=c++20", "-O3", "-DNDEBUG", "--expt-relaxed-constexpr", f"-gencode={gencode}", "-cubin",
-           "-I", str(ROOT / "csrc/include"), "-I", str(ROOT / "csrc/kernels"),
-           *[f"-I{d}" for d in cutlass_include_dirs()], str(ROOT / src), "-o", str(out)]
-    result = subprocess.run(cmd, capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr[-3000:]
+    cubin = tmp_path / f"{Path(src).stem}.cubin"
+    run_checked([nvcc(), "-std=c++20", "-O3", "-DNDEBUG", "--expt-relaxed-constexpr",
+                 "-gencode=arch=compute_80,code=sm_80", "-cubin", "-I", str(ROOT / "csrc/include"),
+                 "-I", str(ROOT / "csrc/kernels"), *[f"-I{d}" for d in cutlass_include_dirs()], str(ROOT / src),
+                 "-o", str(cubin)])
+    return cubin
 
 
-@pytest.mark.skipif(nvcc() is None, reason="no nvcc")
-@pytest.mark.skipif(_cuobjdump() is None,
-                    reason="no cuobjdump (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
+@pytest.mark.skipif(not _cuobjdump(), reason="no cuobjdump (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
 def test_sm80_path_has_no_breakpoint(tmp_path):
-    cubin = tmp_path / "store_sm80.cubin"
-    _compile("csrc/instantiations/store_hdim128_sm80.cu", cubin, "arch=compute_80,code=sm_80")
+    cubin = compile_for_sm80("csrc/instantiations/store_hdim128_sm80.cu", tmp_path)
     tool = _cuobjdump()
     env = dict(os.environ, PATH=f"{Path(tool).parent}{os.pathsep}{os.environ.get('PATH', '')}")  # it runs nvdisasm
-    sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, check=True, env=env).stdout
+    sass = run_checked([tool, "-sass", str(cubin)], env=env).stdout
     assert "Function" in sass and "BAR.SYNC" in sass, "expected the store kernel and its named barriers"
     for bad in ("BPT", "BRKPT", "TRAP"):
         assert bad not in sass, f"sm_80 store kernel contains {bad}"
 
 
-@pytest.mark.skipif(nvcc() is None, reason="no nvcc")
 def test_sm90_kernels_compile_into_an_sm80_binary(tmp_path):
-    _compile("csrc/instantiations/store_zero_hdim64_sm90.cu", tmp_path / "zero_sm90_for_sm80.cubin",
-             "arch=compute_80,code=sm_80")
+    compile_for_sm80("csrc/instantiations/store_zero_hdim64_sm90.cu", tmp_path)
