@@ -57,9 +57,8 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def _global_state_follows_the_test():
-    """FLASH_EPILOGUE_DEBUG / FLASH_EPILOGUE_CHECK_INPUTS are read at import; a test that sets them calls
-    fe.refresh_env_flags(). Re-read before each test, once monkeypatch restored the environment; the
-    deterministic-algorithms switch a test set is restored after it."""
+    """The env flags, read at import, re-read before each test once monkeypatch restored the environment (a test that
+    sets them calls fe.refresh_env_flags()); torch's deterministic-algorithms switch restored after each test."""
     fe.refresh_env_flags()
     deterministic = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     yield
@@ -95,8 +94,7 @@ def generator(seed, device="cuda"):
 def rand(shape, gen=None, dtype=torch.float32, device="cuda", binades=8):
     """Normal samples times 2^e, e uniform in [-binades, binades]: the order of additions (and the
     rounding of large and tiny magnitudes) matters."""
-    if gen is not None:
-        device = gen.device
+    device = device if gen is None else gen.device
     x = torch.randn(shape, device=device, generator=gen)
     e = torch.randint(-binades, binades + 1, shape, device=device, generator=gen).float()
     return (x * torch.exp2(e)).to(dtype)
