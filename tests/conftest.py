@@ -7,7 +7,7 @@ carved out of such buffers and the WHOLE buffer is compared bitwise with the ref
 import contextlib
 import os
 import shutil
-from pathlib import Path
+import subprocess
 
 import pytest
 import torch
@@ -21,23 +21,30 @@ arch_param = pytest.mark.parametrize("arch", (90, 80), ids=("sm90", "sm80"))
 LAYOUTS = ("plain", "padded", "transposed")
 
 
-def _sm90_kernels() -> tuple[bool, str]:
+def _why_no_sm90_kernels() -> str:
     if not torch.cuda.is_available():
-        return False, "no CUDA device"
-    if torch.cuda.get_device_capability() != (9, 0):
-        return False, f"needs sm_90, device is sm_{''.join(map(str, torch.cuda.get_device_capability()))}"
-    if not fe.kernels_available():
-        return False, f"kernels not built: {fe.UNAVAILABLE_REASON}"
-    return True, ""
+        return "no CUDA device"
+    if (cap := torch.cuda.get_device_capability()) != (9, 0):
+        return f"needs sm_90, device is sm_{cap[0]}{cap[1]}"
+    return "" if fe.kernels_available() else f"kernels not built: {fe.UNAVAILABLE_REASON}"
 
 
-HAVE_SM90, WHY_NOT = _sm90_kernels()
+WHY_NOT = _why_no_sm90_kernels()
+HAVE_SM90 = not WHY_NOT
 
 
 def nvcc() -> str | None:
     """The nvcc that compiles the header-library tests (PATH, else CUDA_HOME's), or None."""
-    cuda_home = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda"))
-    return shutil.which("nvcc") or (str(cuda_home / "bin/nvcc") if (cuda_home / "bin/nvcc").exists() else None)
+    cuda_bin = os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin")
+    return shutil.which("nvcc") or shutil.which("nvcc", path=cuda_bin)
+
+
+def run_checked(cmd, **kw) -> subprocess.CompletedProcess:
+    """subprocess.run(cmd, **kw), its output captured as text; it must exit 0, else the message is its output's tail."""
+    proc = subprocess.run(cmd, capture_output=True, text=True, **kw)
+    assert proc.returncode == 0, (f"{' '.join(map(str, cmd))[:300]}: exit code {proc.returncode}\n"
+                                  f"{proc.stdout[-6000:]}{proc.stderr[-3000:]}")
+    return proc
 
 
 def pytest_collection_modifyitems(config, items):
@@ -49,15 +56,13 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
-def _env_flags_follow_the_environment():
-    """FLASH_EPILOGUE_DEBUG / FLASH_EPILOGUE_CHECK_INPUTS are read at import; a test that sets them
-    calls fe.refresh_env_flags(). Re-read before each test, once monkeypatch restored the environment."""
+def _global_state_follows_the_test():
+    """The env flags, read at import, re-read before each test once monkeypatch restored the environment (a test that
+    sets them calls fe.refresh_env_flags()); torch's deterministic-algorithms switch restored after each test."""
     fe.refresh_env_flags()
+    deterministic = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     yield
-
-
-# ---------------------------------------------------------------------------------------------
-# values and buffers
+    torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
 
 
 def bits(t):
@@ -89,8 +94,7 @@ def generator(seed, device="cuda"):
 def rand(shape, gen=None, dtype=torch.float32, device="cuda", binades=8):
     """Normal samples times 2^e, e uniform in [-binades, binades]: the order of additions (and the
     rounding of large and tiny magnitudes) matters."""
-    if gen is not None:
-        device = gen.device
+    device = device if gen is None else gen.device
     x = torch.randn(shape, device=device, generator=gen)
     e = torch.randint(-binades, binades + 1, shape, device=device, generator=gen).float()
     return (x * torch.exp2(e)).to(dtype)

@@ -8,7 +8,6 @@ import types
 from pathlib import Path
 
 import pytest
-import torch
 
 from conftest import HAVE_SM90, WHY_NOT
 
@@ -26,31 +25,19 @@ def blocks():
             yield pytest.param(m[1], m[2], m[3], id=f"{path.relative_to(ROOT)}:{line}")
 
 
-ALL = list(blocks())
-PYTHON = [p for p in ALL if p.values[1] == "python"]
-
-
-@pytest.mark.parametrize("marker, lang, code", ALL)
-def test_every_block_is_run_or_marked(marker, lang, code):
-    if lang == "python":
-        assert marker in (None, "gpu"), "python blocks all run: mark one that needs the GPU <!-- gpu -->"
-    else:
+@pytest.mark.parametrize("marker, lang, code", list(blocks()))
+def test_every_block_runs_or_is_marked(marker, lang, code, monkeypatch, request):
+    if lang != "python":
         assert marker == "no-run", f"a ```{lang} block is not run: say so with <!-- no-run -->"
-
-
-@pytest.mark.parametrize("marker, lang, code", PYTHON)
-def test_python_block_runs(marker, lang, code, monkeypatch, request):
+        return
+    assert marker in (None, "gpu"), "python blocks all run: mark one that needs the GPU <!-- gpu -->"
     if marker == "gpu" and not HAVE_SM90:
         pytest.skip(WHY_NOT)
     monkeypatch.chdir(ROOT)
     # a real module, as a script's __main__ is: torch.compile looks the block's globals up in sys.modules
     module = types.ModuleType("__doc_block__")
     monkeypatch.setitem(sys.modules, module.__name__, module)
-    deterministic = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    try:
-        exec(compile(code, request.node.callspec.id, "exec"), module.__dict__)
-    finally:
-        torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
+    exec(compile(code, request.node.callspec.id, "exec"), module.__dict__)  # conftest restores torch's determinism
 
 
 @pytest.mark.parametrize("path", DOCS, ids=lambda p: str(p.relative_to(ROOT)))

@@ -2,11 +2,12 @@
 FA3 checkout: set FLASH_EPILOGUE_FA3_DIR to it (needs an sm_90 GPU, nvcc, triton; builds FA3 twice, minutes).
 Skipped otherwise, CI included; scripts/gpu_check.sh runs the script itself as its `fa3` stage."""
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from conftest import run_checked
 
 FA3_DIR = os.environ.get("FLASH_EPILOGUE_FA3_DIR")
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "fa3_check.py"
@@ -14,6 +15,4 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "fa3_check.py"
 
 @pytest.mark.skipif(not FA3_DIR, reason="FLASH_EPILOGUE_FA3_DIR (a FlashAttention checkout) not set")
 def test_fa3_backward_with_the_compat_header(tmp_path):
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--fa3", FA3_DIR, "--work", str(tmp_path),
-                           "--out", str(tmp_path / "fa3_check.json")], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    run_checked([sys.executable, str(SCRIPT), "--fa3", FA3_DIR, "--work", str(tmp_path)])  # writes WORK/fa3_check.json

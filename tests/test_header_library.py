@@ -3,13 +3,12 @@ tests/header_library/kernel_interface.cu static_asserts that each collective's T
 aligned_struct-derived SharedStorage (CUTLASS's and FA3's layouts) and instantiates one kernel that switches
 between the MHA and GQA collectives through the same members; fa3_interface.cu uses the FlashAttention-3
 compatibility header as FA3's launch code and kernel do (scripts/fa3_check.py runs it inside FA3)."""
-import subprocess
 from pathlib import Path
 
 import pytest
 
 import flash_epilogue
-from conftest import nvcc
+from conftest import nvcc, run_checked
 
 SOURCES = Path(__file__).resolve().parent / "header_library"
 
@@ -17,7 +16,5 @@ SOURCES = Path(__file__).resolve().parent / "header_library"
 @pytest.mark.skipif(nvcc() is None, reason="no nvcc")
 @pytest.mark.parametrize("source", ["kernel_interface.cu", "fa3_interface.cu"])
 def test_collectives_embed_in_a_kernel(tmp_path, source):
-    cmd = [nvcc(), "-std=c++17", "-arch=sm_90a", "--expt-relaxed-constexpr", "-c", str(SOURCES / source),
-           "-o", str(tmp_path / "out.o"), *[f"-I{d}" for d in flash_epilogue.get_include()]]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_checked([nvcc(), "-std=c++17", "-arch=sm_90a", "--expt-relaxed-constexpr", "-c", str(SOURCES / source),
+                 "-o", str(tmp_path / "out.o"), *[f"-I{d}" for d in flash_epilogue.get_include()]])

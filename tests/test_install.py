@@ -5,55 +5,41 @@ build of one head dim (FLASH_EPILOGUE_HEAD_DIMS=64, a real compile run with the 
 """
 import os
 import shutil
-import subprocess
 import sys
 import tarfile
 from pathlib import Path
 
 import pytest
 
-from conftest import nvcc
+from conftest import nvcc, run_checked
+from test_custom_kernel_example import EXAMPLE, build
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def run(cmd, **kw) -> str:
-    """The command's stdout; it must succeed (else its output's tail is the message)."""
-    proc = subprocess.run(cmd, capture_output=True, text=True, **kw)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout
-
-
-def pip_install(target: Path, **env) -> None:
-    run([sys.executable, "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps", "--target", str(target),
-         str(ROOT)], env=dict(os.environ, **env), timeout=1800)
-
-
 # an editable install of the checkout in this environment answers for flash_epilogue.* through its own finder
 ONLY_SITE = "import sys; sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f).lower()]\n"
 
 
-def run_installed(site: Path, code: str) -> str:
-    """`code` in a new process that imports the package installed in `site` (not the checkout)."""
+def install_and_run(site: Path, code: str, **env) -> str:
+    """A non-editable install into `site` (env: the build's environment variables); then the stdout of `code` in a
+    new process that imports the package installed there (not the checkout)."""
+    run_checked([sys.executable, "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps", "--target",
+                 str(site), str(ROOT)], env=dict(os.environ, **env), timeout=1800)
     # the rest of PYTHONPATH may hold the dependencies (the cutlass wheel); the checkout itself is left out
     rest = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p).resolve() != ROOT]
-    return run([sys.executable, "-c", ONLY_SITE + code], cwd=site.parent, timeout=600,
-               env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), *rest]), FLASH_EPILOGUE_DISABLE_KERNELS="0"))
+    return run_checked([sys.executable, "-c", ONLY_SITE + code], cwd=site.parent, timeout=600, env=dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(site), *rest]), FLASH_EPILOGUE_DISABLE_KERNELS="0")).stdout
 
 
 def source_tree_state() -> str:
     """Every path git sees in the checkout, ignored ones included, but setuptools' own build/ and egg-info."""
-    out = run(["git", "status", "--porcelain", "--ignored", "--untracked-files=all"], cwd=ROOT)
+    out = run_checked(["git", "status", "--porcelain", "--ignored", "--untracked-files=all"], cwd=ROOT).stdout
     return "\n".join(sorted(line for line in out.splitlines() if not any(
         part in line for part in ("build/", ".egg-info", "__pycache__", ".pytest_cache"))))
 
 
 def test_pure_python_install_ships_the_headers(tmp_path):
     before = source_tree_state()
-    site = tmp_path / "site"
-    pip_install(site, FLASH_EPILOGUE_SKIP_CUDA_BUILD="1")
-    assert source_tree_state() == before, "the install wrote into the source tree"
-    out = run_installed(site, """
+    out = install_and_run(tmp_path / "site", """
 import os, torch, flash_epilogue as fe
 assert fe.__file__.startswith(os.path.abspath("site")), fe.__file__
 ours = fe.get_include()[0]
@@ -66,26 +52,23 @@ y = fe.repeat_kv(x, 3)
 assert torch.equal(y, x.repeat_interleave(3, 1))
 assert torch.equal(torch.autograd.grad(y, x, y)[0], fe.reference.group_sum_reference(y.detach(), 3))
 print("INCLUDE", *fe.get_include())
-""")
-    includes = out.split("INCLUDE ", 1)[1].split()
-    if nvcc() is None:
-        return
-    from test_custom_kernel_example import build
-
-    run([nvcc(), *build.NVCC_FLAGS, "-c", str(ROOT / "examples/custom_kernel/epilogue_example.cu"), "-o",
-         str(tmp_path / "kernel.o"), *[f"-I{d}" for d in includes]], timeout=600)
+""", FLASH_EPILOGUE_SKIP_CUDA_BUILD="1")
+    assert source_tree_state() == before, "the install wrote into the source tree"
+    if nvcc():  # the example kernel compiles against the installed headers
+        run_checked([nvcc(), *build.NVCC_FLAGS, "-c", str(EXAMPLE / "epilogue_example.cu"), "-o",
+                     str(tmp_path / "kernel.o"), *[f"-I{d}" for d in out.split("INCLUDE ", 1)[1].split()]], timeout=600)
 
 
 def test_a_source_distribution_holds_what_the_build_reads(tmp_path):
     # from a copy of the checkout's files: setuptools would otherwise reuse a local egg-info's file list
-    files = run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT).split()
+    files = run_checked(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT).stdout.split()
     tree = tmp_path / "tree"
     for f in files:
         if (ROOT / f).is_file():
             (tree / f).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / f, tree / f)
-    run([sys.executable, "setup.py", "-q", "sdist", "--dist-dir", str(tmp_path)], cwd=tree, timeout=600,
-        env=dict(os.environ, FLASH_EPILOGUE_SKIP_CUDA_BUILD="1"))
+    run_checked([sys.executable, "setup.py", "-q", "sdist", "--dist-dir", str(tmp_path)], cwd=tree, timeout=600,
+                env=dict(os.environ, FLASH_EPILOGUE_SKIP_CUDA_BUILD="1"))
     (sdist,) = tmp_path.glob("*.tar.gz")
     with tarfile.open(sdist) as tar:
         names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
@@ -98,21 +81,16 @@ def test_a_source_distribution_holds_what_the_build_reads(tmp_path):
 @pytest.mark.slow
 @pytest.mark.skipif(nvcc() is None, reason="no nvcc")
 def test_a_build_of_one_head_dim_names_the_knob(tmp_path):
-    site = tmp_path / "site"
-    pip_install(site, FLASH_EPILOGUE_HEAD_DIMS="64", CUDA_HOME=os.environ.get("CUDA_HOME", "/usr/local/cuda"))
-    run_installed(site, """
-import torch, flash_epilogue as fe
+    install_and_run(tmp_path / "site", """
+import re, pytest, torch, flash_epilogue as fe
 assert fe.kernels_available(), fe.UNAVAILABLE_REASON
 assert fe.COMPILED_HEAD_DIMS == (64,)
 assert fe.tile_config(40).head_dim == 64
 a, o = torch.zeros(1, 8, 2, 128), torch.zeros(1, 8, 2, 128, dtype=torch.bfloat16)
 for call in (lambda: fe.tile_config(128), lambda: fe.store(a, a, o, o.clone())):
-    try:
+    with pytest.raises(fe.FlashEpilogueInputError, match=re.escape(
+            "128 runs on the tile of head dim 128, which this build leaves out (FLASH_EPILOGUE_HEAD_DIMS=64)")):
         call()
-        raise AssertionError("accepted")
-    except fe.FlashEpilogueInputError as e:
-        assert "128 runs on the tile of head dim 128, which this build leaves out (FLASH_EPILOGUE_HEAD_DIMS=64)" \
-            in str(e), e
 x = torch.randn(1, 2, 8, 128, device="cuda" if torch.cuda.is_available() else "cpu", requires_grad=True)
 y = fe.repeat_kv(x, 2)  # the backward falls back to plain ATen where no kernel is built
 assert torch.equal(torch.autograd.grad(y, x, y)[0], fe.reference.group_sum_reference(y.detach(), 2))
@@ -121,4 +99,4 @@ if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
     o = torch.empty(1, 300, 2, 64, dtype=torch.bfloat16, device="cuda")
     fe.store(a, a, o, o.clone())
     assert torch.equal(o, a.bfloat16())
-""")
+""", FLASH_EPILOGUE_HEAD_DIMS="64", CUDA_HOME=os.environ.get("CUDA_HOME", "/usr/local/cuda"))
