@@ -1,5 +1,7 @@
 """Loads flash_epilogue._C (the kernels, the op schemas) or records why not (a build for another torch is named from
-_build_info.py before it fails to load), and turns the ops' errors into the package's."""
+_build_info.py before it fails to load), and calls the ops as every wrapper does (call_op): the opt-in content checks
+(a host sync, so never under torch.compile or CUDA-graph capture; the ops check metadata only), the op, its error as
+the package's, and FLASH_EPILOGUE_DEBUG's sync after every launch."""
 import importlib
 import os
 
@@ -77,3 +79,83 @@ def op_error(op: str, e: Exception) -> Exception:
     if isinstance(e, AttributeError) and not hasattr(torch.ops.flash_epilogue, op):
         return unavailable(op)
     return e
+
+
+DEBUG = CHECK_INPUTS = False  # FLASH_EPILOGUE_DEBUG; content checks by default (FLASH_EPILOGUE_CHECK_INPUTS or DEBUG)
+
+
+def refresh_env_flags() -> None:
+    """Re-read FLASH_EPILOGUE_CHECK_INPUTS and FLASH_EPILOGUE_DEBUG (read once, at import) after changing them."""
+    global DEBUG, CHECK_INPUTS
+    DEBUG = os.environ.get("FLASH_EPILOGUE_DEBUG", "0") not in ("", "0")
+    CHECK_INPUTS = os.environ.get("FLASH_EPILOGUE_CHECK_INPUTS", "0") not in ("", "0") or DEBUG
+    if _C is not None:
+        _C._set_debug_sync(DEBUG)  # repeat_kv's backward synchronizes in C++
+
+
+refresh_env_flags()
+
+
+def _eager() -> bool:
+    """Neither traced by torch.compile nor capturing a CUDA graph (no host sync allowed then)."""
+    return not (torch.compiler.is_compiling() or torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
+def _values(t) -> list | None:
+    """The values of an int32 1-D tensor; None for anything else (the op rejects it)."""
+    return t.tolist() if isinstance(t, torch.Tensor) and t.dtype == torch.int32 and t.dim() == 1 else None
+
+
+def check_contents(op: str, t, cu_seqlens=None, seqused=None, batch_idx=None, head_idx=None, **_) -> None:
+    """The content checks of one call (`t`: its tensor of the dk layout; the op's keyword arguments): cu_seqlens
+    non-decreasing in [0, tokens], seqused[b] in [0, length of b], selections in range; what the op rejects anyway
+    (not int32 1-D) is left to it."""
+    varlen = cu_seqlens is not None
+    if not (_eager() and isinstance(t, torch.Tensor) and t.dim() == (3 if varlen else 4)):
+        return
+    rows = t.shape[0] if varlen else t.shape[1]
+    cu = _values(cu_seqlens) if varlen else []
+    if cu is None or (varlen and len(cu) < 2):
+        return
+    for i, c in enumerate(cu):
+        if c < (cu[i - 1] if i else 0):
+            fail(op, f"cu_seqlens[{i}]", f">= cu_seqlens[{i - 1}] = {cu[i - 1]} (non-decreasing)" if i else ">= 0", c)
+    if cu and cu[-1] > rows:
+        fail(op, f"cu_seqlens[{len(cu) - 1}]", f"<= {rows} (the tensors' token count)", cu[-1])
+    for b, n in enumerate(_values(seqused) or ()):
+        if n < 0:
+            fail(op, f"seqused[{b}]", ">= 0", n)
+        if varlen and b + 1 >= len(cu):
+            break  # more entries than sequences: the op reports seqused's numel
+        limit = cu[b + 1] - cu[b] if varlen else rows
+        if n > limit:
+            why = f"the length of segment {b}, cu_seqlens[{b + 1}] - cu_seqlens[{b}]" if varlen else "the static seqlen"
+            fail(op, f"seqused[{b}]", f"<= {limit} ({why})", n)
+    batch = len(cu) - 1 if varlen else t.shape[0]
+    for name, sel, limit, why in (("batch_idx", batch_idx, batch, "the batch size"),
+                                  ("head_idx", head_idx, t.shape[-2], "the number of heads")):
+        for i, v in enumerate(_values(sel) or ()):
+            if not 0 <= v < limit:
+                fail(op, f"{name}[{i}]", f"a value in [0, {limit}) ({why})", v)
+
+
+def call_op(op: str, check_inputs: bool | None, t: torch.Tensor, *args, **kwargs) -> None:
+    """torch.ops.flash_epilogue.<op>(*args, **kwargs) as every wrapper calls it (`t`: its tensor of the dk layout,
+    whose device it synchronizes). Under torch.compile the op alone (it checks when it runs)."""
+    require(op)
+    fn = getattr(torch.ops.flash_epilogue, op)
+    if torch.compiler.is_compiling():
+        fn(*args, **kwargs)
+        return
+    if check_inputs or (check_inputs is None and CHECK_INPUTS):
+        check_contents(op, t, **kwargs)
+    try:
+        fn(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 (the op's error, as the package's)
+        check_tensor_types(op, args, kwargs)  # the dispatcher's refusal, named from the arguments
+        raise op_error(op, e) from None
+    if DEBUG and t.device.type == "cuda" and _eager():  # a device error, reported against this op
+        try:
+            torch.cuda.synchronize(t.device)
+        except Exception as e:  # noqa: BLE001 (re-raised with the op's name)
+            raise RuntimeError(f"flash_epilogue.{op}: the kernel failed on {t.device}: {e}") from e

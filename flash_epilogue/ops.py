@@ -7,8 +7,8 @@ from typing import Sequence
 
 import torch
 
-from . import _checks, _extension
-from ._checks import refresh_env_flags
+from . import _extension
+from ._extension import refresh_env_flags
 from .errors import INT64_MAX, INT64_MIN, FlashEpilogueTypeError, as_count, as_float, as_index, as_int, fail
 from .gqa import GQAAccumulator
 
@@ -23,10 +23,9 @@ def store(dk_accum: torch.Tensor, dv_accum: torch.Tensor, dk: torch.Tensor, dv: 
           cu_seqlens: torch.Tensor | None = None, seqused: torch.Tensor | None = None,
           check_inputs: bool | None = None, _arch: int = 0) -> None:
     """In place: the valid rows of dk/dv (bf16 or fp16) get the fp32 accumulators of their shapes, rounded to nearest
-    even. Batched (batch, seqlen, heads, d), last dim contiguous, or varlen (total_tokens, heads, d) with
-    ``cu_seqlens``; ``seqused`` limits sequence b to its first seqused[b] rows; dv may have its own head dim."""
+    even; batched or varlen (``cu_seqlens``), ``seqused``: docs/semantics.md, "Layouts"."""
     _arch = _arch if type(_arch) is int and INT64_MIN <= _arch <= INT64_MAX else as_int("store", "_arch", _arch)
-    _checks.call_op("store", check_inputs, dk, dk_accum, dv_accum, dk, dv, cu_seqlens=cu_seqlens, seqused=seqused,
+    _extension.call_op("store", check_inputs, dk, dk_accum, dv_accum, dk, dv, cu_seqlens=cu_seqlens, seqused=seqused,
                     _arch=_arch)
 
 
@@ -61,10 +60,8 @@ def store_zero(dk: torch.Tensor, dv: torch.Tensor, *, cu_seqlens: torch.Tensor |
                seqused: torch.Tensor | None = None, batch_idx: IndexArg = None, head_idx: IndexArg = None,
                row_start: int = 0, row_end: int | None = None, check_inputs: bool | None = None,
                _arch: int = 0) -> None:
-    """In place: zeros in rows [row_start, row_end) (from each sequence's start, clipped to its valid rows; row_end
-    None: to its end) of the sequences ``batch_idx`` and heads ``head_idx`` of dk and dv; layouts as for
-    :func:`store`. ``batch_idx``/``head_idx``: None (all), an int or ints (copied to the device on every call) or an
-    int32 1-D tensor on dk's device; out-of-range entries are skipped (raise with ``check_inputs``)."""
+    """In place: zeros in rows [row_start, row_end) of the valid rows of the sequences ``batch_idx`` and heads
+    ``head_idx`` (None: all; ints or an int32 tensor) of dk and dv: docs/semantics.md, "What each op writes"."""
     op = "store_zero"
     if (batch_idx is not None or head_idx is not None) and isinstance(dk, torch.Tensor):
         batch_idx = _index_tensor("batch_idx", batch_idx, dk.device)
@@ -74,7 +71,7 @@ def store_zero(dk: torch.Tensor, dv: torch.Tensor, *, cu_seqlens: torch.Tensor |
     if row_end is not None and (type(row_end) is not int or not INT64_MIN <= row_end <= INT64_MAX):
         row_end = as_int(op, "row_end", row_end, "None or an int")
     _arch = _arch if type(_arch) is int and INT64_MIN <= _arch <= INT64_MAX else as_int(op, "_arch", _arch)
-    _checks.call_op(op, check_inputs, dk, dk, dv, cu_seqlens=cu_seqlens, seqused=seqused, batch_idx=batch_idx,
+    _extension.call_op(op, check_inputs, dk, dk, dv, cu_seqlens=cu_seqlens, seqused=seqused, batch_idx=batch_idx,
                     head_idx=head_idx, row_start=row_start, row_end=row_end, _arch=_arch)
 
 
@@ -115,10 +112,8 @@ def _check_acc(op: str, acc, k, v, cu_seqlens, k_name: str, v_name: str) -> None
 def gqa_accumulate(dk_partial: torch.Tensor, dv_partial: torch.Tensor, acc: GQAAccumulator, *,
                    deterministic: bool | None = None, cu_seqlens: torch.Tensor | None = None,
                    seqused: torch.Tensor | None = None, check_inputs: bool | None = None) -> None:
-    """In place: add fp32 per-query-head partials (batch, seqlen, h_q, d) / (..., dv), or varlen with ``cu_seqlens``,
-    into ``acc``'s valid rows; query head j goes to KV head j // (h_q / h_k); each call carries whole groups.
-    ``deterministic`` (bitwise reproducible) needs ``acc`` allocated with it; default: as ``acc`` was allocated, else
-    as ``torch.use_deterministic_algorithms`` asks (which raises or, with ``warn_only``, warns for the other mode)."""
+    """In place: add fp32 per-query-head partials into ``acc``'s valid rows (query head j to KV head j // (h_q / h_k));
+    ``deterministic`` needs ``acc`` allocated with it (default: as it was): docs/semantics.md, "Determinism"."""
     op = "gqa_accumulate"
     _check_acc(op, acc, dk_partial, dv_partial, cu_seqlens, "dk_partial", "dv_partial")
     if deterministic is not None and type(deterministic) is not bool:
@@ -138,7 +133,7 @@ def gqa_accumulate(dk_partial: torch.Tensor, dv_partial: torch.Tensor, acc: GQAA
         warnings.warn("flash_epilogue.gqa_accumulate(deterministic=False) does not have a deterministic "
                       "implementation, but you set 'torch.use_deterministic_algorithms(True, warn_only=True)'",
                       stacklevel=2)
-    _checks.call_op(op, check_inputs, dk_partial, dk_partial, dv_partial, acc.dk_accum, acc.dv_accum,
+    _extension.call_op(op, check_inputs, dk_partial, dk_partial, dv_partial, acc.dk_accum, acc.dv_accum,
                     acc.semaphores if deterministic else None, cu_seqlens=cu_seqlens, seqused=seqused,
                     deterministic=deterministic, _arch=acc.arch)
 
@@ -146,14 +141,13 @@ def gqa_accumulate(dk_partial: torch.Tensor, dv_partial: torch.Tensor, acc: GQAA
 def gqa_postprocess(acc: GQAAccumulator, dk: torch.Tensor, dv: torch.Tensor, *, scale_dk: float = 1.0,
                     scale_dv: float = 1.0, cu_seqlens: torch.Tensor | None = None,
                     seqused: torch.Tensor | None = None, check_inputs: bool | None = None) -> None:
-    """In place: the valid rows of dk/dv (bf16 or fp16, h_k heads; layouts as for :func:`store`) get
-    ``(accum * scale).to(dtype)`` (fp32 multiply by the scale rounded to fp32). ``acc`` is unchanged:
-    ``acc.reset()`` before reusing it."""
+    """In place: the valid rows of dk/dv (bf16 or fp16, h_k heads) get ``(accum * fp32(scale)).to(dtype)``; ``acc`` is
+    unchanged (``acc.reset()`` before reusing it)."""
     op = "gqa_postprocess"
     _check_acc(op, acc, dk, dv, cu_seqlens, "dk", "dv")
     scale_dk = scale_dk if type(scale_dk) is float else as_float(op, "scale_dk", scale_dk)
     scale_dv = scale_dv if type(scale_dv) is float else as_float(op, "scale_dv", scale_dv)
-    _checks.call_op(op, check_inputs, dk, acc.dk_accum, acc.dv_accum, dk, dv, scale_dk=scale_dk, scale_dv=scale_dv,
+    _extension.call_op(op, check_inputs, dk, acc.dk_accum, acc.dv_accum, dk, dv, scale_dk=scale_dk, scale_dv=scale_dv,
                     cu_seqlens=cu_seqlens, seqused=seqused, _arch=acc.arch)
 
 
@@ -175,10 +169,8 @@ def gqa_reduce(dk_partial: torch.Tensor, dv_partial: torch.Tensor | None = None,
                cu_seqlens: torch.Tensor | None = None, seqused: torch.Tensor | None = None,
                out: torch.Tensor | tuple | None = None, out_dtype: torch.dtype | None = None,
                scale_dk: float = 1.0, scale_dv: float = 1.0, check_inputs: bool | None = None, _arch: int = 0):
-    """Each group of query-head partials (fp32/bf16/fp16, batched or varlen, last dim contiguous, other strides
-    multiples of 16 bytes) summed into KV head k: ``(0 + p_{k*g} + ... + p_{k*g+g-1}) * scale`` in fp32 in head order
-    (deterministic), rounded to the output dtype. ``out``: None (new tensors of ``out_dtype``, default the partials'
-    if 16-bit, else bf16; invalid rows uninitialized), dk, or (dk, dv). Returns dk, or (dk, dv) with dv_partial."""
+    """Each group of query-head partials summed in fp32 in head order, times the scale, into dk (and dv): ``out`` (dk,
+    or (dk, dv)), else new tensors of ``out_dtype``; returns them. docs/semantics.md, "What each op writes"."""
     op = "gqa_reduce"
     if type(num_heads_kv) is not int or num_heads_kv < 1:
         num_heads_kv = as_count(op, "num_heads_kv", num_heads_kv, "a positive int", 1)
@@ -202,7 +194,7 @@ def gqa_reduce(dk_partial: torch.Tensor, dv_partial: torch.Tensor | None = None,
     scale_dk = scale_dk if type(scale_dk) is float else as_float(op, "scale_dk", scale_dk)
     scale_dv = scale_dv if type(scale_dv) is float else as_float(op, "scale_dv", scale_dv)
     _arch = _arch if type(_arch) is int and INT64_MIN <= _arch <= INT64_MAX else as_int(op, "_arch", _arch)
-    _checks.call_op(op, check_inputs, dk_partial, dk_partial, dv_partial, dk, dv, cu_seqlens=cu_seqlens,
+    _extension.call_op(op, check_inputs, dk_partial, dk_partial, dv_partial, dk, dv, cu_seqlens=cu_seqlens,
                     seqused=seqused, scale_dk=scale_dk, scale_dv=scale_dv, _arch=_arch)
     return dk if dv_partial is None else (dk, dv)
 
