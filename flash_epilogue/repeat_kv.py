@@ -13,11 +13,9 @@ _OP = "repeat_kv"
 
 
 def repeat_kv(x: torch.Tensor, n_rep: int, dim: int = 1) -> torch.Tensor:
-    """``x.repeat_interleave(n_rep, dim=dim)``: output head j is KV head j // n_rep, a new contiguous tensor (``x``
-    itself when ``n_rep == 1``). ``x``: (batch, kv_heads, seqlen, head_dim) with ``dim=1`` (a drop-in for
-    transformers' Llama ``repeat_kv``), or (batch, seqlen, kv_heads, head_dim) with ``dim=2``. Backward: each group
-    of n_rep heads of the gradient summed in fp32 (fp64 for fp64) in head order, rounded once to x's dtype (bitwise
-    reproducible); one :func:`flash_epilogue.gqa_reduce` launch where the kernels support it."""
+    """``x.repeat_interleave(n_rep, dim=dim)`` of x (batch, kv_heads, seqlen, d) with ``dim=1`` (transformers' Llama
+    ``repeat_kv``) or (batch, seqlen, kv_heads, d) with ``dim=2``; backward: the deterministic group sum of the
+    gradient (docs/semantics.md, "Autograd")."""
     if not isinstance(x, torch.Tensor):
         fail(_OP, "x", "a torch.Tensor", type(x).__name__, FlashEpilogueTypeError)
     if x.dim() != 4:
@@ -65,51 +63,53 @@ def _gradient_like(grad, n_rep: int, dim: int, layout) -> torch.Tensor:
     return grad.new_empty([shape[i] for i in perm]).permute([perm.index(i) for i in range(4)])
 
 
-def _functions(with_jvp: bool):
-    """The plain-torch pair (repeat, group sum), each the other's adjoint, for eager calls; under torch.compile
-    (with_jvp False: dynamo traces neither a Function's jvp nor a Function applied in a backward) the repeat alone,
-    its backward the group sum itself."""
-
-    class RepeatKv(torch.autograd.Function):
-        generate_vmap_rule = True
-
-        @staticmethod
-        def forward(x, n_rep, dim):
-            return _expanded(x, n_rep, dim)
-
-        @staticmethod
-        def setup_context(ctx, inputs, output):
-            # the layout as a string: one pytree leaf for torch.func's generated vmap rule (a list would be three)
-            ctx.n_rep, ctx.dim, ctx.layout = inputs[1], inputs[2], "".join(map(str, _layout_of(inputs[0])))
-
-        @staticmethod
-        def backward(ctx, grad):
-            if not with_jvp:
-                return GroupSum.forward(grad, ctx.n_rep, ctx.dim, ctx.layout), None, None
-            return GroupSum.apply(grad, ctx.n_rep, ctx.dim, ctx.layout), None, None
-
-    class GroupSum(torch.autograd.Function):
-        generate_vmap_rule = True
-
-        @staticmethod
-        def forward(grad, n_rep, dim, layout):  # the kernels' bits, in x's layout
-            return _gradient_like(grad, n_rep, dim, layout).copy_(group_sum_reference(grad, n_rep, dim))
-
-        @staticmethod
-        def setup_context(ctx, inputs, output):
-            ctx.n_rep, ctx.dim, ctx.layout = inputs[1], inputs[2], inputs[3]
-
-        @staticmethod
-        def backward(ctx, grad):
-            return RepeatKv.apply(grad, ctx.n_rep, ctx.dim), None, None, None
-
-    if with_jvp:
-        RepeatKv.jvp = staticmethod(lambda ctx, x_t, *_: _expanded(x_t, ctx.n_rep, ctx.dim))
-        GroupSum.jvp = staticmethod(lambda ctx, g_t, *_: GroupSum.forward(g_t, ctx.n_rep, ctx.dim, ctx.layout))
-    return RepeatKv
+def _group_sum(grad, n_rep: int, dim: int, layout) -> torch.Tensor:  # the kernels' bits, in x's layout
+    return _gradient_like(grad, n_rep, dim, layout).copy_(group_sum_reference(grad, n_rep, dim))
 
 
-_RepeatKv, _RepeatKvCompiled = _functions(with_jvp=True), _functions(with_jvp=False)
+class _RepeatKvCompiled(torch.autograd.Function):
+    """Without the extension: the repeat, its backward the group sum; eager calls take _RepeatKv, whose backward is the
+    group sum as a Function (the pair each the other's adjoint) and which has jvps. Under torch.compile this one:
+    dynamo traces neither a Function's jvp nor a Function applied in a backward."""
+
+    generate_vmap_rule = True
+    forward = staticmethod(_expanded)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        # the layout as a string: one pytree leaf for torch.func's generated vmap rule (a list would be three)
+        ctx.n_rep, ctx.dim, ctx.layout = inputs[1], inputs[2], "".join(map(str, _layout_of(inputs[0])))
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _group_sum(grad, ctx.n_rep, ctx.dim, ctx.layout), None, None
+
+
+class _RepeatKv(_RepeatKvCompiled):
+    @staticmethod
+    def backward(ctx, grad):
+        return _GroupSum.apply(grad, ctx.n_rep, ctx.dim, ctx.layout), None, None
+
+    @staticmethod
+    def jvp(ctx, x_t, *_):
+        return _expanded(x_t, ctx.n_rep, ctx.dim)
+
+
+class _GroupSum(torch.autograd.Function):
+    generate_vmap_rule = True
+    forward = staticmethod(_group_sum)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.n_rep, ctx.dim, ctx.layout = inputs[1:]
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _RepeatKv.apply(grad, ctx.n_rep, ctx.dim), None, None, None
+
+    @staticmethod
+    def jvp(ctx, g_t, *_):
+        return _group_sum(g_t, ctx.n_rep, ctx.dim, ctx.layout)
 
 
 if _extension._C is not None:
