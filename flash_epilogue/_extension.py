@@ -14,26 +14,22 @@ try:
 except ImportError:  # a source checkout that was never built
     _build_info = None
 
-
-def _load():
-    """(_C, None) or (None, the reason it is unavailable)."""
-    if os.environ.get("FLASH_EPILOGUE_DISABLE_KERNELS", "0") not in ("", "0"):
-        return None, "disabled by FLASH_EPILOGUE_DISABLE_KERNELS"
-    if _build_info is None:
-        return None, ("flash_epilogue has no built extension (a pure-Python install, FLASH_EPILOGUE_SKIP_CUDA_BUILD=1, "
-                      "or a source checkout never built): build it with `pip install --no-build-isolation .` "
-                      "(or `-e .`) in the repository")
-    built, running = _build_info.TORCH_VERSION, torch.__version__
-    if built != running:
-        return None, (f"flash_epilogue was built against torch {built} but torch {running} is running; "
-                      "rebuild it: `pip install --no-build-isolation --force-reinstall --no-deps .`")
+_C, UNAVAILABLE_REASON = None, None
+if os.environ.get("FLASH_EPILOGUE_DISABLE_KERNELS", "0") not in ("", "0"):
+    UNAVAILABLE_REASON = "disabled by FLASH_EPILOGUE_DISABLE_KERNELS"
+elif _build_info is None:
+    UNAVAILABLE_REASON = ("flash_epilogue has no built extension (a pure-Python install, "
+                          "FLASH_EPILOGUE_SKIP_CUDA_BUILD=1, or a source checkout never built): build it with "
+                          "`pip install --no-build-isolation .` (or `-e .`) in the repository")
+elif _build_info.TORCH_VERSION != torch.__version__:
+    UNAVAILABLE_REASON = (f"flash_epilogue was built against torch {_build_info.TORCH_VERSION} but torch "
+                          f"{torch.__version__} is running; "
+                          "rebuild it: `pip install --no-build-isolation --force-reinstall --no-deps .`")
+else:
     try:
-        return importlib.import_module(f"{__package__}._C"), None
+        _C = importlib.import_module(f"{__package__}._C")
     except ImportError as e:
-        return None, f"the extension flash_epilogue._C failed to load: {e}"
-
-
-_C, UNAVAILABLE_REASON = _load()
+        UNAVAILABLE_REASON = f"the extension flash_epilogue._C failed to load: {e}"
 
 # Read once: a constant that torch.compile can trace (calling into _C would break the graph).
 _COMPILED_ARCHS: tuple[str, ...] = tuple(_C.compiled_archs()) if _C is not None else ()
@@ -55,20 +51,6 @@ def require(op: str):
     return _C
 
 
-def check_tensor_types(op: str, args: tuple, kwargs: dict) -> None:
-    """After a call failed: the package's TypeError where the dispatcher refused it before the op's checker saw it (a
-    Tensor argument of the schema given another type, or every Tensor argument None: no device to dispatch by)."""
-    schema = getattr(torch.ops.flash_epilogue, op).default._schema
-    given = dict(zip((a.name for a in schema.arguments), args)) | kwargs
-    tensors = [(a.name, given[a.name]) for a in schema.arguments
-               if str(a.type) in ("Tensor", "Optional[Tensor]") and a.name in given]
-    for name, v in tensors:
-        if v is not None and not isinstance(v, torch.Tensor):
-            fail(op, name, "a torch.Tensor", type(v).__name__, FlashEpilogueTypeError)
-    if not any(isinstance(v, torch.Tensor) for _, v in tensors):
-        raise FlashEpilogueTypeError(f"flash_epilogue.{op}: expected torch.Tensor arguments, got None for all of them")
-
-
 def op_error(op: str, e: Exception) -> Exception:
     """What a wrapper raises (from None) for the error `e` of torch.ops.flash_epilogue.<op>: the C++ checker's
     TypeError / ValueError as the package's, by type."""
@@ -81,12 +63,9 @@ def op_error(op: str, e: Exception) -> Exception:
     return e
 
 
-DEBUG = CHECK_INPUTS = False  # FLASH_EPILOGUE_DEBUG; content checks by default (FLASH_EPILOGUE_CHECK_INPUTS or DEBUG)
-
-
 def refresh_env_flags() -> None:
     """Re-read FLASH_EPILOGUE_CHECK_INPUTS and FLASH_EPILOGUE_DEBUG (read once, at import) after changing them."""
-    global DEBUG, CHECK_INPUTS
+    global DEBUG, CHECK_INPUTS  # FLASH_EPILOGUE_DEBUG; content checks by default (FLASH_EPILOGUE_CHECK_INPUTS or DEBUG)
     DEBUG = os.environ.get("FLASH_EPILOGUE_DEBUG", "0") not in ("", "0")
     CHECK_INPUTS = os.environ.get("FLASH_EPILOGUE_CHECK_INPUTS", "0") not in ("", "0") or DEBUG
     if _C is not None:
@@ -145,14 +124,24 @@ def call_op(op: str, check_inputs: bool | None, t: torch.Tensor, *args, **kwargs
     require(op)
     fn = getattr(torch.ops.flash_epilogue, op)
     if torch.compiler.is_compiling():
-        fn(*args, **kwargs)
-        return
+        return fn(*args, **kwargs)
     if check_inputs or (check_inputs is None and CHECK_INPUTS):
         check_contents(op, t, **kwargs)
     try:
         fn(*args, **kwargs)
     except Exception as e:  # noqa: BLE001 (the op's error, as the package's)
-        check_tensor_types(op, args, kwargs)  # the dispatcher's refusal, named from the arguments
+        # first the dispatcher's refusals, before the op's checker saw the call, named from the arguments: a Tensor
+        # argument of the schema given another type, or every Tensor argument None (no device to dispatch by)
+        schema = fn.default._schema
+        given = dict(zip((a.name for a in schema.arguments), args)) | kwargs
+        tensors = [(a.name, given[a.name]) for a in schema.arguments
+                   if str(a.type) in ("Tensor", "Optional[Tensor]") and a.name in given]
+        for name, v in tensors:
+            if v is not None and not isinstance(v, torch.Tensor):
+                fail(op, name, "a torch.Tensor", type(v).__name__, FlashEpilogueTypeError)
+        if not any(isinstance(v, torch.Tensor) for _, v in tensors):
+            raise FlashEpilogueTypeError(f"flash_epilogue.{op}: expected torch.Tensor arguments, got None for all of "
+                                         "them")
         raise op_error(op, e) from None
     if DEBUG and t.device.type == "cuda" and _eager():  # a device error, reported against this op
         try:
