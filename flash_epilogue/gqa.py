@@ -121,7 +121,7 @@ class GQAAccumulator:
                 for d in (self.head_dim, self.head_dim_v)]
         for i, (accum, out) in enumerate(zip((self.dk_accum, self.dv_accum), outs)):
             _extension.call_op(op, check_inputs if i == 0 else False, out, accum, out, head_dim=head_dim,
-                            cu_seqlens=cu_seqlens, seqused=seqused, _arch=self.arch)
+                               cu_seqlens=cu_seqlens, seqused=seqused, _arch=self.arch)
         return outs[0], outs[1]
 
     def __repr__(self) -> str:

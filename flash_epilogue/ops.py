@@ -26,7 +26,7 @@ def store(dk_accum: torch.Tensor, dv_accum: torch.Tensor, dk: torch.Tensor, dv: 
     even; batched or varlen (``cu_seqlens``), ``seqused``: docs/semantics.md, "Layouts"."""
     _arch = _arch if type(_arch) is int and INT64_MIN <= _arch <= INT64_MAX else as_int("store", "_arch", _arch)
     _extension.call_op("store", check_inputs, dk, dk_accum, dv_accum, dk, dv, cu_seqlens=cu_seqlens, seqused=seqused,
-                    _arch=_arch)
+                       _arch=_arch)
 
 
 def _index_tensor(name: str, idx: IndexArg, device) -> torch.Tensor | None:
@@ -72,7 +72,7 @@ def store_zero(dk: torch.Tensor, dv: torch.Tensor, *, cu_seqlens: torch.Tensor |
         row_end = as_int(op, "row_end", row_end, "None or an int")
     _arch = _arch if type(_arch) is int and INT64_MIN <= _arch <= INT64_MAX else as_int(op, "_arch", _arch)
     _extension.call_op(op, check_inputs, dk, dk, dv, cu_seqlens=cu_seqlens, seqused=seqused, batch_idx=batch_idx,
-                    head_idx=head_idx, row_start=row_start, row_end=row_end, _arch=_arch)
+                       head_idx=head_idx, row_start=row_start, row_end=row_end, _arch=_arch)
 
 
 def _check_acc(op: str, acc, k, v, cu_seqlens, k_name: str, v_name: str) -> None:
@@ -134,8 +134,8 @@ def gqa_accumulate(dk_partial: torch.Tensor, dv_partial: torch.Tensor, acc: GQAA
                       "implementation, but you set 'torch.use_deterministic_algorithms(True, warn_only=True)'",
                       stacklevel=2)
     _extension.call_op(op, check_inputs, dk_partial, dk_partial, dv_partial, acc.dk_accum, acc.dv_accum,
-                    acc.semaphores if deterministic else None, cu_seqlens=cu_seqlens, seqused=seqused,
-                    deterministic=deterministic, _arch=acc.arch)
+                       acc.semaphores if deterministic else None, cu_seqlens=cu_seqlens, seqused=seqused,
+                       deterministic=deterministic, _arch=acc.arch)
 
 
 def gqa_postprocess(acc: GQAAccumulator, dk: torch.Tensor, dv: torch.Tensor, *, scale_dk: float = 1.0,
@@ -148,7 +148,7 @@ def gqa_postprocess(acc: GQAAccumulator, dk: torch.Tensor, dv: torch.Tensor, *, 
     scale_dk = scale_dk if type(scale_dk) is float else as_float(op, "scale_dk", scale_dk)
     scale_dv = scale_dv if type(scale_dv) is float else as_float(op, "scale_dv", scale_dv)
     _extension.call_op(op, check_inputs, dk, acc.dk_accum, acc.dv_accum, dk, dv, scale_dk=scale_dk, scale_dv=scale_dv,
-                    cu_seqlens=cu_seqlens, seqused=seqused, _arch=acc.arch)
+                       cu_seqlens=cu_seqlens, seqused=seqused, _arch=acc.arch)
 
 
 def _new_output(name: str, partial, num_heads_kv: int, varlen: bool, out_dtype):
@@ -195,7 +195,7 @@ def gqa_reduce(dk_partial: torch.Tensor, dv_partial: torch.Tensor | None = None,
     scale_dv = scale_dv if type(scale_dv) is float else as_float(op, "scale_dv", scale_dv)
     _arch = _arch if type(_arch) is int and INT64_MIN <= _arch <= INT64_MAX else as_int(op, "_arch", _arch)
     _extension.call_op(op, check_inputs, dk_partial, dk_partial, dv_partial, dk, dv, cu_seqlens=cu_seqlens,
-                    seqused=seqused, scale_dk=scale_dk, scale_dv=scale_dv, _arch=_arch)
+                       seqused=seqused, scale_dk=scale_dk, scale_dv=scale_dv, _arch=_arch)
     return dk if dv_partial is None else (dk, dv)
 
 

@@ -9,8 +9,7 @@ __all__ = ["sequence_bounds", "store_reference", "store_zero_reference", "gqa_re
            "gqa_reduce_sequential_fp32", "gqa_accumulate_reference", "group_sum_reference"]
 
 
-def _ints(t) -> list[int]:
-    """The values of an integer tensor (any shape) or sequence."""
+def _ints(t) -> list[int]:  # of an integer tensor (any shape) or a sequence
     return [int(v) for v in (t.detach().reshape(-1).tolist() if isinstance(t, torch.Tensor) else t)]
 
 
@@ -32,8 +31,11 @@ def sequence_bounds(batch: int, seqlen_or_total: int, cu_seqlens=None, seqused=N
     return bounds
 
 
-def _valid_rows(t: torch.Tensor, cu_seqlens, seqused) -> list[tuple]:
-    """Per sequence, the index that views its valid rows (all heads, all columns) in a tensor of t's layout."""
+def _valid_rows(t: torch.Tensor, cu_seqlens, seqused, dv: torch.Tensor | None = None) -> list[tuple]:
+    """Per sequence, the index that views its valid rows (all heads, all columns) in a tensor of t's layout (and of
+    ``dv``'s, which must match t's but for the last dim)."""
+    if dv is not None and t.shape[:-1] != dv.shape[:-1]:
+        raise ValueError(f"dk {tuple(t.shape)} and dv {tuple(dv.shape)} differ before the last dim")
     varlen = cu_seqlens is not None
     if t.dim() != (3 if varlen else 4):
         want = "(total_tokens, heads, headdim) with cu_seqlens" if varlen else "(batch, seqlen, heads, headdim)"
@@ -43,19 +45,13 @@ def _valid_rows(t: torch.Tensor, cu_seqlens, seqused) -> list[tuple]:
             for b, (start, length) in enumerate(sequence_bounds(batch, extent, cu_seqlens, seqused))]
 
 
-def _same_rows(dk: torch.Tensor, dv: torch.Tensor) -> None:
-    if dk.shape[:-1] != dv.shape[:-1]:
-        raise ValueError(f"dk {tuple(dk.shape)} and dv {tuple(dv.shape)} differ before the last dim")
-
-
 def store_reference(dk_accum: torch.Tensor, dv_accum: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, *,
                     cu_seqlens=None, seqused=None) -> None:
     """In place: the valid rows of dk/dv get ``accum.to(dk.dtype)``; everything else untouched."""
     if dk_accum.shape != dk.shape or dv_accum.shape != dv.shape:
         raise ValueError(f"accumulator shapes {tuple(dk_accum.shape)}/{tuple(dv_accum.shape)} "
                          f"differ from dk/dv {tuple(dk.shape)}/{tuple(dv.shape)}")
-    _same_rows(dk, dv)
-    for rows in _valid_rows(dk, cu_seqlens, seqused):
+    for rows in _valid_rows(dk, cu_seqlens, seqused, dv):
         dk[rows].copy_(dk_accum[rows].to(dk.dtype))
         dv[rows].copy_(dv_accum[rows].to(dv.dtype))
 
@@ -72,8 +68,7 @@ def store_zero_reference(dk: torch.Tensor, dv: torch.Tensor, *, cu_seqlens=None,
                          row_start: int = 0, row_end: int | None = None) -> None:
     """In place: what :func:`flash_epilogue.store_zero` zeroes (``batch_idx``/``head_idx`` may also be integer tensors
     of any device; entries outside [0, batch) / [0, heads) skipped, duplicates change nothing); nothing else."""
-    _same_rows(dk, dv)
-    valid = _valid_rows(dk, cu_seqlens, seqused)
+    valid = _valid_rows(dk, cu_seqlens, seqused, dv)
     heads = None if head_idx is None else _as_index_list(head_idx, dk.shape[-2])
     for b in _as_index_list(batch_idx, len(valid)):
         window = slice(max(int(row_start), 0), None if row_end is None else max(int(row_end), 0))
