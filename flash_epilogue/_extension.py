@@ -45,15 +45,13 @@ def unavailable(op: str) -> FlashEpilogueBuildError:
 
 
 def require(op: str):
-    """_C, or FlashEpilogueBuildError for `op`."""
     if _C is None:
         raise unavailable(op)
     return _C
 
 
 def op_error(op: str, e: Exception) -> Exception:
-    """What a wrapper raises (from None) for the error `e` of torch.ops.flash_epilogue.<op>: the C++ checker's
-    TypeError / ValueError as the package's, by type."""
+    """The error `e` of torch.ops.flash_epilogue.<op> as a wrapper raises it: the C++ checker's as the package's."""
     if isinstance(e, TypeError):
         return FlashEpilogueTypeError(str(e))
     if isinstance(e, ValueError):
@@ -80,20 +78,18 @@ def _eager() -> bool:
     return not (torch.compiler.is_compiling() or torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
-def _values(t) -> list | None:
-    """The values of an int32 1-D tensor; None for anything else (the op rejects it)."""
-    return t.tolist() if isinstance(t, torch.Tensor) and t.dtype == torch.int32 and t.dim() == 1 else None
-
-
 def check_contents(op: str, t, cu_seqlens=None, seqused=None, batch_idx=None, head_idx=None, **_) -> None:
     """The content checks of one call (`t`: its tensor of the dk layout; the op's keyword arguments): cu_seqlens
-    non-decreasing in [0, tokens], seqused[b] in [0, length of b], selections in range; what the op rejects anyway
-    (not int32 1-D) is left to it."""
+    non-decreasing in [0, tokens], seqused[b] in [0, length of b], selections in range."""
+
+    def values(t) -> list | None:  # None where the op rejects it anyway (not int32 1-D)
+        return t.tolist() if isinstance(t, torch.Tensor) and t.dtype == torch.int32 and t.dim() == 1 else None
+
     varlen = cu_seqlens is not None
     if not (_eager() and isinstance(t, torch.Tensor) and t.dim() == (3 if varlen else 4)):
         return
     rows = t.shape[0] if varlen else t.shape[1]
-    cu = _values(cu_seqlens) if varlen else []
+    cu = values(cu_seqlens) if varlen else []
     if cu is None or (varlen and len(cu) < 2):
         return
     for i, c in enumerate(cu):
@@ -101,7 +97,7 @@ def check_contents(op: str, t, cu_seqlens=None, seqused=None, batch_idx=None, he
             fail(op, f"cu_seqlens[{i}]", f">= cu_seqlens[{i - 1}] = {cu[i - 1]} (non-decreasing)" if i else ">= 0", c)
     if cu and cu[-1] > rows:
         fail(op, f"cu_seqlens[{len(cu) - 1}]", f"<= {rows} (the tensors' token count)", cu[-1])
-    for b, n in enumerate(_values(seqused) or ()):
+    for b, n in enumerate(values(seqused) or ()):
         if n < 0:
             fail(op, f"seqused[{b}]", ">= 0", n)
         if varlen and b + 1 >= len(cu):
@@ -113,7 +109,7 @@ def check_contents(op: str, t, cu_seqlens=None, seqused=None, batch_idx=None, he
     batch = len(cu) - 1 if varlen else t.shape[0]
     for name, sel, limit, why in (("batch_idx", batch_idx, batch, "the batch size"),
                                   ("head_idx", head_idx, t.shape[-2], "the number of heads")):
-        for i, v in enumerate(_values(sel) or ()):
+        for i, v in enumerate(values(sel) or ()):
             if not 0 <= v < limit:
                 fail(op, f"{name}[{i}]", f"a value in [0, {limit}) ({why})", v)
 

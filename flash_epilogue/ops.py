@@ -116,14 +116,13 @@ def gqa_accumulate(dk_partial: torch.Tensor, dv_partial: torch.Tensor, acc: GQAA
     ``deterministic`` needs ``acc`` allocated with it (default: as it was): docs/semantics.md, "Determinism"."""
     op = "gqa_accumulate"
     _check_acc(op, acc, dk_partial, dv_partial, cu_seqlens, "dk_partial", "dv_partial")
-    if deterministic is not None and type(deterministic) is not bool:
-        fail(op, "deterministic", "a bool", type(deterministic).__name__, FlashEpilogueTypeError)
+    why, instead = "deterministic=True", "or pass deterministic=False"
     if deterministic is None:  # with warn_only, an accumulator without semaphores runs the atomic mode, with a warning
         deterministic = acc.semaphores is not None or (torch.are_deterministic_algorithms_enabled() and
                                                        not torch.is_deterministic_algorithms_warn_only_enabled())
         why, instead = "torch.are_deterministic_algorithms_enabled() is True", "its default under that switch"
-    else:
-        why, instead = "deterministic=True", "or pass deterministic=False"
+    elif type(deterministic) is not bool:
+        fail(op, "deterministic", "a bool", type(deterministic).__name__, FlashEpilogueTypeError)
     if deterministic and acc.semaphores is None:
         fail(op, "acc.semaphores", f"an int32 workspace because {why}: allocate the accumulator with "
              f"flash_epilogue.gqa_accumulator(..., deterministic=True) ({instead})",

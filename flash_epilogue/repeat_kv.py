@@ -38,8 +38,7 @@ def repeat_kv(x: torch.Tensor, n_rep: int, dim: int = 1) -> torch.Tensor:
 def _expanded(x, n_rep: int, dim: int) -> torch.Tensor:
     shape = list(x.shape)
     shape.insert(dim + 1, n_rep)
-    out = x.unsqueeze(dim + 1).expand(shape)
-    return out.reshape(shape[: dim] + [shape[dim] * n_rep] + shape[dim + 2:]).contiguous()
+    return x.unsqueeze(dim + 1).expand(shape).flatten(dim, dim + 1).contiguous()
 
 
 def _layout_of(x) -> list[int]:
@@ -68,9 +67,8 @@ def _group_sum(grad, n_rep: int, dim: int, layout) -> torch.Tensor:  # the kerne
 
 
 class _RepeatKvCompiled(torch.autograd.Function):
-    """Without the extension: the repeat, its backward the group sum; eager calls take _RepeatKv, whose backward is the
-    group sum as a Function (the pair each the other's adjoint) and which has jvps. Under torch.compile this one:
-    dynamo traces neither a Function's jvp nor a Function applied in a backward."""
+    """Without the extension, under torch.compile (dynamo traces neither a Function's jvp nor a Function applied in a
+    backward): the repeat, its backward the group sum. Eager: _RepeatKv, the pair of Functions with their jvps."""
 
     generate_vmap_rule = True
     forward = staticmethod(_expanded)
@@ -119,9 +117,7 @@ if _extension._C is not None:
         shape[dim % 4] *= n_rep
         return x.new_empty(shape)
 
-    @torch.library.register_fake("flash_epilogue::repeat_kv_backward")
-    def _repeat_kv_backward_fake(grad, n_rep, dim, layout):
-        return _gradient_like(grad, n_rep, dim, layout)
+    torch.library.register_fake("flash_epilogue::repeat_kv_backward")(_gradient_like)
 
     def _folded(op):
         """The vmap rule of a per-head-group op: its vmapped dim folded into the batch dim (torch calls it only when
