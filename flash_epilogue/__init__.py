@@ -8,8 +8,7 @@ from ._cutlass import get_include
 from ._extension import UNAVAILABLE_REASON, compiled_archs
 from .errors import FlashEpilogueBuildError, FlashEpilogueInputError, FlashEpilogueTypeError
 from .gqa import COMPILED_HEAD_DIMS, GQAAccumulator, TileConfig, gqa_accumulator, tile_config
-from .ops import gqa_accumulate, gqa_postprocess, gqa_reduce, refresh_env_flags, store, store_zero
-from .repeat_kv import repeat_kv
+from .ops import gqa_accumulate, gqa_postprocess, gqa_reduce, refresh_env_flags, repeat_kv, store, store_zero
 
 
 def kernels_available() -> bool:

@@ -1,6 +1,7 @@
 """The Python API: thin wrappers over torch.ops.flash_epilogue.*, whose C++ checks every argument. A wrapper coerces
 the Python scalars, checks what the op does not see (the GQAAccumulator, gqa_reduce's out, store_zero's index lists)
-and raises the op's error as the package's; under torch.compile it calls the op directly (checked when it runs)."""
+and raises the op's error as the package's; under torch.compile it calls the op directly (checked when it runs). Here
+too: the ops' fake kernels, repeat_kv's vmap rules and, without the extension, repeat_kv in plain torch."""
 import operator
 import warnings
 from typing import Sequence
@@ -11,8 +12,9 @@ from . import _extension
 from ._extension import refresh_env_flags
 from .errors import INT64_MAX, INT64_MIN, FlashEpilogueTypeError, as_count, as_float, as_index, as_int, fail
 from .gqa import GQAAccumulator
+from .reference import group_sum_reference
 
-__all__ = ["store", "store_zero", "gqa_accumulate", "gqa_postprocess", "gqa_reduce", "refresh_env_flags"]
+__all__ = ["store", "store_zero", "gqa_accumulate", "gqa_postprocess", "gqa_reduce", "repeat_kv", "refresh_env_flags"]
 
 _I32_MIN, _I32_MAX = -(2**31), 2**31 - 1
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -198,6 +200,105 @@ def gqa_reduce(dk_partial: torch.Tensor, dv_partial: torch.Tensor | None = None,
     return dk if dv_partial is None else (dk, dv)
 
 
+def repeat_kv(x: torch.Tensor, n_rep: int, dim: int = 1) -> torch.Tensor:
+    """``x.repeat_interleave(n_rep, dim=dim)`` of x (batch, kv_heads, seqlen, d) with ``dim=1`` (transformers' Llama
+    ``repeat_kv``) or (batch, seqlen, kv_heads, d) with ``dim=2``; backward: the deterministic group sum of the
+    gradient (docs/semantics.md, "Autograd")."""
+    op = "repeat_kv"
+    if not isinstance(x, torch.Tensor):
+        fail(op, "x", "a torch.Tensor", type(x).__name__, FlashEpilogueTypeError)
+    if x.dim() != 4:
+        fail(op, "x: rank", "4 dims: (batch, kv_heads, seqlen, head_dim) for dim=1, "
+             "(batch, seqlen, kv_heads, head_dim) for dim=2", f"{x.dim()} dims, shape {tuple(x.shape)}")
+    n = as_int(op, "n_rep", n_rep, "a positive int")
+    if n < 1:
+        fail(op, "n_rep", "a positive int", n)
+    dim_expected = "1 (or -3) or 2 (or -2): the KV-head dim of a 4-D tensor"
+    dim = as_int(op, "dim", dim, dim_expected)
+    if dim not in (1, 2, -3, -2):
+        fail(op, "dim", dim_expected, dim)
+    if n == 1:
+        return x
+    if _extension._C is None:
+        return (_RepeatKvCompiled if torch.compiler.is_compiling() else _RepeatKv).apply(x, n, dim % 4)
+    return torch.ops.flash_epilogue.repeat_kv(x, n, dim % 4)
+
+
+def _expanded(x, n_rep: int, dim: int) -> torch.Tensor:
+    shape = list(x.shape)
+    shape.insert(dim + 1, n_rep)
+    return x.unsqueeze(dim + 1).expand(shape).flatten(dim, dim + 1).contiguous()
+
+
+def _layout_of(x) -> list[int]:
+    """The order of x's first three dims in memory, outermost first (ties keep the logical order); an insertion sort
+    by comparisons, which torch.compile traces on symbolic strides too."""
+    order = [0]
+    for i in (1, 2):
+        j = len(order)
+        while j > 0 and x.stride(order[j - 1]) < x.stride(i):
+            j -= 1
+        order.insert(j, i)
+    return order
+
+
+def _gradient_like(grad, n_rep: int, dim: int, layout) -> torch.Tensor:
+    """An empty gradient of x: grad's shape with the heads in dim divided by n_rep, its dims dense in the order
+    layout + [3] (what the op allocates)."""
+    shape = list(grad.shape)
+    shape[dim % 4] //= n_rep
+    perm = [int(i) for i in layout] + [3]
+    return grad.new_empty([shape[i] for i in perm]).permute([perm.index(i) for i in range(4)])
+
+
+def _group_sum(grad, n_rep: int, dim: int, layout) -> torch.Tensor:  # the kernels' bits, in x's layout
+    return _gradient_like(grad, n_rep, dim, layout).copy_(group_sum_reference(grad, n_rep, dim))
+
+
+class _RepeatKvCompiled(torch.autograd.Function):
+    """Without the extension, under torch.compile (dynamo traces neither a Function's jvp nor a Function applied in a
+    backward): the repeat, its backward the group sum. Eager: _RepeatKv, the pair of Functions with their jvps."""
+
+    generate_vmap_rule = True
+    forward = staticmethod(_expanded)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        # the layout as a string: one pytree leaf for torch.func's generated vmap rule (a list would be three)
+        ctx.n_rep, ctx.dim, ctx.layout = inputs[1], inputs[2], "".join(map(str, _layout_of(inputs[0])))
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _group_sum(grad, ctx.n_rep, ctx.dim, ctx.layout), None, None
+
+
+class _RepeatKv(_RepeatKvCompiled):
+    @staticmethod
+    def backward(ctx, grad):
+        return _GroupSum.apply(grad, ctx.n_rep, ctx.dim, ctx.layout), None, None
+
+    @staticmethod
+    def jvp(ctx, x_t, *_):
+        return _expanded(x_t, ctx.n_rep, ctx.dim)
+
+
+class _GroupSum(torch.autograd.Function):
+    generate_vmap_rule = True
+    forward = staticmethod(_group_sum)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.n_rep, ctx.dim, ctx.layout = inputs[1:]
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _RepeatKv.apply(grad, ctx.n_rep, ctx.dim), None, None, None
+
+    @staticmethod
+    def jvp(ctx, g_t, *_):
+        return _group_sum(g_t, ctx.n_rep, ctx.dim, ctx.layout)
+
+
 def _fake_of(name: str):
     """The fake kernel of an op that only writes its arguments. A meta tensor among CUDA or CPU ones dispatches here
     too: refused with the op's message, expecting the first CUDA tensor's device, else the first non-meta one's."""
@@ -217,3 +318,24 @@ def _fake_of(name: str):
 if _extension._C is not None:
     for _name in ("store", "store_zero", "gqa_accumulate", "gqa_postprocess", "gqa_accum_to_dense", "gqa_reduce"):
         torch.library.register_fake(f"flash_epilogue::{_name}")(_fake_of(_name))
+
+    @torch.library.register_fake("flash_epilogue::repeat_kv")
+    def _repeat_kv_fake(x, n_rep, dim):
+        shape = list(x.shape)
+        shape[dim % 4] *= n_rep
+        return x.new_empty(shape)
+
+    torch.library.register_fake("flash_epilogue::repeat_kv_backward")(_gradient_like)
+
+    def _folded(op):
+        """The vmap rule of a per-head-group op: its vmapped dim folded into the batch dim (torch calls it only when
+        x, the op's one tensor, is batched)."""
+
+        def rule(info, in_dims, x, *rest):
+            x = x.movedim(in_dims[0], 0)
+            return op(x.flatten(0, 1), *rest).unflatten(0, (x.shape[0], x.shape[1])), 0
+
+        return rule
+
+    for _name in ("repeat_kv", "repeat_kv_backward"):
+        torch.library.register_vmap(f"flash_epilogue::{_name}")(_folded(getattr(torch.ops.flash_epilogue, _name)))

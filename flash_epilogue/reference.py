@@ -23,12 +23,9 @@ def sequence_bounds(batch: int, seqlen_or_total: int, cu_seqlens=None, seqused=N
         raise ValueError(f"cu_seqlens has {len(cu)} entries, need batch + 1 = {batch + 1}")
     if su is not None and len(su) < batch:
         raise ValueError(f"seqused has {len(su)} entries, need batch = {batch}")
-    bounds = []
-    for b in range(batch):
-        start = min(max(0 if cu is None else cu[b], 0), extent)
-        length = su[b] if su is not None else extent if cu is None else cu[b + 1] - cu[b]
-        bounds.append((start, min(max(length, 0), extent - start)))
-    return bounds
+    starts = [min(max(0 if cu is None else cu[b], 0), extent) for b in range(batch)]
+    lengths = [su[b] if su is not None else extent if cu is None else cu[b + 1] - cu[b] for b in range(batch)]
+    return [(start, min(max(length, 0), extent - start)) for start, length in zip(starts, lengths)]
 
 
 def _valid_rows(t: torch.Tensor, cu_seqlens, seqused, dv: torch.Tensor | None = None) -> list[tuple]:
@@ -57,9 +54,7 @@ def store_reference(dk_accum: torch.Tensor, dv_accum: torch.Tensor, dk: torch.Te
 
 
 def _as_index_list(idx, n: int) -> list[int]:
-    """The selected indices in [0, n), in order (None: all); others (negative ones too: no wrap-around) skipped."""
-    if idx is None:
-        return list(range(n))
+    """The selected indices in [0, n), in order; others (negative ones too: no wrap-around) skipped."""
     return [i for i in _ints([idx] if isinstance(idx, int) else idx) if 0 <= i < n]
 
 
@@ -69,11 +64,11 @@ def store_zero_reference(dk: torch.Tensor, dv: torch.Tensor, *, cu_seqlens=None,
     """In place: what :func:`flash_epilogue.store_zero` zeroes (``batch_idx``/``head_idx`` may also be integer tensors
     of any device; entries outside [0, batch) / [0, heads) skipped, duplicates change nothing); nothing else."""
     valid = _valid_rows(dk, cu_seqlens, seqused, dv)
-    heads = None if head_idx is None else _as_index_list(head_idx, dk.shape[-2])
-    for b in _as_index_list(batch_idx, len(valid)):
+    heads = [slice(None)] if head_idx is None else _as_index_list(head_idx, dk.shape[-2])
+    for b in range(len(valid)) if batch_idx is None else _as_index_list(batch_idx, len(valid)):
         window = slice(max(int(row_start), 0), None if row_end is None else max(int(row_end), 0))
         for t in (dk, dv):
-            for h in [slice(None)] if heads is None else heads:
+            for h in heads:
                 t[valid[b]][window][:, h].zero_()
 
 
