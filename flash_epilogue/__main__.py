@@ -1,6 +1,5 @@
 """`python -m flash_epilogue`: a self-check on this machine's GPU and a small benchmark table; without an sm_90 GPU
-(or without the kernels), the pure-PyTorch reference on the CPU and what the kernels need.
-"""
+(or without the kernels), the pure-PyTorch reference on the CPU and what the kernels need."""
 import torch
 
 import flash_epilogue as fe

@@ -1,6 +1,5 @@
-"""Where the C++ headers come from: ours (get_include), and CUTLASS/CuTe's (none are vendored): the `nvidia-cutlass`
-wheel (pinned), or the CUTLASS checkout that FLASH_EPILOGUE_CUTLASS_DIR (or CUTLASS_PATH) names. setup.py loads this
-file by path."""
+"""Our C++ headers (get_include) and CUTLASS/CuTe's (none vendored): the pinned `nvidia-cutlass` wheel, or the CUTLASS
+checkout that FLASH_EPILOGUE_CUTLASS_DIR (or CUTLASS_PATH) names. setup.py loads this file by path."""
 import os
 from pathlib import Path
 

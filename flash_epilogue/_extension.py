@@ -1,7 +1,6 @@
-"""Loads flash_epilogue._C (the kernels, the op schemas) or records why not (a build for another torch is named from
-_build_info.py before it fails to load), and calls the ops as every wrapper does (call_op): the opt-in content checks
-(a host sync, so never under torch.compile or CUDA-graph capture; the ops check metadata only), the op, its error as
-the package's, and FLASH_EPILOGUE_DEBUG's sync after every launch."""
+"""Loads flash_epilogue._C or records why not (a build for another torch is named from _build_info.py before it fails
+to load), and calls the ops as every wrapper does (call_op): the opt-in content checks (a host sync: never under
+torch.compile or CUDA-graph capture), the op, its error as the package's, and FLASH_EPILOGUE_DEBUG's sync."""
 import importlib
 import os
 
@@ -44,12 +43,6 @@ def unavailable(op: str) -> FlashEpilogueBuildError:
     return FlashEpilogueBuildError(f"flash_epilogue.{op}: the CUDA kernels are not available: {reason}")
 
 
-def require(op: str):
-    if _C is None:
-        raise unavailable(op)
-    return _C
-
-
 def op_error(op: str, e: Exception) -> Exception:
     """The error `e` of torch.ops.flash_epilogue.<op> as a wrapper raises it: the C++ checker's as the package's."""
     if isinstance(e, TypeError):
@@ -79,8 +72,7 @@ def _eager() -> bool:
 
 
 def check_contents(op: str, t, cu_seqlens=None, seqused=None, batch_idx=None, head_idx=None, **_) -> None:
-    """The content checks of one call (`t`: its tensor of the dk layout; the op's keyword arguments): cu_seqlens
-    non-decreasing in [0, tokens], seqused[b] in [0, length of b], selections in range."""
+    """cu_seqlens non-decreasing in [0, tokens], seqused[b] in [0, length of b], selections in range (`t`: dk's)."""
 
     def values(t) -> list | None:  # None where the op rejects it anyway (not int32 1-D)
         return t.tolist() if isinstance(t, torch.Tensor) and t.dtype == torch.int32 and t.dim() == 1 else None
@@ -117,7 +109,8 @@ def check_contents(op: str, t, cu_seqlens=None, seqused=None, batch_idx=None, he
 def call_op(op: str, check_inputs: bool | None, t: torch.Tensor, *args, **kwargs) -> None:
     """torch.ops.flash_epilogue.<op>(*args, **kwargs) as every wrapper calls it (`t`: its tensor of the dk layout,
     whose device it synchronizes). Under torch.compile the op alone (it checks when it runs)."""
-    require(op)
+    if _C is None:
+        raise unavailable(op)
     fn = getattr(torch.ops.flash_epilogue, op)
     if torch.compiler.is_compiling():
         return fn(*args, **kwargs)

@@ -1,7 +1,6 @@
-"""The compiled tile configurations (the C++ table, csrc/kernels/config_table.cu, as _C exports it: one dK/dV tile per
-head dim, as FA3 picks it, which fixes the accumulator's order; other head dims run on the next larger one) and the GQA
-accumulator, a pytree node (tensors the leaves, ints the context) that goes through torch.library ops, opcheck,
-torch.compile and export."""
+"""The compiled tile configurations (csrc/kernels/config_table.cu, as _C exports it: one dK/dV tile per head dim, as FA3
+picks it, which fixes the accumulator's order) and the GQA accumulator, a pytree node (tensors the leaves, ints the
+context) that goes through torch.library ops, opcheck, torch.compile and export."""
 from dataclasses import dataclass, fields
 
 import torch
@@ -56,10 +55,9 @@ def tile_config(d: int, dv: int | None = None, arch: int = 90) -> TileConfig:
 
 @dataclass(eq=False, repr=False)
 class GQAAccumulator:
-    """The fp32 accumulators of one GQA problem (from :func:`gqa_accumulator`; docs/semantics.md, "What each op
-    writes"), deterministic mode's int32 ``semaphores`` (or None), and the ints of the problem it was sized for.
-    ``dk_accum``/``dv_accum``: (batch_extent, num_heads_kv, num_tiles, tile_elems), opaque (:meth:`to_dense`), tiles of
-    ``block_n`` KV rows in MMA fragment order; varlen: batch_extent 1, each sequence at its block_n-aligned offset."""
+    """One GQA problem's fp32 ``dk_accum``/``dv_accum`` (batch_extent, num_heads_kv, num_tiles, tile_elems): opaque
+    tiles of ``block_n`` KV rows in MMA fragment order (varlen: batch_extent 1, each sequence block_n-aligned; see
+    :meth:`to_dense`), deterministic mode's int32 ``semaphores`` (or None), the ints of the problem it was sized for."""
 
     dk_accum: torch.Tensor
     dv_accum: torch.Tensor
@@ -116,12 +114,11 @@ class GQAAccumulator:
             fail(op, "cu_seqlens", "None for an accumulator of the batched layout", "a tensor")
         if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dim() == 1 and cu_seqlens.numel() - 1 != self.batch:
             fail(op, "acc.batch", f"{cu_seqlens.numel() - 1} (cu_seqlens.numel() - 1)", self.batch)
-        head_dim = max(self.head_dim, self.head_dim_v)  # names the tile config
         outs = [torch.zeros(self.dense_shape(d), dtype=torch.float32, device=self.device)
                 for d in (self.head_dim, self.head_dim_v)]
-        for i, (accum, out) in enumerate(zip((self.dk_accum, self.dv_accum), outs)):
-            _extension.call_op(op, check_inputs if i == 0 else False, out, accum, out, head_dim=head_dim,
-                               cu_seqlens=cu_seqlens, seqused=seqused, _arch=self.arch)
+        for i, (accum, out) in enumerate(zip((self.dk_accum, self.dv_accum), outs)):  # head_dim names the tile config
+            _extension.call_op(op, check_inputs if i == 0 else False, out, accum, out, cu_seqlens=cu_seqlens,
+                               seqused=seqused, head_dim=max(self.head_dim, self.head_dim_v), _arch=self.arch)
         return outs[0], outs[1]
 
     def __repr__(self) -> str:
@@ -152,7 +149,8 @@ def gqa_accumulator(num_heads_kv: int, head_dim: int, head_dim_v: int | None = N
     """A zeroed :class:`GQAAccumulator` for dK (``head_dim``) and dV (``head_dim_v``) of ``num_heads_kv`` KV heads:
     batched (``batch``, ``seqlen``) or varlen (``total_tokens`` and ``cu_seqlens``, only its size read, or ``batch``);
     ``arch`` 80 selects the sm_80 layout (tests). docs/semantics.md, "What each op writes" and "Determinism"."""
-    _C = _extension.require(_OP)
+    if _extension._C is None:
+        raise _extension.unavailable(_OP)
     num_heads_kv = as_count(_OP, "num_heads_kv", num_heads_kv, "a positive int", 1)
     head_dim = as_int(_OP, "head_dim", head_dim)
     head_dim_v = head_dim if head_dim_v is None else as_int(_OP, "head_dim_v", head_dim_v)
@@ -188,7 +186,7 @@ def gqa_accumulator(num_heads_kv: int, head_dim: int, head_dim_v: int | None = N
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     try:  # the one place the accumulator geometry is computed (the ops check against the same function)
-        layout = _C.gqa_accum_layout(num_heads_kv, head_dim, head_dim_v, batch, rows, varlen, arch, device)
+        layout = _extension._C.gqa_accum_layout(num_heads_kv, head_dim, head_dim_v, batch, rows, varlen, arch, device)
     except (TypeError, ValueError) as e:
         raise _extension.op_error(_OP, e) from None
     accums = [torch.zeros(tuple(shape), dtype=torch.float32, device=device) for shape in layout["shapes"]]

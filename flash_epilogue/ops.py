@@ -1,7 +1,7 @@
 """The Python API: thin wrappers over torch.ops.flash_epilogue.*, whose C++ checks every argument. A wrapper coerces
 the Python scalars, checks what the op does not see (the GQAAccumulator, gqa_reduce's out, store_zero's index lists)
-and raises the op's error as the package's; under torch.compile it calls the op directly (checked when it runs). Here
-too: the ops' fake kernels, repeat_kv's vmap rules and, without the extension, repeat_kv in plain torch."""
+and raises the op's error as the package's; under torch.compile it calls the op directly. Also the fake kernels, and
+repeat_kv's vmap rules and its plain-torch form (without the extension)."""
 import operator
 import warnings
 from typing import Sequence
@@ -38,8 +38,7 @@ def _index_tensor(name: str, idx: IndexArg, device) -> torch.Tensor | None:
     op, what = "store_zero", "None, an int, a sequence of ints or an int32 tensor"
     if isinstance(idx, (bool, str, bytes)):
         fail(op, name, what, type(idx).__name__, FlashEpilogueTypeError)
-    # a list or tuple never goes through operator.index: under torch.compile (torch 2.11) the TypeError it raises
-    # comes out as dynamo's internal error, which `except TypeError` does not catch
+    # never operator.index of a list or tuple: under torch.compile its TypeError is dynamo's error, uncatchable here
     if not isinstance(idx, (list, tuple)):
         try:
             idx = operator.index(idx)
@@ -53,8 +52,7 @@ def _index_tensor(name: str, idx: IndexArg, device) -> torch.Tensor | None:
     for v, n in zip(values, names):
         if not _I32_MIN <= v <= _I32_MAX:
             fail(op, n, f"an int32 value in [{_I32_MIN}, {_I32_MAX}]", v)
-    # built on the host, then moved: the same copy as torch.tensor(..., device=device), and under torch.compile on
-    # the meta device a traced op (torch.tensor straight on meta gives a real meta tensor, which dynamo rejects)
+    # host-built, then moved: on meta under torch.compile a traced op (torch.tensor on meta is real, dynamo rejects it)
     return torch.tensor(values, dtype=torch.int32).to(device)
 
 
@@ -78,8 +76,7 @@ def store_zero(dk: torch.Tensor, dv: torch.Tensor, *, cu_seqlens: torch.Tensor |
 
 
 def _check_acc(op: str, acc, k, v, cu_seqlens, k_name: str, v_name: str) -> None:
-    """`acc` is a GQAAccumulator sized for this call (`k`/`v`: its tensors of dK's/dV's head dim), in the ints that
-    accumulators of one shape can disagree on; what the op rejects anyway (wrong ranks, shapes) is left to it."""
+    """`acc` is a GQAAccumulator of this call's ints (`k`/`v`: its dK/dV tensors); bad ranks, shapes: the op's."""
     if not isinstance(acc, GQAAccumulator):
         fail(op, "acc", "a flash_epilogue.GQAAccumulator (from flash_epilogue.gqa_accumulator)", type(acc).__name__,
              FlashEpilogueTypeError)
@@ -153,8 +150,7 @@ def gqa_postprocess(acc: GQAAccumulator, dk: torch.Tensor, dv: torch.Tensor, *, 
 
 
 def _new_output(name: str, partial, num_heads_kv: int, varlen: bool, out_dtype):
-    """gqa_reduce's output for `partial` (None: None), of `out_dtype` (default: the partial's if 16-bit, else bf16);
-    for a partial the op rejects (not a tensor, the wrong rank) a placeholder that lets the op report it."""
+    """gqa_reduce's new output for `partial` (None: None; a placeholder for one the op rejects, which it reports)."""
     if not isinstance(partial, torch.Tensor):
         return None if partial is None else torch.empty(0)
     dtype = out_dtype or (partial.dtype if partial.dtype in _HALF_DTYPES else torch.bfloat16)
@@ -201,9 +197,8 @@ def gqa_reduce(dk_partial: torch.Tensor, dv_partial: torch.Tensor | None = None,
 
 
 def repeat_kv(x: torch.Tensor, n_rep: int, dim: int = 1) -> torch.Tensor:
-    """``x.repeat_interleave(n_rep, dim=dim)`` of x (batch, kv_heads, seqlen, d) with ``dim=1`` (transformers' Llama
-    ``repeat_kv``) or (batch, seqlen, kv_heads, d) with ``dim=2``; backward: the deterministic group sum of the
-    gradient (docs/semantics.md, "Autograd")."""
+    """``x.repeat_interleave(n_rep, dim)`` of x (batch, kv_heads, seqlen, d) with ``dim=1`` (transformers' repeat_kv) or
+    (batch, seqlen, kv_heads, d) with ``dim=2``; backward: the group sum (docs/semantics.md, "Autograd")."""
     op = "repeat_kv"
     if not isinstance(x, torch.Tensor):
         fail(op, "x", "a torch.Tensor", type(x).__name__, FlashEpilogueTypeError)
@@ -231,8 +226,7 @@ def _expanded(x, n_rep: int, dim: int) -> torch.Tensor:
 
 
 def _layout_of(x) -> list[int]:
-    """The order of x's first three dims in memory, outermost first (ties keep the logical order); an insertion sort
-    by comparisons, which torch.compile traces on symbolic strides too."""
+    """x's first three dims in memory order, outermost first, stably: an insertion sort (traced on symbolic strides)."""
     order = [0]
     for i in (1, 2):
         j = len(order)
@@ -243,8 +237,7 @@ def _layout_of(x) -> list[int]:
 
 
 def _gradient_like(grad, n_rep: int, dim: int, layout) -> torch.Tensor:
-    """An empty gradient of x: grad's shape with the heads in dim divided by n_rep, its dims dense in the order
-    layout + [3] (what the op allocates)."""
+    """An empty gradient of x (what the op allocates): its dims dense in the order layout + [3]."""
     shape = list(grad.shape)
     shape[dim % 4] //= n_rep
     perm = [int(i) for i in layout] + [3]
@@ -306,8 +299,7 @@ def _fake_of(name: str):
 
     def fake(*args, **kwargs) -> None:
         tensors = [(n, t) for n, t in (*zip(names, args), *kwargs.items()) if isinstance(t, torch.Tensor)]
-        ref = next((nt for nt in tensors if nt[1].is_cuda), None) or next((nt for nt in tensors if not nt[1].is_meta),
-                                                                           None)
+        ref = next(iter([nt for nt in tensors if nt[1].is_cuda] + [nt for nt in tensors if not nt[1].is_meta]), None)
         for n, t in tensors if ref is not None else ():
             if t.device != ref[1].device:
                 fail(name, f"{n}: device", f"{ref[1].device} (the device of {ref[0]})", t.device)
@@ -321,15 +313,12 @@ if _extension._C is not None:
 
     @torch.library.register_fake("flash_epilogue::repeat_kv")
     def _repeat_kv_fake(x, n_rep, dim):
-        shape = list(x.shape)
-        shape[dim % 4] *= n_rep
-        return x.new_empty(shape)
+        return x.new_empty([s * n_rep if i == dim % 4 else s for i, s in enumerate(x.shape)])
 
     torch.library.register_fake("flash_epilogue::repeat_kv_backward")(_gradient_like)
 
     def _folded(op):
-        """The vmap rule of a per-head-group op: its vmapped dim folded into the batch dim (torch calls it only when
-        x, the op's one tensor, is batched)."""
+        """The vmap rule of a per-head-group op: the vmapped dim of x (its one tensor) folded into the batch dim."""
 
         def rule(info, in_dims, x, *rest):
             x = x.movedim(in_dims[0], 0)

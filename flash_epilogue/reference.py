@@ -1,6 +1,5 @@
-"""Pure-PyTorch reference semantics of the ops (CPU or GPU, any strides; the metadata read on the host): what the
-kernels must produce, element for element, the tests' oracle. Layouts as the ops take them; only the valid rows
-(:func:`sequence_bounds`) are ever written."""
+"""Pure-PyTorch reference semantics of the ops (any device and strides; metadata read on the host), the tests' oracle:
+what the kernels must produce, element for element, in the valid rows (:func:`sequence_bounds`) only."""
 from typing import Iterable
 
 import torch
@@ -14,9 +13,8 @@ def _ints(t) -> list[int]:  # of an integer tensor (any shape) or a sequence
 
 
 def sequence_bounds(batch: int, seqlen_or_total: int, cu_seqlens=None, seqused=None) -> list[tuple[int, int]]:
-    """(start, length) of the valid rows of each sequence b: start = cu_seqlens[b] (0 without), length = seqused[b],
-    else cu_seqlens[b+1] - cu_seqlens[b], else the static seqlen; both clamped (as the kernels clamp) so that
-    start >= 0, length >= 0 and start + length <= seqlen_or_total (the seqlen, or the total tokens with cu_seqlens)."""
+    """(start, length) of each sequence's valid rows: start = cu_seqlens[b] (0 without), length = seqused[b], else the
+    segment's length, else the seqlen; clamped as the kernels do: 0 <= start <= start + length <= seqlen_or_total."""
     extent = max(int(seqlen_or_total), 0)
     cu, su = (None if t is None else _ints(t) for t in (cu_seqlens, seqused))
     if cu is not None and len(cu) < batch + 1:
@@ -138,10 +136,9 @@ def group_sum_reference(grad: torch.Tensor, n_rep: int, dim: int = 1) -> torch.T
 def gqa_accumulate_reference(dk_partial: torch.Tensor, dv_partial: torch.Tensor | None,
                              dk_dense: torch.Tensor, dv_dense: torch.Tensor | None, *, num_heads_kv: int,
                              cu_seqlens=None, seqused=None, sequential: bool = True) -> None:
-    """In place: :func:`flash_epilogue.gqa_accumulate` into dense accumulators of ``num_heads_kv`` heads (what
-    ``GQAAccumulator.to_dense`` returns; a None partial with a None dense is skipped). ``sequential=True`` (fp32
-    dense only): deterministic ``gqa_accumulate``'s bits, ``((dense + p_0) + p_1) + ... + p_{g-1}`` in fp32;
-    ``False``: the group's fp64 sum added to the dense values (with fp64 dense tensors: an exact-enough oracle)."""
+    """In place: :func:`flash_epilogue.gqa_accumulate` into dense accumulators (as ``GQAAccumulator.to_dense`` returns;
+    None with a None partial skipped). ``sequential=True`` (fp32 only): deterministic mode's bits, ``((dense + p_0) +
+    p_1) + ... + p_{g-1}`` in fp32; ``False``: the group's fp64 sum added (with fp64 dense: an exact-enough oracle)."""
     for partial, dense, name in ((dk_partial, dk_dense, "dk"), (dv_partial, dv_dense, "dv")):
         if partial is None and dense is None:
             continue
