@@ -1,10 +1,8 @@
 """`python -m flash_epilogue`: a self-check on this machine's GPU and a small benchmark table; without an sm_90 GPU
-(or without the kernels), the pure-PyTorch reference on the CPU and what the kernels need.
-"""
+(or without the kernels), the pure-PyTorch reference on the CPU and what the kernels need."""
 import torch
 
 import flash_epilogue as fe
-from flash_epilogue.reference import store_reference
 
 
 def _time_ms(fn, iters=50) -> float:
@@ -27,7 +25,7 @@ def main() -> int:
         print(f"kernels need an sm_90 GPU (H100/H200) and a CUDA build; here: {why}")
         acc = torch.randn(2, 100, 4, 64)
         dk, dv = (torch.zeros(2, 100, 4, 64, dtype=torch.bfloat16) for _ in range(2))
-        store_reference(acc, acc, dk, dv)
+        fe.reference.store_reference(acc, acc, dk, dv)
         ok = torch.equal(dk, acc.to(torch.bfloat16))
         print(f"reference store on CPU: {'ok' if ok else 'MISMATCH'}")
         return 0 if ok else 1

@@ -1,5 +1,5 @@
-"""Where the CUTLASS/CuTe headers come from (none are vendored): the `nvidia-cutlass` wheel (pinned), or the
-CUTLASS checkout that FLASH_EPILOGUE_CUTLASS_DIR (or CUTLASS_PATH) names. setup.py loads this file by path."""
+"""Our C++ headers (get_include) and CUTLASS/CuTe's (none vendored): the pinned `nvidia-cutlass` wheel, or the CUTLASS
+checkout that FLASH_EPILOGUE_CUTLASS_DIR (or CUTLASS_PATH) names. setup.py loads this file by path."""
 import os
 from pathlib import Path
 
@@ -20,3 +20,12 @@ def cutlass_include_dirs() -> list[str]:
     if not (root / "include" / "cute" / "tensor.hpp").is_file():
         raise RuntimeError(f"no CUTLASS headers (include/cute/tensor.hpp) under {root}")
     return [str(root / "include"), str(root / "tools" / "util" / "include")]
+
+
+def get_include() -> list[str]:
+    """Include dirs for a C++/CUDA extension that uses the collectives: ours, then CUTLASS's."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    ours = os.path.join(os.path.dirname(here), "csrc", "include")  # source checkout / editable install
+    if not os.path.isdir(ours):
+        ours = os.path.join(here, "include")  # installed: shipped inside the package
+    return [ours, *cutlass_include_dirs()]

@@ -1,5 +1,6 @@
-"""Loads flash_epilogue._C (the kernels, the op schemas) or records why not (a build for another torch is named from
-_build_info.py before it fails to load), and turns the ops' errors into the package's."""
+"""Loads flash_epilogue._C or records why not (a build for another torch is named from _build_info.py before it fails
+to load), and calls the ops as every wrapper does (call_op): the opt-in content checks (a host sync: never under
+torch.compile or CUDA-graph capture), the op, its error as the package's, and FLASH_EPILOGUE_DEBUG's sync."""
 import importlib
 import os
 
@@ -12,26 +13,22 @@ try:
 except ImportError:  # a source checkout that was never built
     _build_info = None
 
-
-def _load():
-    """(_C, None) or (None, the reason it is unavailable)."""
-    if os.environ.get("FLASH_EPILOGUE_DISABLE_KERNELS", "0") not in ("", "0"):
-        return None, "disabled by FLASH_EPILOGUE_DISABLE_KERNELS"
-    if _build_info is None:
-        return None, ("flash_epilogue has no built extension (a pure-Python install, FLASH_EPILOGUE_SKIP_CUDA_BUILD=1, "
-                      "or a source checkout never built): build it with `pip install --no-build-isolation .` "
-                      "(or `-e .`) in the repository")
-    built, running = _build_info.TORCH_VERSION, torch.__version__
-    if built != running:
-        return None, (f"flash_epilogue was built against torch {built} but torch {running} is running; "
-                      "rebuild it: `pip install --no-build-isolation --force-reinstall --no-deps .`")
+_C, UNAVAILABLE_REASON = None, None
+if os.environ.get("FLASH_EPILOGUE_DISABLE_KERNELS", "0") not in ("", "0"):
+    UNAVAILABLE_REASON = "disabled by FLASH_EPILOGUE_DISABLE_KERNELS"
+elif _build_info is None:
+    UNAVAILABLE_REASON = ("flash_epilogue has no built extension (a pure-Python install, "
+                          "FLASH_EPILOGUE_SKIP_CUDA_BUILD=1, or a source checkout never built): build it with "
+                          "`pip install --no-build-isolation .` (or `-e .`) in the repository")
+elif _build_info.TORCH_VERSION != torch.__version__:
+    UNAVAILABLE_REASON = (f"flash_epilogue was built against torch {_build_info.TORCH_VERSION} but torch "
+                          f"{torch.__version__} is running; "
+                          "rebuild it: `pip install --no-build-isolation --force-reinstall --no-deps .`")
+else:
     try:
-        return importlib.import_module(f"{__package__}._C"), None
+        _C = importlib.import_module(f"{__package__}._C")
     except ImportError as e:
-        return None, f"the extension flash_epilogue._C failed to load: {e}"
-
-
-_C, UNAVAILABLE_REASON = _load()
+        UNAVAILABLE_REASON = f"the extension flash_epilogue._C failed to load: {e}"
 
 # Read once: a constant that torch.compile can trace (calling into _C would break the graph).
 _COMPILED_ARCHS: tuple[str, ...] = tuple(_C.compiled_archs()) if _C is not None else ()
@@ -46,30 +43,8 @@ def unavailable(op: str) -> FlashEpilogueBuildError:
     return FlashEpilogueBuildError(f"flash_epilogue.{op}: the CUDA kernels are not available: {reason}")
 
 
-def require(op: str):
-    """_C, or FlashEpilogueBuildError for `op`."""
-    if _C is None:
-        raise unavailable(op)
-    return _C
-
-
-def check_tensor_types(op: str, args: tuple, kwargs: dict) -> None:
-    """After a call failed: the package's TypeError where the dispatcher refused it before the op's checker saw it (a
-    Tensor argument of the schema given another type, or every Tensor argument None: no device to dispatch by)."""
-    schema = getattr(torch.ops.flash_epilogue, op).default._schema
-    given = dict(zip((a.name for a in schema.arguments), args)) | kwargs
-    tensors = [(a.name, given[a.name]) for a in schema.arguments
-               if str(a.type) in ("Tensor", "Optional[Tensor]") and a.name in given]
-    for name, v in tensors:
-        if v is not None and not isinstance(v, torch.Tensor):
-            fail(op, name, "a torch.Tensor", type(v).__name__, FlashEpilogueTypeError)
-    if not any(isinstance(v, torch.Tensor) for _, v in tensors):
-        raise FlashEpilogueTypeError(f"flash_epilogue.{op}: expected torch.Tensor arguments, got None for all of them")
-
-
 def op_error(op: str, e: Exception) -> Exception:
-    """What a wrapper raises (from None) for the error `e` of torch.ops.flash_epilogue.<op>: the C++ checker's
-    TypeError / ValueError as the package's, by type."""
+    """The error `e` of torch.ops.flash_epilogue.<op> as a wrapper raises it: the C++ checker's as the package's."""
     if isinstance(e, TypeError):
         return FlashEpilogueTypeError(str(e))
     if isinstance(e, ValueError):
@@ -77,3 +52,88 @@ def op_error(op: str, e: Exception) -> Exception:
     if isinstance(e, AttributeError) and not hasattr(torch.ops.flash_epilogue, op):
         return unavailable(op)
     return e
+
+
+def refresh_env_flags() -> None:
+    """Re-read FLASH_EPILOGUE_CHECK_INPUTS and FLASH_EPILOGUE_DEBUG (read once, at import) after changing them."""
+    global DEBUG, CHECK_INPUTS  # FLASH_EPILOGUE_DEBUG; content checks by default (FLASH_EPILOGUE_CHECK_INPUTS or DEBUG)
+    DEBUG = os.environ.get("FLASH_EPILOGUE_DEBUG", "0") not in ("", "0")
+    CHECK_INPUTS = os.environ.get("FLASH_EPILOGUE_CHECK_INPUTS", "0") not in ("", "0") or DEBUG
+    if _C is not None:
+        _C._set_debug_sync(DEBUG)  # repeat_kv's backward synchronizes in C++
+
+
+refresh_env_flags()
+
+
+def _eager() -> bool:
+    """Neither traced by torch.compile nor capturing a CUDA graph (no host sync allowed then)."""
+    return not (torch.compiler.is_compiling() or torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
+def check_contents(op: str, t, cu_seqlens=None, seqused=None, batch_idx=None, head_idx=None, **_) -> None:
+    """cu_seqlens non-decreasing in [0, tokens], seqused[b] in [0, length of b], selections in range (`t`: dk's)."""
+
+    def values(t) -> list | None:  # None where the op rejects it anyway (not int32 1-D)
+        return t.tolist() if isinstance(t, torch.Tensor) and t.dtype == torch.int32 and t.dim() == 1 else None
+
+    varlen = cu_seqlens is not None
+    if not (_eager() and isinstance(t, torch.Tensor) and t.dim() == (3 if varlen else 4)):
+        return
+    rows = t.shape[0] if varlen else t.shape[1]
+    cu = values(cu_seqlens) if varlen else []
+    if cu is None or (varlen and len(cu) < 2):
+        return
+    for i, c in enumerate(cu):
+        if c < (cu[i - 1] if i else 0):
+            fail(op, f"cu_seqlens[{i}]", f">= cu_seqlens[{i - 1}] = {cu[i - 1]} (non-decreasing)" if i else ">= 0", c)
+    if cu and cu[-1] > rows:
+        fail(op, f"cu_seqlens[{len(cu) - 1}]", f"<= {rows} (the tensors' token count)", cu[-1])
+    for b, n in enumerate(values(seqused) or ()):
+        if n < 0:
+            fail(op, f"seqused[{b}]", ">= 0", n)
+        if varlen and b + 1 >= len(cu):
+            break  # more entries than sequences: the op reports seqused's numel
+        limit = cu[b + 1] - cu[b] if varlen else rows
+        if n > limit:
+            why = f"the length of segment {b}, cu_seqlens[{b + 1}] - cu_seqlens[{b}]" if varlen else "the static seqlen"
+            fail(op, f"seqused[{b}]", f"<= {limit} ({why})", n)
+    batch = len(cu) - 1 if varlen else t.shape[0]
+    for name, sel, limit, why in (("batch_idx", batch_idx, batch, "the batch size"),
+                                  ("head_idx", head_idx, t.shape[-2], "the number of heads")):
+        for i, v in enumerate(values(sel) or ()):
+            if not 0 <= v < limit:
+                fail(op, f"{name}[{i}]", f"a value in [0, {limit}) ({why})", v)
+
+
+def call_op(op: str, check_inputs: bool | None, t: torch.Tensor, *args, **kwargs) -> None:
+    """torch.ops.flash_epilogue.<op>(*args, **kwargs) as every wrapper calls it (`t`: its tensor of the dk layout,
+    whose device it synchronizes). Under torch.compile the op alone (it checks when it runs)."""
+    if _C is None:
+        raise unavailable(op)
+    fn = getattr(torch.ops.flash_epilogue, op)
+    if torch.compiler.is_compiling():
+        return fn(*args, **kwargs)
+    if check_inputs or (check_inputs is None and CHECK_INPUTS):
+        check_contents(op, t, **kwargs)
+    try:
+        fn(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 (the op's error, as the package's)
+        # first the dispatcher's refusals, before the op's checker saw the call, named from the arguments: a Tensor
+        # argument of the schema given another type, or every Tensor argument None (no device to dispatch by)
+        schema = fn.default._schema
+        given = dict(zip((a.name for a in schema.arguments), args)) | kwargs
+        tensors = [(a.name, given[a.name]) for a in schema.arguments
+                   if str(a.type) in ("Tensor", "Optional[Tensor]") and a.name in given]
+        for name, v in tensors:
+            if v is not None and not isinstance(v, torch.Tensor):
+                fail(op, name, "a torch.Tensor", type(v).__name__, FlashEpilogueTypeError)
+        if not any(isinstance(v, torch.Tensor) for _, v in tensors):
+            raise FlashEpilogueTypeError(f"flash_epilogue.{op}: expected torch.Tensor arguments, got None for all of "
+                                         "them")
+        raise op_error(op, e) from None
+    if DEBUG and t.device.type == "cuda" and _eager():  # a device error, reported against this op
+        try:
+            torch.cuda.synchronize(t.device)
+        except Exception as e:  # noqa: BLE001 (re-raised with the op's name)
+            raise RuntimeError(f"flash_epilogue.{op}: the kernel failed on {t.device}: {e}") from e

@@ -1,27 +1,63 @@
-"""The GQA accumulator (usage: the package docstring), a pytree node (tensors the leaves, ints the context): it goes
-through torch.library ops, opcheck, torch.compile and export."""
+"""The compiled tile configurations (csrc/kernels/config_table.cu, as _C exports it: one dK/dV tile per head dim, as FA3
+picks it, which fixes the accumulator's order) and the GQA accumulator, a pytree node (tensors the leaves, ints the
+context) that goes through torch.library ops, opcheck, torch.compile and export."""
 from dataclasses import dataclass, fields
 
 import torch
 import torch.utils._pytree as pytree
 
-from . import _checks, _extension
-from ._config import TileConfig, tile_config
+from . import _extension
 from .errors import FlashEpilogueTypeError, as_count, as_int, fail
 
-__all__ = ["GQAAccumulator", "gqa_accumulator"]
+__all__ = ["COMPILED_HEAD_DIMS", "TileConfig", "tile_config", "GQAAccumulator", "gqa_accumulator"]
 
 _OP = "gqa_accumulator"
 
 
+@dataclass(frozen=True)
+class TileConfig:
+    head_dim: int  # the compiled head dim (tile width)
+    block_n: int  # kBlockN: KV rows per tile
+    num_threads: int  # epilogue (MMA) threads per CTA
+    swap_ab: bool  # dKV_swapAB: the MMA computes dK^T, the fragment is (head_dim, block_n)
+    atom_layout_n: int  # AtomLayoutNdKV: warpgroups (sm_80: warps) along N (along D when swap_ab)
+    accum_tile_elems: int  # floats per tile in the GQA accumulator (the C fragment, padding included)
+    slab_cols: int  # where the warpgroups' slabs of a tile split its columns, the columns of each; else 0
+    slab_elems: int  # floats per slab (one per warpgroup on sm_90; the whole tile on sm_80)
+    arch: int  # the code path: 90 (sm_90 collectives) or 80 (the sm_80 ones)
+
+
+# {(arch, head_dim): TileConfig}; empty without the extension (or with a stale one).
+_TABLE = {(c["arch"], c["head_dim"]): TileConfig(**{f.name: c[f.name] for f in fields(TileConfig)})
+          for c in getattr(_extension._C, "tile_configs", tuple)()}
+
+COMPILED_HEAD_DIMS: tuple[int, ...] = tuple(sorted({hd for _, hd in _TABLE}))
+# every tile head dim of a full build (a build may leave some out: FLASH_EPILOGUE_HEAD_DIMS)
+_TILE_HEAD_DIMS: tuple[int, ...] = tuple(_extension._C.build_info().get("tile_head_dims", COMPILED_HEAD_DIMS)) \
+    if _TABLE else ()
+
+
+def tile_config(d: int, dv: int | None = None, arch: int = 90) -> TileConfig:
+    """The config that serves head dims (d, dv) on `arch` (90, or 80 for the sm_80 path): the smallest tile head dim
+    >= max(d, dv), as FA3 picks it; an error naming FLASH_EPILOGUE_HEAD_DIMS where this build left it out."""
+    if not _TABLE:
+        raise _extension.unavailable("tile_config")
+    width, path = max(d, d if dv is None else dv), 80 if arch == 80 else 90
+    for hd in _TILE_HEAD_DIMS:
+        if width <= hd:
+            if (path, hd) not in _TABLE:
+                fail("tile_config", "head dim", f"a head dim this build has kernels for: {width} runs on the tile "
+                     f"of head dim {hd}, which this build leaves out (FLASH_EPILOGUE_HEAD_DIMS="
+                     f"{';'.join(map(str, COMPILED_HEAD_DIMS))}); rebuild with it in FLASH_EPILOGUE_HEAD_DIMS", width)
+            return _TABLE[(path, hd)]
+    raise ValueError(f"head dim {width} exceeds the largest compiled head dim {_TILE_HEAD_DIMS[-1]}")
+
+
 @dataclass(eq=False, repr=False)
 class GQAAccumulator:
-    """The fp32 dK/dV accumulators of one GQA backward problem (from :func:`gqa_accumulator`) and the int32
-    ``semaphores`` of deterministic mode (or None). ``dk_accum``/``dv_accum``: (batch_extent, num_heads_kv, num_tiles,
-    tile_elems), a tile of ``block_n`` KV rows per (sequence, KV head, tile), opaque (:meth:`to_dense` decodes it):
-    the MMA fragment order of ``arch`` and of the config serving max(head_dim, head_dim_v), only the slabs of its own
-    columns where that tile's warpgroups split them (hdim 192 on sm_90), so the two tile_elems can differ. Varlen:
-    batch_extent 1, each sequence at its block_n-aligned offset. The ints: the problem it was sized for."""
+    """One GQA problem's fp32 ``dk_accum``/``dv_accum`` (batch_extent, num_heads_kv, num_tiles, tile_elems): opaque
+    tiles of ``block_n`` KV rows in MMA fragment order (varlen: batch_extent 1, each sequence block_n-aligned; see
+    :meth:`to_dense`), deterministic mode's int32 ``semaphores`` (or None), the ints of the problem it was sized for."""
 
     dk_accum: torch.Tensor
     dv_accum: torch.Tensor
@@ -78,12 +114,11 @@ class GQAAccumulator:
             fail(op, "cu_seqlens", "None for an accumulator of the batched layout", "a tensor")
         if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dim() == 1 and cu_seqlens.numel() - 1 != self.batch:
             fail(op, "acc.batch", f"{cu_seqlens.numel() - 1} (cu_seqlens.numel() - 1)", self.batch)
-        head_dim = max(self.head_dim, self.head_dim_v)  # names the tile config
         outs = [torch.zeros(self.dense_shape(d), dtype=torch.float32, device=self.device)
                 for d in (self.head_dim, self.head_dim_v)]
-        for i, (accum, out) in enumerate(zip((self.dk_accum, self.dv_accum), outs)):
-            _checks.call_op(op, check_inputs if i == 0 else False, out, accum, out, head_dim=head_dim,
-                            cu_seqlens=cu_seqlens, seqused=seqused, _arch=self.arch)
+        for i, (accum, out) in enumerate(zip((self.dk_accum, self.dv_accum), outs)):  # head_dim names the tile config
+            _extension.call_op(op, check_inputs if i == 0 else False, out, accum, out, cu_seqlens=cu_seqlens,
+                               seqused=seqused, head_dim=max(self.head_dim, self.head_dim_v), _arch=self.arch)
         return outs[0], outs[1]
 
     def __repr__(self) -> str:
@@ -101,28 +136,21 @@ def _flatten(acc: GQAAccumulator):
     return [getattr(acc, f) for f in _LEAVES], tuple(getattr(acc, f) for f in _CONTEXT)
 
 
-def _flatten_with_keys(acc: GQAAccumulator):
-    return [(pytree.GetAttrKey(f), getattr(acc, f)) for f in _LEAVES], _flatten(acc)[1]
-
-
-def _unflatten(children, context) -> GQAAccumulator:
-    return GQAAccumulator(*children, *context)
-
-
-pytree.register_pytree_node(GQAAccumulator, _flatten, _unflatten, flatten_with_keys_fn=_flatten_with_keys,
-                            serialized_type_name="flash_epilogue.gqa.GQAAccumulator")
+pytree.register_pytree_node(
+    GQAAccumulator, _flatten, lambda leaves, context: GQAAccumulator(*leaves, *context),
+    flatten_with_keys_fn=lambda acc: ([(pytree.GetAttrKey(f), getattr(acc, f)) for f in _LEAVES], _flatten(acc)[1]),
+    serialized_type_name="flash_epilogue.gqa.GQAAccumulator")
 
 
 def gqa_accumulator(num_heads_kv: int, head_dim: int, head_dim_v: int | None = None, *,
                     batch: int | None = None, seqlen: int | None = None, cu_seqlens: torch.Tensor | None = None,
                     total_tokens: int | None = None, deterministic: bool | None = None,
                     device: str | int | torch.device | None = None, arch: int = 0) -> GQAAccumulator:
-    """A zeroed :class:`GQAAccumulator` for dK (``head_dim``) and dV (``head_dim_v``, default ``head_dim``) of
-    ``num_heads_kv`` KV heads. Batched: ``batch`` and ``seqlen``; varlen: ``total_tokens`` (the partials' rows) and
-    ``cu_seqlens`` (only its size is read) or ``batch``. ``deterministic=True`` adds the semaphores; default:
-    ``torch.are_deterministic_algorithms_enabled()``. ``device``: default cu_seqlens', else the current CUDA device.
-    ``arch``: 0 (the device's path) or 80 (the sm_80 layout, for tests)."""
-    _C = _extension.require(_OP)
+    """A zeroed :class:`GQAAccumulator` for dK (``head_dim``) and dV (``head_dim_v``) of ``num_heads_kv`` KV heads:
+    batched (``batch``, ``seqlen``) or varlen (``total_tokens`` and ``cu_seqlens``, only its size read, or ``batch``);
+    ``arch`` 80 selects the sm_80 layout (tests). docs/semantics.md, "What each op writes" and "Determinism"."""
+    if _extension._C is None:
+        raise _extension.unavailable(_OP)
     num_heads_kv = as_count(_OP, "num_heads_kv", num_heads_kv, "a positive int", 1)
     head_dim = as_int(_OP, "head_dim", head_dim)
     head_dim_v = head_dim if head_dim_v is None else as_int(_OP, "head_dim_v", head_dim_v)
@@ -158,7 +186,7 @@ def gqa_accumulator(num_heads_kv: int, head_dim: int, head_dim_v: int | None = N
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     try:  # the one place the accumulator geometry is computed (the ops check against the same function)
-        layout = _C.gqa_accum_layout(num_heads_kv, head_dim, head_dim_v, batch, rows, varlen, arch, device)
+        layout = _extension._C.gqa_accum_layout(num_heads_kv, head_dim, head_dim_v, batch, rows, varlen, arch, device)
     except (TypeError, ValueError) as e:
         raise _extension.op_error(_OP, e) from None
     accums = [torch.zeros(tuple(shape), dtype=torch.float32, device=device) for shape in layout["shapes"]]

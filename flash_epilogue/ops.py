@@ -1,18 +1,20 @@
 """The Python API: thin wrappers over torch.ops.flash_epilogue.*, whose C++ checks every argument. A wrapper coerces
 the Python scalars, checks what the op does not see (the GQAAccumulator, gqa_reduce's out, store_zero's index lists)
-and raises the op's error as the package's; under torch.compile it calls the op directly (checked when it runs)."""
+and raises the op's error as the package's; under torch.compile it calls the op directly. Also the fake kernels, and
+repeat_kv's vmap rules and its plain-torch form (without the extension)."""
 import operator
 import warnings
 from typing import Sequence
 
 import torch
 
-from . import _checks, _extension
-from ._checks import refresh_env_flags
+from . import _extension
+from ._extension import refresh_env_flags
 from .errors import INT64_MAX, INT64_MIN, FlashEpilogueTypeError, as_count, as_float, as_index, as_int, fail
 from .gqa import GQAAccumulator
+from .reference import group_sum_reference
 
-__all__ = ["store", "store_zero", "gqa_accumulate", "gqa_postprocess", "gqa_reduce", "refresh_env_flags"]
+__all__ = ["store", "store_zero", "gqa_accumulate", "gqa_postprocess", "gqa_reduce", "repeat_kv", "refresh_env_flags"]
 
 _I32_MIN, _I32_MAX = -(2**31), 2**31 - 1
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -23,11 +25,10 @@ def store(dk_accum: torch.Tensor, dv_accum: torch.Tensor, dk: torch.Tensor, dv: 
           cu_seqlens: torch.Tensor | None = None, seqused: torch.Tensor | None = None,
           check_inputs: bool | None = None, _arch: int = 0) -> None:
     """In place: the valid rows of dk/dv (bf16 or fp16) get the fp32 accumulators of their shapes, rounded to nearest
-    even. Batched (batch, seqlen, heads, d), last dim contiguous, or varlen (total_tokens, heads, d) with
-    ``cu_seqlens``; ``seqused`` limits sequence b to its first seqused[b] rows; dv may have its own head dim."""
+    even; batched or varlen (``cu_seqlens``), ``seqused``: docs/semantics.md, "Layouts"."""
     _arch = _arch if type(_arch) is int and INT64_MIN <= _arch <= INT64_MAX else as_int("store", "_arch", _arch)
-    _checks.call_op("store", check_inputs, dk, dk_accum, dv_accum, dk, dv, cu_seqlens=cu_seqlens, seqused=seqused,
-                    _arch=_arch)
+    _extension.call_op("store", check_inputs, dk, dk_accum, dv_accum, dk, dv, cu_seqlens=cu_seqlens, seqused=seqused,
+                       _arch=_arch)
 
 
 def _index_tensor(name: str, idx: IndexArg, device) -> torch.Tensor | None:
@@ -37,8 +38,7 @@ def _index_tensor(name: str, idx: IndexArg, device) -> torch.Tensor | None:
     op, what = "store_zero", "None, an int, a sequence of ints or an int32 tensor"
     if isinstance(idx, (bool, str, bytes)):
         fail(op, name, what, type(idx).__name__, FlashEpilogueTypeError)
-    # a list or tuple never goes through operator.index: under torch.compile (torch 2.11) the TypeError it raises
-    # comes out as dynamo's internal error, which `except TypeError` does not catch
+    # never operator.index of a list or tuple: under torch.compile its TypeError is dynamo's error, uncatchable here
     if not isinstance(idx, (list, tuple)):
         try:
             idx = operator.index(idx)
@@ -52,8 +52,7 @@ def _index_tensor(name: str, idx: IndexArg, device) -> torch.Tensor | None:
     for v, n in zip(values, names):
         if not _I32_MIN <= v <= _I32_MAX:
             fail(op, n, f"an int32 value in [{_I32_MIN}, {_I32_MAX}]", v)
-    # built on the host, then moved: the same copy as torch.tensor(..., device=device), and under torch.compile on
-    # the meta device a traced op (torch.tensor straight on meta gives a real meta tensor, which dynamo rejects)
+    # host-built, then moved: on meta under torch.compile a traced op (torch.tensor on meta is real, dynamo rejects it)
     return torch.tensor(values, dtype=torch.int32).to(device)
 
 
@@ -61,10 +60,8 @@ def store_zero(dk: torch.Tensor, dv: torch.Tensor, *, cu_seqlens: torch.Tensor |
                seqused: torch.Tensor | None = None, batch_idx: IndexArg = None, head_idx: IndexArg = None,
                row_start: int = 0, row_end: int | None = None, check_inputs: bool | None = None,
                _arch: int = 0) -> None:
-    """In place: zeros in rows [row_start, row_end) (from each sequence's start, clipped to its valid rows; row_end
-    None: to its end) of the sequences ``batch_idx`` and heads ``head_idx`` of dk and dv; layouts as for
-    :func:`store`. ``batch_idx``/``head_idx``: None (all), an int or ints (copied to the device on every call) or an
-    int32 1-D tensor on dk's device; out-of-range entries are skipped (raise with ``check_inputs``)."""
+    """In place: zeros in rows [row_start, row_end) of the valid rows of the sequences ``batch_idx`` and heads
+    ``head_idx`` (None: all; ints or an int32 tensor) of dk and dv: docs/semantics.md, "What each op writes"."""
     op = "store_zero"
     if (batch_idx is not None or head_idx is not None) and isinstance(dk, torch.Tensor):
         batch_idx = _index_tensor("batch_idx", batch_idx, dk.device)
@@ -74,13 +71,12 @@ def store_zero(dk: torch.Tensor, dv: torch.Tensor, *, cu_seqlens: torch.Tensor |
     if row_end is not None and (type(row_end) is not int or not INT64_MIN <= row_end <= INT64_MAX):
         row_end = as_int(op, "row_end", row_end, "None or an int")
     _arch = _arch if type(_arch) is int and INT64_MIN <= _arch <= INT64_MAX else as_int(op, "_arch", _arch)
-    _checks.call_op(op, check_inputs, dk, dk, dv, cu_seqlens=cu_seqlens, seqused=seqused, batch_idx=batch_idx,
-                    head_idx=head_idx, row_start=row_start, row_end=row_end, _arch=_arch)
+    _extension.call_op(op, check_inputs, dk, dk, dv, cu_seqlens=cu_seqlens, seqused=seqused, batch_idx=batch_idx,
+                       head_idx=head_idx, row_start=row_start, row_end=row_end, _arch=_arch)
 
 
 def _check_acc(op: str, acc, k, v, cu_seqlens, k_name: str, v_name: str) -> None:
-    """`acc` is a GQAAccumulator sized for this call (`k`/`v`: its tensors of dK's/dV's head dim), in the ints that
-    accumulators of one shape can disagree on; what the op rejects anyway (wrong ranks, shapes) is left to it."""
+    """`acc` is a GQAAccumulator of this call's ints (`k`/`v`: its dK/dV tensors); bad ranks, shapes: the op's."""
     if not isinstance(acc, GQAAccumulator):
         fail(op, "acc", "a flash_epilogue.GQAAccumulator (from flash_epilogue.gqa_accumulator)", type(acc).__name__,
              FlashEpilogueTypeError)
@@ -115,20 +111,17 @@ def _check_acc(op: str, acc, k, v, cu_seqlens, k_name: str, v_name: str) -> None
 def gqa_accumulate(dk_partial: torch.Tensor, dv_partial: torch.Tensor, acc: GQAAccumulator, *,
                    deterministic: bool | None = None, cu_seqlens: torch.Tensor | None = None,
                    seqused: torch.Tensor | None = None, check_inputs: bool | None = None) -> None:
-    """In place: add fp32 per-query-head partials (batch, seqlen, h_q, d) / (..., dv), or varlen with ``cu_seqlens``,
-    into ``acc``'s valid rows; query head j goes to KV head j // (h_q / h_k); each call carries whole groups.
-    ``deterministic`` (bitwise reproducible) needs ``acc`` allocated with it; default: as ``acc`` was allocated, else
-    as ``torch.use_deterministic_algorithms`` asks (which raises or, with ``warn_only``, warns for the other mode)."""
+    """In place: add fp32 per-query-head partials into ``acc``'s valid rows (query head j to KV head j // (h_q / h_k));
+    ``deterministic`` needs ``acc`` allocated with it (default: as it was): docs/semantics.md, "Determinism"."""
     op = "gqa_accumulate"
     _check_acc(op, acc, dk_partial, dv_partial, cu_seqlens, "dk_partial", "dv_partial")
-    if deterministic is not None and type(deterministic) is not bool:
-        fail(op, "deterministic", "a bool", type(deterministic).__name__, FlashEpilogueTypeError)
+    why, instead = "deterministic=True", "or pass deterministic=False"
     if deterministic is None:  # with warn_only, an accumulator without semaphores runs the atomic mode, with a warning
         deterministic = acc.semaphores is not None or (torch.are_deterministic_algorithms_enabled() and
                                                        not torch.is_deterministic_algorithms_warn_only_enabled())
         why, instead = "torch.are_deterministic_algorithms_enabled() is True", "its default under that switch"
-    else:
-        why, instead = "deterministic=True", "or pass deterministic=False"
+    elif type(deterministic) is not bool:
+        fail(op, "deterministic", "a bool", type(deterministic).__name__, FlashEpilogueTypeError)
     if deterministic and acc.semaphores is None:
         fail(op, "acc.semaphores", f"an int32 workspace because {why}: allocate the accumulator with "
              f"flash_epilogue.gqa_accumulator(..., deterministic=True) ({instead})",
@@ -138,28 +131,26 @@ def gqa_accumulate(dk_partial: torch.Tensor, dv_partial: torch.Tensor, acc: GQAA
         warnings.warn("flash_epilogue.gqa_accumulate(deterministic=False) does not have a deterministic "
                       "implementation, but you set 'torch.use_deterministic_algorithms(True, warn_only=True)'",
                       stacklevel=2)
-    _checks.call_op(op, check_inputs, dk_partial, dk_partial, dv_partial, acc.dk_accum, acc.dv_accum,
-                    acc.semaphores if deterministic else None, cu_seqlens=cu_seqlens, seqused=seqused,
-                    deterministic=deterministic, _arch=acc.arch)
+    _extension.call_op(op, check_inputs, dk_partial, dk_partial, dv_partial, acc.dk_accum, acc.dv_accum,
+                       acc.semaphores if deterministic else None, cu_seqlens=cu_seqlens, seqused=seqused,
+                       deterministic=deterministic, _arch=acc.arch)
 
 
 def gqa_postprocess(acc: GQAAccumulator, dk: torch.Tensor, dv: torch.Tensor, *, scale_dk: float = 1.0,
                     scale_dv: float = 1.0, cu_seqlens: torch.Tensor | None = None,
                     seqused: torch.Tensor | None = None, check_inputs: bool | None = None) -> None:
-    """In place: the valid rows of dk/dv (bf16 or fp16, h_k heads; layouts as for :func:`store`) get
-    ``(accum * scale).to(dtype)`` (fp32 multiply by the scale rounded to fp32). ``acc`` is unchanged:
-    ``acc.reset()`` before reusing it."""
+    """In place: the valid rows of dk/dv (bf16 or fp16, h_k heads) get ``(accum * fp32(scale)).to(dtype)``; ``acc`` is
+    unchanged (``acc.reset()`` before reusing it)."""
     op = "gqa_postprocess"
     _check_acc(op, acc, dk, dv, cu_seqlens, "dk", "dv")
     scale_dk = scale_dk if type(scale_dk) is float else as_float(op, "scale_dk", scale_dk)
     scale_dv = scale_dv if type(scale_dv) is float else as_float(op, "scale_dv", scale_dv)
-    _checks.call_op(op, check_inputs, dk, acc.dk_accum, acc.dv_accum, dk, dv, scale_dk=scale_dk, scale_dv=scale_dv,
-                    cu_seqlens=cu_seqlens, seqused=seqused, _arch=acc.arch)
+    _extension.call_op(op, check_inputs, dk, acc.dk_accum, acc.dv_accum, dk, dv, scale_dk=scale_dk, scale_dv=scale_dv,
+                       cu_seqlens=cu_seqlens, seqused=seqused, _arch=acc.arch)
 
 
 def _new_output(name: str, partial, num_heads_kv: int, varlen: bool, out_dtype):
-    """gqa_reduce's output for `partial` (None: None), of `out_dtype` (default: the partial's if 16-bit, else bf16);
-    for a partial the op rejects (not a tensor, the wrong rank) a placeholder that lets the op report it."""
+    """gqa_reduce's new output for `partial` (None: None; a placeholder for one the op rejects, which it reports)."""
     if not isinstance(partial, torch.Tensor):
         return None if partial is None else torch.empty(0)
     dtype = out_dtype or (partial.dtype if partial.dtype in _HALF_DTYPES else torch.bfloat16)
@@ -175,10 +166,8 @@ def gqa_reduce(dk_partial: torch.Tensor, dv_partial: torch.Tensor | None = None,
                cu_seqlens: torch.Tensor | None = None, seqused: torch.Tensor | None = None,
                out: torch.Tensor | tuple | None = None, out_dtype: torch.dtype | None = None,
                scale_dk: float = 1.0, scale_dv: float = 1.0, check_inputs: bool | None = None, _arch: int = 0):
-    """Each group of query-head partials (fp32/bf16/fp16, batched or varlen, last dim contiguous, other strides
-    multiples of 16 bytes) summed into KV head k: ``(0 + p_{k*g} + ... + p_{k*g+g-1}) * scale`` in fp32 in head order
-    (deterministic), rounded to the output dtype. ``out``: None (new tensors of ``out_dtype``, default the partials'
-    if 16-bit, else bf16; invalid rows uninitialized), dk, or (dk, dv). Returns dk, or (dk, dv) with dv_partial."""
+    """Each group of query-head partials summed in fp32 in head order, times the scale, into dk (and dv): ``out`` (dk,
+    or (dk, dv)), else new tensors of ``out_dtype``; returns them. docs/semantics.md, "What each op writes"."""
     op = "gqa_reduce"
     if type(num_heads_kv) is not int or num_heads_kv < 1:
         num_heads_kv = as_count(op, "num_heads_kv", num_heads_kv, "a positive int", 1)
@@ -202,9 +191,105 @@ def gqa_reduce(dk_partial: torch.Tensor, dv_partial: torch.Tensor | None = None,
     scale_dk = scale_dk if type(scale_dk) is float else as_float(op, "scale_dk", scale_dk)
     scale_dv = scale_dv if type(scale_dv) is float else as_float(op, "scale_dv", scale_dv)
     _arch = _arch if type(_arch) is int and INT64_MIN <= _arch <= INT64_MAX else as_int(op, "_arch", _arch)
-    _checks.call_op(op, check_inputs, dk_partial, dk_partial, dv_partial, dk, dv, cu_seqlens=cu_seqlens,
-                    seqused=seqused, scale_dk=scale_dk, scale_dv=scale_dv, _arch=_arch)
+    _extension.call_op(op, check_inputs, dk_partial, dk_partial, dv_partial, dk, dv, cu_seqlens=cu_seqlens,
+                       seqused=seqused, scale_dk=scale_dk, scale_dv=scale_dv, _arch=_arch)
     return dk if dv_partial is None else (dk, dv)
+
+
+def repeat_kv(x: torch.Tensor, n_rep: int, dim: int = 1) -> torch.Tensor:
+    """``x.repeat_interleave(n_rep, dim)`` of x (batch, kv_heads, seqlen, d) with ``dim=1`` (transformers' repeat_kv) or
+    (batch, seqlen, kv_heads, d) with ``dim=2``; backward: the group sum (docs/semantics.md, "Autograd")."""
+    op = "repeat_kv"
+    if not isinstance(x, torch.Tensor):
+        fail(op, "x", "a torch.Tensor", type(x).__name__, FlashEpilogueTypeError)
+    if x.dim() != 4:
+        fail(op, "x: rank", "4 dims: (batch, kv_heads, seqlen, head_dim) for dim=1, "
+             "(batch, seqlen, kv_heads, head_dim) for dim=2", f"{x.dim()} dims, shape {tuple(x.shape)}")
+    n = as_int(op, "n_rep", n_rep, "a positive int")
+    if n < 1:
+        fail(op, "n_rep", "a positive int", n)
+    dim_expected = "1 (or -3) or 2 (or -2): the KV-head dim of a 4-D tensor"
+    dim = as_int(op, "dim", dim, dim_expected)
+    if dim not in (1, 2, -3, -2):
+        fail(op, "dim", dim_expected, dim)
+    if n == 1:
+        return x
+    if _extension._C is None:
+        return (_RepeatKvCompiled if torch.compiler.is_compiling() else _RepeatKv).apply(x, n, dim % 4)
+    return torch.ops.flash_epilogue.repeat_kv(x, n, dim % 4)
+
+
+def _expanded(x, n_rep: int, dim: int) -> torch.Tensor:
+    shape = list(x.shape)
+    shape.insert(dim + 1, n_rep)
+    return x.unsqueeze(dim + 1).expand(shape).flatten(dim, dim + 1).contiguous()
+
+
+def _layout_of(x) -> list[int]:
+    """x's first three dims in memory order, outermost first, stably: an insertion sort (traced on symbolic strides)."""
+    order = [0]
+    for i in (1, 2):
+        j = len(order)
+        while j > 0 and x.stride(order[j - 1]) < x.stride(i):
+            j -= 1
+        order.insert(j, i)
+    return order
+
+
+def _gradient_like(grad, n_rep: int, dim: int, layout) -> torch.Tensor:
+    """An empty gradient of x (what the op allocates): its dims dense in the order layout + [3]."""
+    shape = list(grad.shape)
+    shape[dim % 4] //= n_rep
+    perm = [int(i) for i in layout] + [3]
+    return grad.new_empty([shape[i] for i in perm]).permute([perm.index(i) for i in range(4)])
+
+
+def _group_sum(grad, n_rep: int, dim: int, layout) -> torch.Tensor:  # the kernels' bits, in x's layout
+    return _gradient_like(grad, n_rep, dim, layout).copy_(group_sum_reference(grad, n_rep, dim))
+
+
+class _RepeatKvCompiled(torch.autograd.Function):
+    """Without the extension, under torch.compile (dynamo traces neither a Function's jvp nor a Function applied in a
+    backward): the repeat, its backward the group sum. Eager: _RepeatKv, the pair of Functions with their jvps."""
+
+    generate_vmap_rule = True
+    forward = staticmethod(_expanded)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        # the layout as a string: one pytree leaf for torch.func's generated vmap rule (a list would be three)
+        ctx.n_rep, ctx.dim, ctx.layout = inputs[1], inputs[2], "".join(map(str, _layout_of(inputs[0])))
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _group_sum(grad, ctx.n_rep, ctx.dim, ctx.layout), None, None
+
+
+class _RepeatKv(_RepeatKvCompiled):
+    @staticmethod
+    def backward(ctx, grad):
+        return _GroupSum.apply(grad, ctx.n_rep, ctx.dim, ctx.layout), None, None
+
+    @staticmethod
+    def jvp(ctx, x_t, *_):
+        return _expanded(x_t, ctx.n_rep, ctx.dim)
+
+
+class _GroupSum(torch.autograd.Function):
+    generate_vmap_rule = True
+    forward = staticmethod(_group_sum)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.n_rep, ctx.dim, ctx.layout = inputs[1:]
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _RepeatKv.apply(grad, ctx.n_rep, ctx.dim), None, None, None
+
+    @staticmethod
+    def jvp(ctx, g_t, *_):
+        return _group_sum(g_t, ctx.n_rep, ctx.dim, ctx.layout)
 
 
 def _fake_of(name: str):
@@ -214,8 +299,7 @@ def _fake_of(name: str):
 
     def fake(*args, **kwargs) -> None:
         tensors = [(n, t) for n, t in (*zip(names, args), *kwargs.items()) if isinstance(t, torch.Tensor)]
-        ref = next((nt for nt in tensors if nt[1].is_cuda), None) or next((nt for nt in tensors if not nt[1].is_meta),
-                                                                           None)
+        ref = next(iter([nt for nt in tensors if nt[1].is_cuda] + [nt for nt in tensors if not nt[1].is_meta]), None)
         for n, t in tensors if ref is not None else ():
             if t.device != ref[1].device:
                 fail(name, f"{n}: device", f"{ref[1].device} (the device of {ref[0]})", t.device)
@@ -226,3 +310,21 @@ def _fake_of(name: str):
 if _extension._C is not None:
     for _name in ("store", "store_zero", "gqa_accumulate", "gqa_postprocess", "gqa_accum_to_dense", "gqa_reduce"):
         torch.library.register_fake(f"flash_epilogue::{_name}")(_fake_of(_name))
+
+    @torch.library.register_fake("flash_epilogue::repeat_kv")
+    def _repeat_kv_fake(x, n_rep, dim):
+        return x.new_empty([s * n_rep if i == dim % 4 else s for i, s in enumerate(x.shape)])
+
+    torch.library.register_fake("flash_epilogue::repeat_kv_backward")(_gradient_like)
+
+    def _folded(op):
+        """The vmap rule of a per-head-group op: the vmapped dim of x (its one tensor) folded into the batch dim."""
+
+        def rule(info, in_dims, x, *rest):
+            x = x.movedim(in_dims[0], 0)
+            return op(x.flatten(0, 1), *rest).unflatten(0, (x.shape[0], x.shape[1])), 0
+
+        return rule
+
+    for _name in ("repeat_kv", "repeat_kv_backward"):
+        torch.library.register_vmap(f"flash_epilogue::{_name}")(_folded(getattr(torch.ops.flash_epilogue, _name)))

@@ -1,6 +1,5 @@
-"""Pure-PyTorch reference semantics of the ops (CPU or GPU, any strides; the metadata read on the host): what the
-kernels must produce, element for element, the tests' oracle. Layouts as the ops take them; only the valid rows
-(:func:`sequence_bounds`) are ever written."""
+"""Pure-PyTorch reference semantics of the ops (any device and strides; metadata read on the host), the tests' oracle:
+what the kernels must produce, element for element, in the valid rows (:func:`sequence_bounds`) only."""
 from typing import Iterable
 
 import torch
@@ -9,31 +8,29 @@ __all__ = ["sequence_bounds", "store_reference", "store_zero_reference", "gqa_re
            "gqa_reduce_sequential_fp32", "gqa_accumulate_reference", "group_sum_reference"]
 
 
-def _ints(t) -> list[int]:
-    """The values of an integer tensor (any shape) or sequence."""
+def _ints(t) -> list[int]:  # of an integer tensor (any shape) or a sequence
     return [int(v) for v in (t.detach().reshape(-1).tolist() if isinstance(t, torch.Tensor) else t)]
 
 
 def sequence_bounds(batch: int, seqlen_or_total: int, cu_seqlens=None, seqused=None) -> list[tuple[int, int]]:
-    """(start, length) of the valid rows of each sequence b: start = cu_seqlens[b] (0 without), length = seqused[b],
-    else cu_seqlens[b+1] - cu_seqlens[b], else the static seqlen; both clamped (as the kernels clamp) so that
-    start >= 0, length >= 0 and start + length <= seqlen_or_total (the seqlen, or the total tokens with cu_seqlens)."""
+    """(start, length) of each sequence's valid rows: start = cu_seqlens[b] (0 without), length = seqused[b], else the
+    segment's length, else the seqlen; clamped as the kernels do: 0 <= start <= start + length <= seqlen_or_total."""
     extent = max(int(seqlen_or_total), 0)
     cu, su = (None if t is None else _ints(t) for t in (cu_seqlens, seqused))
     if cu is not None and len(cu) < batch + 1:
         raise ValueError(f"cu_seqlens has {len(cu)} entries, need batch + 1 = {batch + 1}")
     if su is not None and len(su) < batch:
         raise ValueError(f"seqused has {len(su)} entries, need batch = {batch}")
-    bounds = []
-    for b in range(batch):
-        start = min(max(0 if cu is None else cu[b], 0), extent)
-        length = su[b] if su is not None else extent if cu is None else cu[b + 1] - cu[b]
-        bounds.append((start, min(max(length, 0), extent - start)))
-    return bounds
+    starts = [min(max(0 if cu is None else cu[b], 0), extent) for b in range(batch)]
+    lengths = [su[b] if su is not None else extent if cu is None else cu[b + 1] - cu[b] for b in range(batch)]
+    return [(start, min(max(length, 0), extent - start)) for start, length in zip(starts, lengths)]
 
 
-def _valid_rows(t: torch.Tensor, cu_seqlens, seqused) -> list[tuple]:
-    """Per sequence, the index that views its valid rows (all heads, all columns) in a tensor of t's layout."""
+def _valid_rows(t: torch.Tensor, cu_seqlens, seqused, dv: torch.Tensor | None = None) -> list[tuple]:
+    """Per sequence, the index that views its valid rows (all heads, all columns) in a tensor of t's layout (and of
+    ``dv``'s, which must match t's but for the last dim)."""
+    if dv is not None and t.shape[:-1] != dv.shape[:-1]:
+        raise ValueError(f"dk {tuple(t.shape)} and dv {tuple(dv.shape)} differ before the last dim")
     varlen = cu_seqlens is not None
     if t.dim() != (3 if varlen else 4):
         want = "(total_tokens, heads, headdim) with cu_seqlens" if varlen else "(batch, seqlen, heads, headdim)"
@@ -43,27 +40,19 @@ def _valid_rows(t: torch.Tensor, cu_seqlens, seqused) -> list[tuple]:
             for b, (start, length) in enumerate(sequence_bounds(batch, extent, cu_seqlens, seqused))]
 
 
-def _same_rows(dk: torch.Tensor, dv: torch.Tensor) -> None:
-    if dk.shape[:-1] != dv.shape[:-1]:
-        raise ValueError(f"dk {tuple(dk.shape)} and dv {tuple(dv.shape)} differ before the last dim")
-
-
 def store_reference(dk_accum: torch.Tensor, dv_accum: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, *,
                     cu_seqlens=None, seqused=None) -> None:
     """In place: the valid rows of dk/dv get ``accum.to(dk.dtype)``; everything else untouched."""
     if dk_accum.shape != dk.shape or dv_accum.shape != dv.shape:
         raise ValueError(f"accumulator shapes {tuple(dk_accum.shape)}/{tuple(dv_accum.shape)} "
                          f"differ from dk/dv {tuple(dk.shape)}/{tuple(dv.shape)}")
-    _same_rows(dk, dv)
-    for rows in _valid_rows(dk, cu_seqlens, seqused):
+    for rows in _valid_rows(dk, cu_seqlens, seqused, dv):
         dk[rows].copy_(dk_accum[rows].to(dk.dtype))
         dv[rows].copy_(dv_accum[rows].to(dv.dtype))
 
 
 def _as_index_list(idx, n: int) -> list[int]:
-    """The selected indices in [0, n), in order (None: all); others (negative ones too: no wrap-around) skipped."""
-    if idx is None:
-        return list(range(n))
+    """The selected indices in [0, n), in order; others (negative ones too: no wrap-around) skipped."""
     return [i for i in _ints([idx] if isinstance(idx, int) else idx) if 0 <= i < n]
 
 
@@ -72,13 +61,12 @@ def store_zero_reference(dk: torch.Tensor, dv: torch.Tensor, *, cu_seqlens=None,
                          row_start: int = 0, row_end: int | None = None) -> None:
     """In place: what :func:`flash_epilogue.store_zero` zeroes (``batch_idx``/``head_idx`` may also be integer tensors
     of any device; entries outside [0, batch) / [0, heads) skipped, duplicates change nothing); nothing else."""
-    _same_rows(dk, dv)
-    valid = _valid_rows(dk, cu_seqlens, seqused)
-    heads = None if head_idx is None else _as_index_list(head_idx, dk.shape[-2])
-    for b in _as_index_list(batch_idx, len(valid)):
+    valid = _valid_rows(dk, cu_seqlens, seqused, dv)
+    heads = [slice(None)] if head_idx is None else _as_index_list(head_idx, dk.shape[-2])
+    for b in range(len(valid)) if batch_idx is None else _as_index_list(batch_idx, len(valid)):
         window = slice(max(int(row_start), 0), None if row_end is None else max(int(row_end), 0))
         for t in (dk, dv):
-            for h in [slice(None)] if heads is None else heads:
+            for h in heads:
                 t[valid[b]][window][:, h].zero_()
 
 
@@ -148,10 +136,9 @@ def group_sum_reference(grad: torch.Tensor, n_rep: int, dim: int = 1) -> torch.T
 def gqa_accumulate_reference(dk_partial: torch.Tensor, dv_partial: torch.Tensor | None,
                              dk_dense: torch.Tensor, dv_dense: torch.Tensor | None, *, num_heads_kv: int,
                              cu_seqlens=None, seqused=None, sequential: bool = True) -> None:
-    """In place: :func:`flash_epilogue.gqa_accumulate` into dense accumulators of ``num_heads_kv`` heads (what
-    ``GQAAccumulator.to_dense`` returns; a None partial with a None dense is skipped). ``sequential=True`` (fp32
-    dense only): deterministic ``gqa_accumulate``'s bits, ``((dense + p_0) + p_1) + ... + p_{g-1}`` in fp32;
-    ``False``: the group's fp64 sum added to the dense values (with fp64 dense tensors: an exact-enough oracle)."""
+    """In place: :func:`flash_epilogue.gqa_accumulate` into dense accumulators (as ``GQAAccumulator.to_dense`` returns;
+    None with a None partial skipped). ``sequential=True`` (fp32 only): deterministic mode's bits, ``((dense + p_0) +
+    p_1) + ... + p_{g-1}`` in fp32; ``False``: the group's fp64 sum added (with fp64 dense: an exact-enough oracle)."""
     for partial, dense, name in ((dk_partial, dk_dense, "dk"), (dv_partial, dv_dense, "dv")):
         if partial is None and dense is None:
             continue
