@@ -9,9 +9,9 @@ tile): checked there are the tracing and the C++ ADInplaceOrView/Autograd kernel
 
 import pytest
 import torch
+import torch.utils._pytree as pytree
 
 import flash_epilogue as fe
-
 from conftest import CANARY_BITS, bits, cuda_graph, generator, int32, same
 from flash_epilogue.reference import (
     gqa_accumulate_reference,
@@ -104,8 +104,9 @@ def device(request):
 
 
 def make_problem(device, seed=0):
-    """The tensors of a small problem: batched and varlen store/store_zero, a batched GQA
-    accumulator problem, varlen 16-bit gqa_reduce partials (dv != d), and a repeat_kv input."""
+    """The tensors of a small problem: batched and varlen store/store_zero, batched and varlen GQA accumulator
+    problems (the varlen accumulator: varlen_accumulator), varlen 16-bit gqa_reduce partials (dv != d), and a repeat_kv
+    input."""
     gen = torch.Generator(device=device).manual_seed(seed)
 
     def rnd(*shape, dtype=torch.float32):
@@ -131,18 +132,21 @@ def make_problem(device, seed=0):
         "rpk": rnd(total, hk * g, d, dtype=BF16), "rpv": rnd(total, hk * g, dv, dtype=BF16),
         "rk": zeros(total, hk, d), "rv": zeros(total, hk, dv),
         "x": rnd(b, hk, s, d, dtype=BF16),
+        "vpk": rnd(total, hk * g, d), "vok": zeros(total, hk, d, dtype=F16), "vov": zeros(total, hk, d, dtype=F16),
     }
     acc = fe.gqa_accumulator(hk, d, dv, batch=b, seqlen=s, deterministic=True, device=device)
     return t, acc, {"hk": hk, "g": g, "d": d, "dv": dv}
 
 
-def clone_problem(t, acc):
-    c = {k: v.clone() for k, v in t.items()}  # clone keeps the strides of dense tensors
-    a = fe.gqa_accumulator(acc.num_heads_kv, acc.head_dim, acc.head_dim_v, batch=acc.batch, seqlen=acc.rows,
-                           deterministic=True, device=acc.device)
-    a.dk_accum.copy_(acc.dk_accum)
-    a.dv_accum.copy_(acc.dv_accum)
-    return c, a
+def varlen_accumulator(t):
+    """The varlen accumulator of make_problem's tensors (its tile offsets come from cu_seqlens)."""
+    return fe.gqa_accumulator(t["vpk"].shape[1] // 3, t["vpk"].shape[2], cu_seqlens=t["cu"],
+                              total_tokens=t["vpk"].shape[0], deterministic=True)
+
+
+def clone_problem(t, *accs):
+    """Copies of t and of the accumulators (clone keeps the strides of dense tensors)."""
+    return pytree.tree_map(torch.clone, (t, *accs))
 
 
 def stores(api, t):
@@ -167,18 +171,21 @@ def every_op(t, dk_accum, dv_accum, semaphores, d: int):
     return t["dense"] * 2, t["ok"].float()  # exact elementwise results (a reduction's order could differ)
 
 
-def every_wrapper(t, acc, hk: int):
-    """Every op through the Python API: wrappers, the accumulator object, repeat_kv."""
+def every_wrapper(t, acc, vacc):
+    """Every op through the Python API: wrappers, the accumulator objects (batched and varlen), repeat_kv."""
+    varlen = {"cu_seqlens": t["cu"], "seqused": t["vused"]}
+    hk = acc.num_heads_kv
     stores(fe, t)
     acc.reset()
     fe.gqa_accumulate(t["pk"], t["pv"], acc, deterministic=True)
     fe.gqa_accumulate(t["pk"] * 0.5, t["pv"], acc, seqused=t["used"])
     fe.gqa_postprocess(acc, t["ok"], t["ov"], scale_dk=0.125, scale_dv=3.0)
-    dense_k, dense_v = acc.to_dense()
-    fe.gqa_reduce(t["rpk"], t["rpv"], num_heads_kv=hk, out=(t["rk"], t["rv"]), cu_seqlens=t["cu"],
-                  seqused=t["vused"], scale_dk=0.25)
+    vacc.reset()
+    fe.gqa_accumulate(t["vpk"], t["vpk"] * 2, vacc, deterministic=True, **varlen)
+    fe.gqa_postprocess(vacc, t["vok"], t["vov"], scale_dv=0.5, **varlen)
+    fe.gqa_reduce(t["rpk"], t["rpv"], num_heads_kv=hk, out=(t["rk"], t["rv"]), **varlen, scale_dk=0.25)
     single = fe.gqa_reduce(t["pk"], num_heads_kv=hk, out_dtype=F16)
-    return dense_k, dense_v, single, fe.repeat_kv(t["x"], 3)
+    return *acc.to_dense(), *acc.to_dense(seqused=t["used"]), single, fe.repeat_kv(t["x"], 3)
 
 
 def assert_same_problem(t1, acc1, t2, acc2):
@@ -189,8 +196,8 @@ def assert_same_problem(t1, acc1, t2, acc2):
 
 # ---- torch.compile
 
-COMPILED = {"ops": (every_op, lambda t, acc, p: (t, acc.dk_accum, acc.dv_accum, acc.semaphores, p["d"])),
-            "wrappers": (every_wrapper, lambda t, acc, p: (t, acc, p["hk"]))}
+COMPILED = {"ops": (every_op, lambda t, acc, vacc: (t, acc.dk_accum, acc.dv_accum, acc.semaphores, acc.head_dim)),
+            "wrappers": (every_wrapper, lambda t, acc, vacc: (t, acc, vacc))}
 
 
 @pytest.mark.parametrize("api", list(COMPILED))
@@ -198,11 +205,13 @@ def test_compile_fullgraph_every_op(device, api):
     fn, args = COMPILED[api]
     compiled = torch.compile(fn, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")
     for seed in (0, 1):  # the second call reuses the compiled graph on new data
-        t, acc, p = make_problem(device, seed)
-        t2, acc2 = clone_problem(t, acc)
-        for a, b in zip(compiled(*args(t, acc, p)), fn(*args(t2, acc2, p))):
+        t, acc, _ = make_problem(device, seed)
+        vacc = varlen_accumulator(t)
+        t2, acc2, vacc2 = clone_problem(t, acc, vacc)
+        for a, b in zip(compiled(*args(t, acc, vacc)), fn(*args(t2, acc2, vacc2))):
             assert same(a, b)
         assert_same_problem(t, acc, t2, acc2)
+        assert same(vacc.dk_accum, vacc2.dk_accum) and same(vacc.dv_accum, vacc2.dv_accum)
         assert (bits(t["ok"]) != 0).any() and (bits(t["rk"]) != 0).any()
 
 
@@ -320,30 +329,9 @@ def test_cuda_graph_every_op():
     # every op captured once; each replay, on new contents of every static input (the sequence metadata and index
     # selections included) and canary-filled outputs, writes what an eager run of the same calls on copies does
     gen = generator(12)
-    t, acc, p = make_problem("cuda", 12)
-    hk, d, total = p["hk"], p["d"], t["vak"].shape[0]
-    t["vpk"] = torch.randn(total, hk * p["g"], d, device="cuda", generator=gen)
-    t["vok"] = torch.zeros(total, hk, d, dtype=F16, device="cuda")
-    t["vov"] = torch.zeros_like(t["vok"])
-
-    def varlen_accumulator(t):  # its tile offsets come from cu_seqlens
-        return fe.gqa_accumulator(hk, d, cu_seqlens=t["cu"], total_tokens=total, deterministic=True)
-
-    def step(t, acc, vacc):
-        varlen = {"cu_seqlens": t["cu"], "seqused": t["vused"]}
-        stores(fe, t)
-        acc.reset()
-        fe.gqa_accumulate(t["pk"], t["pv"], acc, deterministic=True, seqused=t["used"])
-        fe.gqa_accumulate(t["pk"], t["pv"], acc, deterministic=True)
-        fe.gqa_postprocess(acc, t["ok"], t["ov"], scale_dk=0.125)
-        vacc.reset()
-        fe.gqa_accumulate(t["vpk"], t["vpk"] * 2, vacc, deterministic=True, **varlen)
-        fe.gqa_postprocess(vacc, t["vok"], t["vov"], scale_dv=0.5, **varlen)
-        fe.gqa_reduce(t["rpk"], t["rpv"], num_heads_kv=hk, out=(t["rk"], t["rv"]), **varlen, scale_dk=0.25)
-        return acc.to_dense(seqused=t["used"])
-
+    t, acc, _ = make_problem("cuda", 12)
     vacc = varlen_accumulator(t)
-    graph, dense = cuda_graph(lambda: step(t, acc, vacc))
+    graph, out = cuda_graph(lambda: every_wrapper(t, acc, vacc))
     for trial in range(3):
         with torch.no_grad():
             for k in ("ak", "av", "vak", "vav", "pk", "pv", "rpk", "rpv", "vpk"):
@@ -356,14 +344,14 @@ def test_cuda_graph_every_op():
             t["hidx"].copy_(torch.tensor([[1], [0], [5]][trial], dtype=I32))
             for k in ("dk", "dv", "vdk", "vdv", "ok", "ov", "rk", "rv", "vok", "vov"):
                 bits(t[k]).fill_(CANARY_BITS)
-        t_eager, acc_eager = clone_problem(t, acc)
-        vacc_eager = varlen_accumulator(t_eager)
-        want = step(t_eager, acc_eager, vacc_eager)
+        t_eager, acc_eager, vacc_eager = clone_problem(t, acc, vacc)
+        want = every_wrapper(t_eager, acc_eager, vacc_eager)
         graph.replay()
         torch.cuda.synchronize()
         assert_same_problem(t, acc, t_eager, acc_eager)
         assert same(vacc.dk_accum, vacc_eager.dk_accum) and same(vacc.dv_accum, vacc_eager.dv_accum), trial
-        assert same(dense[0], want[0]) and same(dense[1], want[1]), trial
+        for a, b in zip(out, want):
+            assert same(a, b), trial
 
 
 # ---- autograd: the in-place ops as torch's own (csrc/binding/autograd.cpp; torch's in-place ops the reference)
@@ -408,9 +396,7 @@ def test_inplace_ops_as_torch_s_own(device):
     # like torch's copy_ (one bump of the written tensor): each written tensor +1, every other one unchanged. Into an
     # inference tensor outside InferenceMode: torch's own error, before the kernel writes; inside it the op runs
     t = autograd_problem(device)
-    ref = torch.zeros(3)
-    ref.copy_(torch.ones(3))
-    assert ref._version == 1
+    assert torch.zeros(3).copy_(torch.ones(3))._version == 1
     for case, (call, written, _) in op_calls(t).items():
         for k in written:
             with torch.inference_mode():
