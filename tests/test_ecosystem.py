@@ -58,12 +58,8 @@ def _cpu_gqa_accum_to_dense(accum, out, *, head_dim, cu_seqlens=None, seqused=No
     store_reference(dense, dense, out, torch.empty_like(out), cu_seqlens=cu_seqlens, seqused=seqused)
 
 
-def _cpu_gqa_reduce(dk_partial, dv_partial, dk, dv, *, cu_seqlens=None, seqused=None, scale_dk=1.0, scale_dv=1.0,
-                    _arch=0):
-    for p, o, s in ((dk_partial, dk, scale_dk), (dv_partial, dv, scale_dv)):
-        if p is not None:
-            gqa_reduce_reference(p, num_heads_kv=o.shape[-2], out=o, scale_dk=s, sequential=True, cu_seqlens=cu_seqlens,
-                                 seqused=seqused)
+def _cpu_gqa_reduce(dk_partial, dv_partial, dk, dv, _arch=0, **kw):
+    gqa_reduce_reference(dk_partial, dv_partial, num_heads_kv=dk.shape[-2], out=(dk, dv), sequential=True, **kw)
 
 
 _CPU_KERNELS = {"store": lambda *a, _arch=0, **kw: store_reference(*a, **kw),
@@ -121,7 +117,7 @@ def make_problem(device, seed=0):
     total = sum(lens) + 5
     t = {
         "ak": rnd(b, s, hk, d), "av": rnd(b, s, hk, dv), "dk": zeros(b, s, hk, d), "dv": zeros(b, s, hk, dv),
-        "used": int32(s, 77, device=device),
+        "used": int32(s, 77 - seed, device=device),
         "vak": rnd(total, hk, d), "vav": rnd(total, hk, d),
         "vdk": zeros(total, hk, d, dtype=F16), "vdv": zeros(hk, total, d, dtype=F16).transpose(0, 1),
         "cu": torch.tensor([0] + lens, dtype=I32).cumsum(0, dtype=I32).to(device),
@@ -155,7 +151,7 @@ def stores(api, t):
     api.store(t["vak"], t["vav"], t["vdk"], t["vdv"], cu_seqlens=t["cu"], seqused=t["vused"])
     api.store_zero(t["vdk"], t["vdv"], cu_seqlens=t["cu"], seqused=t["vused"], batch_idx=t["bidx"],
                    head_idx=t["hidx"], row_start=3, row_end=60)
-    api.store_zero(t["dk"], t["dv"], row_start=140)
+    api.store_zero(t["dk"], t["dv"], seqused=t["used"], batch_idx=t["bidx"], row_start=140)
 
 
 def every_op(t, dk_accum, dv_accum, semaphores, d: int):
@@ -285,40 +281,31 @@ def test_opcheck_samples_are_valid_for_the_wrappers(cpu_kernels):
 # ---- torch.export
 
 
-class EpilogueStep(torch.nn.Module):
-    """fp32 accumulators -> bf16 dK/dV on the valid rows, then zero the tail of sequence 1 (through fe or the ops)."""
+class Stores(torch.nn.Module):
+    """stores() of make_problem's tensors, through fe or the ops."""
 
     def __init__(self, api):
         super().__init__()
         self.api = api
 
-    def forward(self, ak, av, dk, dv, used, batch_idx):
-        self.api.store(ak, av, dk, dv, seqused=used)
-        self.api.store_zero(dk, dv, seqused=used, batch_idx=batch_idx, row_start=64)
-        return dk.float().sum(), dv.float().sum()
-
-
-def export_inputs(device, seed):
-    gen = torch.Generator(device=device).manual_seed(seed)
-    ak = torch.randn(2, 200, 2, 128, generator=gen, device=device)
-    av = torch.randn(2, 200, 2, 64, generator=gen, device=device)
-    dk = torch.full((2, 200, 2, 128), 7.0, dtype=BF16, device=device)
-    dv = torch.full((2, 200, 2, 64), 7.0, dtype=BF16, device=device)
-    return ak, av, dk, dv, int32(200, 150 - seed, device=device), int32(1, device=device)
+    def forward(self, t):
+        stores(self.api, t)
+        return t["dk"].float().sum(), t["vdk"].float().sum()
 
 
 @pytest.mark.parametrize("api,strict", [(fe, False), (OPS, True)], ids=["wrappers", "ops"])
 def test_export_store_and_store_zero(device, api, strict):
-    ep = torch.export.export(EpilogueStep(api), export_inputs(device, 0), strict=strict)
+    ep = torch.export.export(Stores(api), (make_problem(device)[0],), strict=strict)
     code = ep.graph_module.code
     assert "flash_epilogue.store.default" in code and "flash_epilogue.store_zero.default" in code
-    for seed in (1, 2):  # run the exported program on new data; it mutates its inputs as eager does
-        got_in, want_in = export_inputs(device, seed), export_inputs(device, seed)
-        got = ep.module()(*got_in)
-        want = EpilogueStep(api)(*want_in)
-        for a, b in [*zip(got, want), *zip(got_in, want_in)]:
+    for seed in (1, 2):  # run the exported program on new data and metadata; it mutates its inputs as eager does
+        got_in = make_problem(device, seed)[0]
+        want_in = clone_problem(got_in)[0]
+        for a, b in zip(ep.module()(got_in), Stores(api)(want_in)):
             assert same(a, b)
-        assert (bits(got_in[2][1, 64:150 - seed]) == 0).all() and (got_in[2][1, 150 - seed:] == 7.0).all()
+        for k in got_in:
+            assert same(got_in[k], want_in[k]), k
+        assert (bits(got_in["dk"][0, :140]) != 0).any() and (bits(got_in["dk"][0, 140:]) == 0).all()
 
 
 # ---- CUDA graphs
