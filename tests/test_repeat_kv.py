@@ -62,11 +62,10 @@ def assert_within_exact_bound(got, grad, n_rep, dim):
 def group_sum(grad, n_rep, dim=1):
     """The backward's arithmetic (independently of reference.py): for every KV head, 0 + g_0 + ... + g_{n-1} in fp32
     (fp64 for fp64 gradients), rounded once to the gradient's dtype."""
-    grouped = grad.unflatten(dim % 4, (-1, n_rep))
-    acc = torch.zeros(grouped.select(dim % 4 + 1, 0).shape, dtype=torch.promote_types(grad.dtype, F32),
-                      device=grad.device)
-    for j in range(n_rep):
-        acc = acc + grouped.select(dim % 4 + 1, j)
+    parts = grad.unflatten(dim % 4, (-1, n_rep)).unbind(dim % 4 + 1)
+    acc = torch.zeros_like(parts[0], dtype=torch.promote_types(grad.dtype, F32))
+    for g in parts:
+        acc = acc + g
     return acc.to(grad.dtype)
 
 
@@ -104,13 +103,6 @@ def grad_of(x, y, g, **kw):
 def same_layout(a, b):
     """Equal strides on every dim longer than 1 (a size-1 dim's stride is arbitrary)."""
     return a.shape == b.shape and all(sa == sb for n, sa, sb in zip(a.shape, a.stride(), b.stride()) if n > 1)
-
-
-def leading_order_storage(shape, order, dtype=F32, device="cpu", gen=None):
-    """A randn tensor of logical `shape` whose first three dims lie in memory in `order`."""
-    perm = list(order) + [3]
-    base = torch.randn([shape[i] for i in perm], generator=gen, device=device).to(dtype)
-    return base.permute([perm.index(i) for i in range(4)])
 
 
 # ---- forward
@@ -156,8 +148,9 @@ def sequential_reference(grad, n_rep, dim):
 @pytest.mark.parametrize("dtype", [BF16, F16, F32], ids=str)
 @pytest.mark.parametrize("d", [16, 64, 80, 96, 128, 192, 256])
 def test_backward_is_the_sequential_fp32_sum(device, d, dtype):
-    # x in every memory order of its leading dims, gradients in both (16-bit on the GPU: the kernel reads them);
-    # values over many binades: the order of the additions matters
+    # x in every memory order of its leading dims; gradients in both and with padded rows (a pitch of d + 8 elements,
+    # a multiple of 16 bytes: on the GPU the kernel reads all three); values over many binades: the order of the
+    # additions matters
     gen = torch.Generator(device).manual_seed(d + 1000 * (BF16, F16, F32).index(dtype))
     # (batch, KV heads, n_rep, sequence length; the CPU's at most 9: its reference is slow)
     shapes = ((2, 2, 4, 131), (2, 1, 8, 195), (2, 2, 3, 259), (2, 4, 2, 323), (2, 3, 2, 9), (2, 3, 2, 5), (1, 2, 3, 5),
@@ -165,11 +158,13 @@ def test_backward_is_the_sequential_fp32_sum(device, d, dtype):
     orders = ((0, 1, 2), (0, 2, 1), (1, 0, 2), (2, 1, 0))
     for (b, hk, n_rep, s), dim, order in itertools.product(shapes, (1, 2), orders):
         s = s if device == "cuda" else min(s, 9)
-        x = leading_order_storage(kv_shape((b, hk, s, d), dim), order, dtype, device, gen).requires_grad_()
+        perm = [*order, 3]  # x: its leading dims in memory in `order`
+        x = torch.randn([kv_shape((b, hk, s, d), dim)[i] for i in perm], generator=gen, device=device).to(dtype)
+        x = x.permute([perm.index(i) for i in range(4)]).requires_grad_()
         y = fe.repeat_kv(x, n_rep, dim=dim)
         g = (torch.randn(y.shape, generator=gen, device=device)
              * torch.exp2(torch.randint(-10, 11, y.shape, generator=gen, device=device))).to(dtype)
-        grads = [g, g.transpose(1, 2).contiguous().transpose(1, 2)]
+        grads = [g, g.transpose(1, 2).contiguous().transpose(1, 2), torch.nn.functional.pad(g, (0, 8))[..., :-8]]
         gxs, launched = launches(lambda: [grad_of(x, y, gy, retain_graph=True) for gy in grads], device)
         assert launched is None or (launched == 0 if dtype == F32 else launched >= 2)
         for gy, gx in zip(grads, gxs):
@@ -243,14 +238,12 @@ def test_compile_fullgraph(device, dynamic):
         q, k, gk, dout = (torch.randn(2, h, s, d, generator=gen, device=device).to(dtype) for h in (8, 2, 8, 8))
         v, gv = (torch.randn(2, s, h, d, generator=gen, device=device).to(dtype) for h in (2, 8))
         q, k, v = (t.requires_grad_() for t in (q, k, v))
-        got = compiled(k, v)
-        want = expand_both(k, v)
-        for a, b in zip(got, want):
-            assert torch.equal(bits(a), bits(b))
+        got, want = compiled(k, v), expand_both(k, v)
+        assert all(map(same, got, want))
         grads, launched = launches(lambda: torch.autograd.grad(got, (k, v), (gk, gv)), device)
         assert launched is None or launched >= 2
         for a, b in zip(grads, torch.autograd.grad(want, (k, v), (gk, gv))):
-            assert torch.equal(bits(a), bits(b)) and a.stride() == b.stride()
+            assert same(a, b) and a.stride() == b.stride()
         out = compiled_layer(q, k, v)
         grads, launched = launches(lambda: torch.autograd.grad(out, (q, k, v), dout), device)
         assert launched is None or launched >= 2
@@ -407,28 +400,21 @@ def backward_path(gy, n_rep=4, dim=1):
 
 @pytest.mark.gpu
 def test_gpu_backward_path(profiler_sees_kernels):
-    # the kernel reads strided gradients: contiguous, padded rows (a stride of 72 halves is a multiple of 16 bytes),
-    # both memory orders
-    for dim in (1, 2):
-        shape = kv_shape((2, 8, 9, 72), dim)
-        for gy in (torch.randn(shape[:3] + (64,), device="cuda").bfloat16(),
-                     torch.randn(shape, device="cuda").half()[..., :64]):
-            for g in (gy, gy.transpose(1, 2).contiguous().transpose(1, 2)):
-                gx, launched = backward_path(g, dim=dim)
-                assert launched and gx.stride(-1) == 1
-    # the stride-0 gradient of a .sum(), a row pitch that is not a multiple of 16 bytes, a misaligned start: one
-    # contiguous copy, then the kernel (the result does not depend on it)
+    # (gradients the kernel reads as they are: test_backward_is_the_sequential_fp32_sum) the stride-0 gradient of a
+    # .sum(), a row pitch that is not a multiple of 16 bytes, a misaligned start: one contiguous copy, then the kernel
+    # (the result does not depend on it)
     shape = (2, 8, 9, 64)
     misaligned = torch.randn(2 * 8 * 9 * 64 + 1, device="cuda").bfloat16()[1:].view(shape)
     for gy in (torch.ones((), dtype=BF16, device="cuda").expand(shape),
-                 torch.randn(2, 8, 9, 68, device="cuda").bfloat16()[..., :64], misaligned):
+               torch.randn(2, 8, 9, 68, device="cuda").bfloat16()[..., :64], misaligned):
         assert backward_path(gy)[1]
     x = torch.randn(2, 2, 200, 128, device="cuda").bfloat16().requires_grad_()
     assert launches(lambda: fe.repeat_kv(x, 4).sum().backward())[1]
     assert torch.equal(x.grad, torch.full_like(x, 4.0))
-    # plain PyTorch, no flash_epilogue kernel, no error: fp32/fp64 gradients (the kernel writes 16-bit only), head
-    # dims without a tile, empty ones, and past the launchers' grid limits (batch or heads >= 65536)
-    cases = [torch.randn(2, 8, 9, 64), torch.randn(2, 8, 9, 64, dtype=F64), torch.randn(2, 8, 9, 12).bfloat16(),
+    # plain PyTorch, no flash_epilogue kernel, no error: fp64 gradients (the kernel writes 16-bit only; fp32: as in
+    # test_backward_is_the_sequential_fp32_sum), head dims without a tile, empty ones, and past the launchers' grid
+    # limits (batch or heads >= 65536)
+    cases = [torch.randn(2, 8, 9, 64, dtype=F64), torch.randn(2, 8, 9, 12).bfloat16(),
              torch.randn(2, 8, 9, 264).bfloat16(), torch.randn(2, 8, 0, 64).bfloat16(), torch.randn(0, 8, 9, 64).half()]
     for gy in cases:
         assert backward_path(gy.cuda())[1] == 0, (gy.dtype, gy.shape)
@@ -505,17 +491,10 @@ def test_gpu_sdpa_layer_gradients_are_repeatable():
     # deterministic on FLASH_ATTENTION; the group reduce adds in a fixed order)
     (first, _, first_per_head), *runs = [_sdpa_gqa_case("FLASH_ATTENTION", 1, BF16, seed=11) for _ in range(10)]
     for ours, _, per_head in runs:
-        for a, b in zip(per_head, first_per_head):
-            assert torch.equal(bits(a), bits(b)), "SDPA's own per-head gradients differ between runs"
-        for a, b in zip(ours, first):
-            assert torch.equal(bits(a), bits(b))
-    # the reduce alone, on one fixed per-head gradient, 50 times
-    g = first_per_head[0]
-    x = torch.zeros(g.shape[0], g.shape[1] // 4, g.shape[2], g.shape[3], dtype=BF16, device="cuda", requires_grad=True)
-    y = fe.repeat_kv(x, 4)
-    want = grad_of(x, y, g, retain_graph=True)
-    for _ in range(50):
-        assert torch.equal(bits(grad_of(x, y, g, retain_graph=True)), bits(want))
+        assert all(map(same, per_head, first_per_head)), "SDPA's own per-head gradients differ between runs"
+        assert all(map(same, ours, first))
+    for _ in range(50):  # the reduce alone, on one fixed per-head gradient: bitwise group_sum each time
+        backward_path(first_per_head[0])
 
 
 @pytest.mark.gpu
