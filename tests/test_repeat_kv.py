@@ -289,28 +289,21 @@ def inputs(device, dim, dtype=torch.float32, batch=()):
 
 
 @pytest.mark.parametrize("dim", [1, 2])
-def test_forward_ad_carries_the_repeated_tangent(device, dim):
-    x, t, _ = inputs(device, dim, torch.bfloat16)
+def test_forward_and_reverse_mode(device, dim):
+    # forward mode (forward_ad, torch.func.jvp, jvp of the raw op): the repeated tangent; reverse mode (torch.func's
+    # vjp and grad): the head-order sum, within rounding of transformers' (the same fp32 sum in torch's order)
+    x, t, g = inputs(device, dim, torch.bfloat16)
+    f = functools.partial(fe.repeat_kv, n_rep=N_REP, dim=dim)
     with fwAD.dual_level():
-        primal, tangent = fwAD.unpack_dual(fe.repeat_kv(fwAD.make_dual(x, t), N_REP, dim=dim))
+        primal, tangent = fwAD.unpack_dual(f(fwAD.make_dual(x, t)))
     assert tangent is not None, "the tangent was dropped"
-    # forward_ad, torch.func.jvp, and jvp of the raw op
     raw = [lambda a: torch.ops.flash_epilogue.repeat_kv(a, N_REP, dim)] if fe.kernels_available() else []
-    results = [(primal, tangent)] + [jvp(f, (x,), (t,)) for f in [lambda a: fe.repeat_kv(a, N_REP, dim=dim), *raw]]
-    for primal, tangent in results:
-        assert same(primal, original_repeat_kv(x, N_REP, dim))
-        assert same(tangent, original_repeat_kv(t, N_REP, dim))
-
-
-@pytest.mark.parametrize("dim", [1, 2])
-def test_func_grad_and_vjp_are_the_head_order_sum(device, dim):
-    x, _, g = inputs(device, dim, torch.bfloat16)
-    y, pullback = vjp(lambda a: fe.repeat_kv(a, N_REP, dim=dim), x)
-    assert same(y, original_repeat_kv(x, N_REP, dim))
-    assert same(pullback(g)[0], group_sum(g, N_REP, dim))
-    gx = grad(lambda a: (fe.repeat_kv(a, N_REP, dim=dim).float() * g.float()).sum())(x)
+    for primal, tangent in [(primal, tangent)] + [jvp(h, (x,), (t,)) for h in [f, *raw]]:
+        assert same(primal, original_repeat_kv(x, N_REP, dim)) and same(tangent, original_repeat_kv(t, N_REP, dim))
+    y, pullback = vjp(f, x)
+    assert same(y, original_repeat_kv(x, N_REP, dim)) and same(pullback(g)[0], group_sum(g, N_REP, dim))
+    gx = grad(lambda a: (f(a).float() * g.float()).sum())(x)
     assert same(gx, group_sum(g, N_REP, dim))
-    # transformers' gradient: the same fp32 sum in torch's order, rounded once
     torch.testing.assert_close(gx, vjp(lambda a: original_repeat_kv(a, N_REP, dim), x)[1](g)[0])
 
 
@@ -330,21 +323,18 @@ def test_vmap_over_a_batch_of_inputs(device, dim):
 
 
 @pytest.mark.parametrize("dim", [1, 2])
-def test_jacobians_and_hessian_match_transformers(device, dim):
-    x = torch.randn(kv_shape((1, 2, 3, 8), dim), dtype=torch.float64, device=device)
-    w = torch.randn(kv_shape((1, 4, 3, 8), dim), dtype=torch.float64, device=device)
-    mine, theirs = (lambda a: fe.repeat_kv(a, 2, dim=dim)), (lambda a: original_repeat_kv(a, 2, dim))
+def test_fp64_jacobians_hessian_and_gradcheck(device, dim):
+    # jacrev, jacfwd and the hessian bitwise transformers'; gradcheck and gradgradcheck
+    mine, theirs = functools.partial(fe.repeat_kv, n_rep=2, dim=dim), (lambda a: original_repeat_kv(a, 2, dim))
+    x = torch.randn(kv_shape((1, 2, 3, 8), dim), dtype=F64, device=device)
+    w = torch.randn(kv_shape((1, 4, 3, 8), dim), dtype=F64, device=device)
     for jac in (jacrev, jacfwd):
         assert torch.equal(jac(mine)(x), jac(theirs)(x))
     assert torch.equal(hessian(lambda a: (mine(a) ** 2 * w).sum())(x), hessian(lambda a: (theirs(a) ** 2 * w).sum())(x))
-
-
-@pytest.mark.parametrize("dim", [1, 2])
-def test_gradcheck_fp64(device, dim):
     for shape in ((2, 3, 4, 8), (1, 1, 3, 8), (1, 2, 3, 8)):
-        x = torch.randn(kv_shape(shape, dim), dtype=torch.float64, device=device, requires_grad=True)
-        assert torch.autograd.gradcheck(lambda t: fe.repeat_kv(t, 3, dim=dim), (x,))
-        assert torch.autograd.gradgradcheck(lambda t: fe.repeat_kv(t, 3, dim=dim), (x,))
+        x = torch.randn(kv_shape(shape, dim), dtype=F64, device=device, requires_grad=True)
+        f = functools.partial(fe.repeat_kv, n_rep=3, dim=dim)
+        assert torch.autograd.gradcheck(f, (x,)) and torch.autograd.gradgradcheck(f, (x,))
 
 
 @pytest.mark.parametrize("dim", [1, 2])
