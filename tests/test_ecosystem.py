@@ -12,7 +12,7 @@ import torch
 import torch.utils._pytree as pytree
 
 import flash_epilogue as fe
-from conftest import CANARY_BITS, bits, cuda_graph, generator, int32, same
+from conftest import CANARY_BITS, bits, cuda_graph, generator, int32, rand, same
 from flash_epilogue.reference import (
     gqa_accumulate_reference,
     gqa_reduce_reference,
@@ -106,8 +106,7 @@ def make_problem(device, seed=0):
     gen = torch.Generator(device=device).manual_seed(seed)
 
     def rnd(*shape, dtype=torch.float32):
-        x = torch.randn(shape, generator=gen, device=device)
-        return (x * torch.exp2(torch.randint(-6, 7, shape, generator=gen, device=device).float())).to(dtype)
+        return rand(shape, gen, dtype, binades=6)
 
     def zeros(*shape, dtype=BF16):
         return torch.zeros(shape, dtype=dtype, device=device)
@@ -410,10 +409,9 @@ def test_overwritten_saved_tensor_raises_in_backward(device, how):
     # y = x * w saves w; exp saves its output (overwritten under no_grad: it requires grad): backward raises, as
     # after torch's own in-place ops (on the CPU the stand-ins' torch writes would bump as well: the GPU run checks)
     t = autograd_problem(device)
-    x = torch.randn(t["dk"].shape, device=device).to(BF16).requires_grad_()
     w = t["dk"]
-    y = (x * w).float().sum()
-    e = torch.randn(t["dk"].shape, device=device).to(BF16).requires_grad_().exp()
+    x, e = (torch.randn(w.shape, device=device).to(BF16).requires_grad_() for _ in range(2))
+    y, e = (x * w).float().sum(), e.exp()
     z = e.float().sum()
     if how == "torch":
         w.copy_(torch.ones_like(w))
@@ -443,11 +441,10 @@ def test_arguments_requiring_grad_raise(case):
         for view, what in ((False, "a leaf Variable"), (True, "a view of a leaf Variable")):
             leaf = t[k].clone().requires_grad_()
             want = what + " that requires grad is being used in an in-place operation."
-            with pytest.raises(RuntimeError, match=want):
-                (leaf[:] if view else leaf).copy_(t[k])  # torch's own
             u = {**t, k: leaf[:] if view else leaf}
-            with pytest.raises(RuntimeError, match=want):
-                call(u)
+            for f in (lambda: u[k].copy_(t[k]), lambda: call(u)):  # torch's own, the op
+                with pytest.raises(RuntimeError, match=want):
+                    f()
             with torch.no_grad(), pytest.raises(ValueError, match="expected a CUDA tensor"):
                 call(u)
     for k, arg in [*read.items(), *written.items()]:
