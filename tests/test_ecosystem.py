@@ -9,10 +9,10 @@ tile): checked there are the tracing and the C++ ADInplaceOrView/Autograd kernel
 
 import pytest
 import torch
+import torch.utils._pytree as pytree
 
 import flash_epilogue as fe
-
-from conftest import CANARY_BITS, bits, cuda_graph, generator, int32, same
+from conftest import CANARY_BITS, bits, cuda_graph, generator, int32, rand, same
 from flash_epilogue.reference import (
     gqa_accumulate_reference,
     gqa_reduce_reference,
@@ -58,12 +58,8 @@ def _cpu_gqa_accum_to_dense(accum, out, *, head_dim, cu_seqlens=None, seqused=No
     store_reference(dense, dense, out, torch.empty_like(out), cu_seqlens=cu_seqlens, seqused=seqused)
 
 
-def _cpu_gqa_reduce(dk_partial, dv_partial, dk, dv, *, cu_seqlens=None, seqused=None, scale_dk=1.0, scale_dv=1.0,
-                    _arch=0):
-    for p, o, s in ((dk_partial, dk, scale_dk), (dv_partial, dv, scale_dv)):
-        if p is not None:
-            gqa_reduce_reference(p, num_heads_kv=o.shape[-2], out=o, scale_dk=s, sequential=True, cu_seqlens=cu_seqlens,
-                                 seqused=seqused)
+def _cpu_gqa_reduce(dk_partial, dv_partial, dk, dv, _arch=0, **kw):
+    gqa_reduce_reference(dk_partial, dv_partial, num_heads_kv=dk.shape[-2], out=(dk, dv), sequential=True, **kw)
 
 
 _CPU_KERNELS = {"store": lambda *a, _arch=0, **kw: store_reference(*a, **kw),
@@ -104,13 +100,13 @@ def device(request):
 
 
 def make_problem(device, seed=0):
-    """The tensors of a small problem: batched and varlen store/store_zero, a batched GQA
-    accumulator problem, varlen 16-bit gqa_reduce partials (dv != d), and a repeat_kv input."""
+    """The tensors of a small problem: batched and varlen store/store_zero, batched and varlen GQA accumulator
+    problems (the varlen accumulator: varlen_accumulator), varlen 16-bit gqa_reduce partials (dv != d), and a repeat_kv
+    input."""
     gen = torch.Generator(device=device).manual_seed(seed)
 
     def rnd(*shape, dtype=torch.float32):
-        x = torch.randn(shape, generator=gen, device=device)
-        return (x * torch.exp2(torch.randint(-6, 7, shape, generator=gen, device=device).float())).to(dtype)
+        return rand(shape, gen, dtype, binades=6)
 
     def zeros(*shape, dtype=BF16):
         return torch.zeros(shape, dtype=dtype, device=device)
@@ -120,7 +116,7 @@ def make_problem(device, seed=0):
     total = sum(lens) + 5
     t = {
         "ak": rnd(b, s, hk, d), "av": rnd(b, s, hk, dv), "dk": zeros(b, s, hk, d), "dv": zeros(b, s, hk, dv),
-        "used": int32(s, 77, device=device),
+        "used": int32(s, 77 - seed, device=device),
         "vak": rnd(total, hk, d), "vav": rnd(total, hk, d),
         "vdk": zeros(total, hk, d, dtype=F16), "vdv": zeros(hk, total, d, dtype=F16).transpose(0, 1),
         "cu": torch.tensor([0] + lens, dtype=I32).cumsum(0, dtype=I32).to(device),
@@ -131,18 +127,21 @@ def make_problem(device, seed=0):
         "rpk": rnd(total, hk * g, d, dtype=BF16), "rpv": rnd(total, hk * g, dv, dtype=BF16),
         "rk": zeros(total, hk, d), "rv": zeros(total, hk, dv),
         "x": rnd(b, hk, s, d, dtype=BF16),
+        "vpk": rnd(total, hk * g, d), "vok": zeros(total, hk, d, dtype=F16), "vov": zeros(total, hk, d, dtype=F16),
     }
     acc = fe.gqa_accumulator(hk, d, dv, batch=b, seqlen=s, deterministic=True, device=device)
     return t, acc, {"hk": hk, "g": g, "d": d, "dv": dv}
 
 
-def clone_problem(t, acc):
-    c = {k: v.clone() for k, v in t.items()}  # clone keeps the strides of dense tensors
-    a = fe.gqa_accumulator(acc.num_heads_kv, acc.head_dim, acc.head_dim_v, batch=acc.batch, seqlen=acc.rows,
-                           deterministic=True, device=acc.device)
-    a.dk_accum.copy_(acc.dk_accum)
-    a.dv_accum.copy_(acc.dv_accum)
-    return c, a
+def varlen_accumulator(t):
+    """The varlen accumulator of make_problem's tensors (its tile offsets come from cu_seqlens)."""
+    return fe.gqa_accumulator(t["vpk"].shape[1] // 3, t["vpk"].shape[2], cu_seqlens=t["cu"],
+                              total_tokens=t["vpk"].shape[0], deterministic=True)
+
+
+def clone_problem(t, *accs):
+    """Copies of t and of the accumulators (clone keeps the strides of dense tensors)."""
+    return pytree.tree_map(torch.clone, (t, *accs))
 
 
 def stores(api, t):
@@ -151,7 +150,7 @@ def stores(api, t):
     api.store(t["vak"], t["vav"], t["vdk"], t["vdv"], cu_seqlens=t["cu"], seqused=t["vused"])
     api.store_zero(t["vdk"], t["vdv"], cu_seqlens=t["cu"], seqused=t["vused"], batch_idx=t["bidx"],
                    head_idx=t["hidx"], row_start=3, row_end=60)
-    api.store_zero(t["dk"], t["dv"], row_start=140)
+    api.store_zero(t["dk"], t["dv"], seqused=t["used"], batch_idx=t["bidx"], row_start=140)
 
 
 def every_op(t, dk_accum, dv_accum, semaphores, d: int):
@@ -167,18 +166,21 @@ def every_op(t, dk_accum, dv_accum, semaphores, d: int):
     return t["dense"] * 2, t["ok"].float()  # exact elementwise results (a reduction's order could differ)
 
 
-def every_wrapper(t, acc, hk: int):
-    """Every op through the Python API: wrappers, the accumulator object, repeat_kv."""
+def every_wrapper(t, acc, vacc):
+    """Every op through the Python API: wrappers, the accumulator objects (batched and varlen), repeat_kv."""
+    varlen = {"cu_seqlens": t["cu"], "seqused": t["vused"]}
+    hk = acc.num_heads_kv
     stores(fe, t)
     acc.reset()
     fe.gqa_accumulate(t["pk"], t["pv"], acc, deterministic=True)
     fe.gqa_accumulate(t["pk"] * 0.5, t["pv"], acc, seqused=t["used"])
     fe.gqa_postprocess(acc, t["ok"], t["ov"], scale_dk=0.125, scale_dv=3.0)
-    dense_k, dense_v = acc.to_dense()
-    fe.gqa_reduce(t["rpk"], t["rpv"], num_heads_kv=hk, out=(t["rk"], t["rv"]), cu_seqlens=t["cu"],
-                  seqused=t["vused"], scale_dk=0.25)
+    vacc.reset()
+    fe.gqa_accumulate(t["vpk"], t["vpk"] * 2, vacc, deterministic=True, **varlen)
+    fe.gqa_postprocess(vacc, t["vok"], t["vov"], scale_dv=0.5, **varlen)
+    fe.gqa_reduce(t["rpk"], t["rpv"], num_heads_kv=hk, out=(t["rk"], t["rv"]), **varlen, scale_dk=0.25)
     single = fe.gqa_reduce(t["pk"], num_heads_kv=hk, out_dtype=F16)
-    return dense_k, dense_v, single, fe.repeat_kv(t["x"], 3)
+    return *acc.to_dense(), *acc.to_dense(seqused=t["used"]), single, fe.repeat_kv(t["x"], 3)
 
 
 def assert_same_problem(t1, acc1, t2, acc2):
@@ -189,8 +191,8 @@ def assert_same_problem(t1, acc1, t2, acc2):
 
 # ---- torch.compile
 
-COMPILED = {"ops": (every_op, lambda t, acc, p: (t, acc.dk_accum, acc.dv_accum, acc.semaphores, p["d"])),
-            "wrappers": (every_wrapper, lambda t, acc, p: (t, acc, p["hk"]))}
+COMPILED = {"ops": (every_op, lambda t, acc, vacc: (t, acc.dk_accum, acc.dv_accum, acc.semaphores, acc.head_dim)),
+            "wrappers": (every_wrapper, lambda t, acc, vacc: (t, acc, vacc))}
 
 
 @pytest.mark.parametrize("api", list(COMPILED))
@@ -198,11 +200,13 @@ def test_compile_fullgraph_every_op(device, api):
     fn, args = COMPILED[api]
     compiled = torch.compile(fn, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")
     for seed in (0, 1):  # the second call reuses the compiled graph on new data
-        t, acc, p = make_problem(device, seed)
-        t2, acc2 = clone_problem(t, acc)
-        for a, b in zip(compiled(*args(t, acc, p)), fn(*args(t2, acc2, p))):
+        t, acc, _ = make_problem(device, seed)
+        vacc = varlen_accumulator(t)
+        t2, acc2, vacc2 = clone_problem(t, acc, vacc)
+        for a, b in zip(compiled(*args(t, acc, vacc)), fn(*args(t2, acc2, vacc2))):
             assert same(a, b)
         assert_same_problem(t, acc, t2, acc2)
+        assert same(vacc.dk_accum, vacc2.dk_accum) and same(vacc.dv_accum, vacc2.dv_accum)
         assert (bits(t["ok"]) != 0).any() and (bits(t["rk"]) != 0).any()
 
 
@@ -276,40 +280,31 @@ def test_opcheck_samples_are_valid_for_the_wrappers(cpu_kernels):
 # ---- torch.export
 
 
-class EpilogueStep(torch.nn.Module):
-    """fp32 accumulators -> bf16 dK/dV on the valid rows, then zero the tail of sequence 1 (through fe or the ops)."""
+class Stores(torch.nn.Module):
+    """stores() of make_problem's tensors, through fe or the ops."""
 
     def __init__(self, api):
         super().__init__()
         self.api = api
 
-    def forward(self, ak, av, dk, dv, used, batch_idx):
-        self.api.store(ak, av, dk, dv, seqused=used)
-        self.api.store_zero(dk, dv, seqused=used, batch_idx=batch_idx, row_start=64)
-        return dk.float().sum(), dv.float().sum()
-
-
-def export_inputs(device, seed):
-    gen = torch.Generator(device=device).manual_seed(seed)
-    ak = torch.randn(2, 200, 2, 128, generator=gen, device=device)
-    av = torch.randn(2, 200, 2, 64, generator=gen, device=device)
-    dk = torch.full((2, 200, 2, 128), 7.0, dtype=BF16, device=device)
-    dv = torch.full((2, 200, 2, 64), 7.0, dtype=BF16, device=device)
-    return ak, av, dk, dv, int32(200, 150 - seed, device=device), int32(1, device=device)
+    def forward(self, t):
+        stores(self.api, t)
+        return t["dk"].float().sum(), t["vdk"].float().sum()
 
 
 @pytest.mark.parametrize("api,strict", [(fe, False), (OPS, True)], ids=["wrappers", "ops"])
 def test_export_store_and_store_zero(device, api, strict):
-    ep = torch.export.export(EpilogueStep(api), export_inputs(device, 0), strict=strict)
+    ep = torch.export.export(Stores(api), (make_problem(device)[0],), strict=strict)
     code = ep.graph_module.code
     assert "flash_epilogue.store.default" in code and "flash_epilogue.store_zero.default" in code
-    for seed in (1, 2):  # run the exported program on new data; it mutates its inputs as eager does
-        got_in, want_in = export_inputs(device, seed), export_inputs(device, seed)
-        got = ep.module()(*got_in)
-        want = EpilogueStep(api)(*want_in)
-        for a, b in [*zip(got, want), *zip(got_in, want_in)]:
+    for seed in (1, 2):  # run the exported program on new data and metadata; it mutates its inputs as eager does
+        got_in = make_problem(device, seed)[0]
+        want_in = clone_problem(got_in)[0]
+        for a, b in zip(ep.module()(got_in), Stores(api)(want_in)):
             assert same(a, b)
-        assert (bits(got_in[2][1, 64:150 - seed]) == 0).all() and (got_in[2][1, 150 - seed:] == 7.0).all()
+        for k in got_in:
+            assert same(got_in[k], want_in[k]), k
+        assert (bits(got_in["dk"][0, :140]) != 0).any() and (bits(got_in["dk"][0, 140:]) == 0).all()
 
 
 # ---- CUDA graphs
@@ -320,30 +315,9 @@ def test_cuda_graph_every_op():
     # every op captured once; each replay, on new contents of every static input (the sequence metadata and index
     # selections included) and canary-filled outputs, writes what an eager run of the same calls on copies does
     gen = generator(12)
-    t, acc, p = make_problem("cuda", 12)
-    hk, d, total = p["hk"], p["d"], t["vak"].shape[0]
-    t["vpk"] = torch.randn(total, hk * p["g"], d, device="cuda", generator=gen)
-    t["vok"] = torch.zeros(total, hk, d, dtype=F16, device="cuda")
-    t["vov"] = torch.zeros_like(t["vok"])
-
-    def varlen_accumulator(t):  # its tile offsets come from cu_seqlens
-        return fe.gqa_accumulator(hk, d, cu_seqlens=t["cu"], total_tokens=total, deterministic=True)
-
-    def step(t, acc, vacc):
-        varlen = {"cu_seqlens": t["cu"], "seqused": t["vused"]}
-        stores(fe, t)
-        acc.reset()
-        fe.gqa_accumulate(t["pk"], t["pv"], acc, deterministic=True, seqused=t["used"])
-        fe.gqa_accumulate(t["pk"], t["pv"], acc, deterministic=True)
-        fe.gqa_postprocess(acc, t["ok"], t["ov"], scale_dk=0.125)
-        vacc.reset()
-        fe.gqa_accumulate(t["vpk"], t["vpk"] * 2, vacc, deterministic=True, **varlen)
-        fe.gqa_postprocess(vacc, t["vok"], t["vov"], scale_dv=0.5, **varlen)
-        fe.gqa_reduce(t["rpk"], t["rpv"], num_heads_kv=hk, out=(t["rk"], t["rv"]), **varlen, scale_dk=0.25)
-        return acc.to_dense(seqused=t["used"])
-
+    t, acc, _ = make_problem("cuda", 12)
     vacc = varlen_accumulator(t)
-    graph, dense = cuda_graph(lambda: step(t, acc, vacc))
+    graph, out = cuda_graph(lambda: every_wrapper(t, acc, vacc))
     for trial in range(3):
         with torch.no_grad():
             for k in ("ak", "av", "vak", "vav", "pk", "pv", "rpk", "rpv", "vpk"):
@@ -356,14 +330,14 @@ def test_cuda_graph_every_op():
             t["hidx"].copy_(torch.tensor([[1], [0], [5]][trial], dtype=I32))
             for k in ("dk", "dv", "vdk", "vdv", "ok", "ov", "rk", "rv", "vok", "vov"):
                 bits(t[k]).fill_(CANARY_BITS)
-        t_eager, acc_eager = clone_problem(t, acc)
-        vacc_eager = varlen_accumulator(t_eager)
-        want = step(t_eager, acc_eager, vacc_eager)
+        t_eager, acc_eager, vacc_eager = clone_problem(t, acc, vacc)
+        want = every_wrapper(t_eager, acc_eager, vacc_eager)
         graph.replay()
         torch.cuda.synchronize()
         assert_same_problem(t, acc, t_eager, acc_eager)
         assert same(vacc.dk_accum, vacc_eager.dk_accum) and same(vacc.dv_accum, vacc_eager.dv_accum), trial
-        assert same(dense[0], want[0]) and same(dense[1], want[1]), trial
+        for a, b in zip(out, want):
+            assert same(a, b), trial
 
 
 # ---- autograd: the in-place ops as torch's own (csrc/binding/autograd.cpp; torch's in-place ops the reference)
@@ -408,9 +382,7 @@ def test_inplace_ops_as_torch_s_own(device):
     # like torch's copy_ (one bump of the written tensor): each written tensor +1, every other one unchanged. Into an
     # inference tensor outside InferenceMode: torch's own error, before the kernel writes; inside it the op runs
     t = autograd_problem(device)
-    ref = torch.zeros(3)
-    ref.copy_(torch.ones(3))
-    assert ref._version == 1
+    assert torch.zeros(3).copy_(torch.ones(3))._version == 1
     for case, (call, written, _) in op_calls(t).items():
         for k in written:
             with torch.inference_mode():
@@ -437,10 +409,9 @@ def test_overwritten_saved_tensor_raises_in_backward(device, how):
     # y = x * w saves w; exp saves its output (overwritten under no_grad: it requires grad): backward raises, as
     # after torch's own in-place ops (on the CPU the stand-ins' torch writes would bump as well: the GPU run checks)
     t = autograd_problem(device)
-    x = torch.randn(t["dk"].shape, device=device).to(BF16).requires_grad_()
     w = t["dk"]
-    y = (x * w).float().sum()
-    e = torch.randn(t["dk"].shape, device=device).to(BF16).requires_grad_().exp()
+    x, e = (torch.randn(w.shape, device=device).to(BF16).requires_grad_() for _ in range(2))
+    y, e = (x * w).float().sum(), e.exp()
     z = e.float().sum()
     if how == "torch":
         w.copy_(torch.ones_like(w))
@@ -470,11 +441,10 @@ def test_arguments_requiring_grad_raise(case):
         for view, what in ((False, "a leaf Variable"), (True, "a view of a leaf Variable")):
             leaf = t[k].clone().requires_grad_()
             want = what + " that requires grad is being used in an in-place operation."
-            with pytest.raises(RuntimeError, match=want):
-                (leaf[:] if view else leaf).copy_(t[k])  # torch's own
             u = {**t, k: leaf[:] if view else leaf}
-            with pytest.raises(RuntimeError, match=want):
-                call(u)
+            for f in (lambda: u[k].copy_(t[k]), lambda: call(u)):  # torch's own, the op
+                with pytest.raises(RuntimeError, match=want):
+                    f()
             with torch.no_grad(), pytest.raises(ValueError, match="expected a CUDA tensor"):
                 call(u)
     for k, arg in [*read.items(), *written.items()]:

@@ -1,7 +1,9 @@
 """flash_epilogue.repeat_kv: transformers' repeat_kv with the deterministic group reduce as backward.
 
-Against transformers' expand + reshape; the GPU's backward bitwise and within the bound below, its path seen by
-torch.profiler. Autograd modes: test_repeat_kv_autograd.py; errors: test_bad_inputs.py.
+Against transformers' expand + reshape on the same inputs: the forward bitwise, every gradient bitwise the head-order
+fp32 sum (group_sum) and within the bound below, the GPU's kernel path seen by torch.profiler; under every autograd
+mode (forward AD, torch.func's transforms and their compositions, double backward, forward-over-reverse, fp64
+gradcheck), torch.compile and CUDA graphs. Errors: test_bad_inputs.py.
 
 Bound (u: the gradient dtype's unit roundoff; u32 = 2^-24, the fp32 accumulator's, 2^-53 for fp64; M = sum_j |g_j|
 over a group of n query-head gradients g_j): the backward computes rnd(fl(0 + g_0 + ... + g_{n-1})); the n - 1
@@ -9,17 +11,20 @@ additions after the exact first each err by <= u32 * M, the rounding by <= u * |
 
     |result - sum_j g_j| <= u * |sum_j g_j| + 2 * n * u32 * M + smallest_normal * u.
 """
+import functools
 import itertools
 
 import pytest
 import torch
+import torch.autograd.forward_ad as fwAD
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.func import grad, hessian, jacfwd, jacrev, jvp, vjp, vmap
 from torch.library import opcheck
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile
 
 import flash_epilogue as fe
-from conftest import bits, cuda_graph, generator
+from conftest import bits, cuda_graph, generator, same
 from flash_epilogue.reference import gqa_reduce_reference
 
 F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
@@ -31,11 +36,7 @@ def original_repeat_kv(x, n_rep, dim=1):
     """What transformers' Llama repeat_kv does (dim=1), and its analogue for (b, s, h_k, d)."""
     if n_rep == 1:
         return x
-    if dim == 1:
-        b, h, s, d = x.shape
-        return x[:, :, None, :, :].expand(b, h, n_rep, s, d).reshape(b, h * n_rep, s, d)
-    b, s, h, d = x.shape
-    return x[:, :, :, None, :].expand(b, s, h, n_rep, d).reshape(b, s, h * n_rep, d)
+    return x.unsqueeze(dim + 1).expand(*x.shape[:dim + 1], n_rep, *x.shape[dim + 1:]).flatten(dim, dim + 1)
 
 
 def kv_shape(shape, dim):
@@ -43,59 +44,56 @@ def kv_shape(shape, dim):
     return tuple(shape) if dim == 1 else (shape[0], shape[2], shape[1], shape[3])
 
 
+def assert_within(a, b, bound, name=""):
+    err = (a.double() - b.double()).abs()
+    bad = err > bound
+    assert not bad.any(), f"{name}: {int(bad.sum())} elements off, worst excess {(err - bound).max().item():.3e}"
+
+
 def assert_within_exact_bound(got, grad, n_rep, dim):
     """got within the module docstring's bound of the fp64 group sums of `grad` (heads in dim)."""
     g64 = grad.double().unflatten(dim, (-1, n_rep))
-    exact, mag = g64.sum(dim + 1), g64.abs().sum(dim + 1)
+    exact = g64.sum(dim + 1)
     u, u_acc = UNIT_ROUNDOFF[got.dtype], 2.0**-53 if got.dtype == F64 else 2.0**-24
-    bound = u * exact.abs() + 2 * n_rep * u_acc * mag + torch.finfo(got.dtype).smallest_normal * u
-    err = (got.double() - exact).abs()
-    bad = err > bound
-    assert not bad.any(), f"{int(bad.sum())} elements off, worst excess {(err - bound).max().item():.3e}"
+    assert_within(got, exact, u * exact.abs() + 2 * n_rep * u_acc * g64.abs().sum(dim + 1)
+                  + torch.finfo(got.dtype).smallest_normal * u)
 
 
 def group_sum(grad, n_rep, dim=1):
     """The backward's arithmetic (independently of reference.py): for every KV head, 0 + g_0 + ... + g_{n-1} in fp32
     (fp64 for fp64 gradients), rounded once to the gradient's dtype."""
-    grouped = grad.unflatten(dim % 4, (-1, n_rep))
-    acc = torch.zeros(grouped.select(dim % 4 + 1, 0).shape, dtype=torch.promote_types(grad.dtype, F32),
-                      device=grad.device)
-    for j in range(n_rep):
-        acc = acc + grouped.select(dim % 4 + 1, j)
+    parts = grad.unflatten(dim % 4, (-1, n_rep)).unbind(dim % 4 + 1)
+    acc = torch.zeros_like(parts[0], dtype=torch.promote_types(grad.dtype, F32))
+    for g in parts:
+        acc = acc + g
     return acc.to(grad.dtype)
 
 
-def flash_kernels(fn):
-    """How many flash_epilogue kernels fn launches (torch.profiler's CUDA kernel names; on the GPU)."""
+def launches(fn, device="cuda"):
+    """(fn's result, how many flash_epilogue kernels it launched: torch.profiler's CUDA kernel names; None on the CPU,
+    where none is counted)."""
+    if device == "cpu":
+        return fn(), None
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        fn()
+        out = fn()
         torch.cuda.synchronize()
-    return sum(e.count for e in prof.key_averages() if any(k in e.key for k in FLASH_KERNELS))
+    return out, sum(e.count for e in prof.key_averages() if any(k in e.key for k in FLASH_KERNELS))
 
 
 @pytest.fixture(scope="module")
 def profiler_sees_kernels():
-    """flash_kernels works here: a plain gqa_reduce shows its kernel (else CUPTI is missing)."""
+    """launches works here: a plain gqa_reduce shows its kernel (else CUPTI is missing)."""
     p = torch.randn(1, 64, 4, 64, device="cuda")
-    if not flash_kernels(lambda: fe.gqa_reduce(p, num_heads_kv=2)):
+    if not launches(lambda: fe.gqa_reduce(p, num_heads_kv=2))[1]:
         pytest.skip("torch.profiler shows no CUDA kernel names here")
 
 
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def device(request):
-    """The device a test runs on; on the GPU flash_kernels must see the kernels."""
+    """The device a test runs on; on the GPU launches must see the kernels."""
     if request.param == "cuda":
         request.getfixturevalue("profiler_sees_kernels")
     return request.param
-
-
-def launches(device, fn):
-    """(fn's result, how many flash_epilogue kernels it launched: None on the CPU, where none is counted)."""
-    if device == "cpu":
-        return fn(), None
-    out = []
-    launched = flash_kernels(lambda: out.append(fn()))
-    return out[0], launched
 
 
 def grad_of(x, y, g, **kw):
@@ -107,13 +105,6 @@ def same_layout(a, b):
     return a.shape == b.shape and all(sa == sb for n, sa, sb in zip(a.shape, a.stride(), b.stride()) if n > 1)
 
 
-def leading_order_storage(shape, order, dtype=F32, device="cpu", gen=None):
-    """A randn tensor of logical `shape` whose first three dims lie in memory in `order`."""
-    perm = list(order) + [3]
-    base = torch.randn([shape[i] for i in perm], generator=gen, device=device).to(dtype)
-    return base.permute([perm.index(i) for i in range(4)])
-
-
 # ---- forward
 
 
@@ -121,15 +112,15 @@ def leading_order_storage(shape, order, dtype=F32, device="cpu", gen=None):
 @pytest.mark.parametrize("dtype", [F32, BF16, F16, F64, torch.int64], ids=str)
 def test_forward_matches_the_original(device, dtype, dim):
     gen = torch.Generator(device).manual_seed(dim)
-    shapes = [(2, 3, 5, 8), (2, 1, 5, 8), (1, 4, 1, 16), (3, 2, 7, 24), (0, 2, 3, 8),
+    shapes = [(2, 3, 5, 8), (2, 1, 5, 8), (2, 3, 7, 16), (2, 1, 7, 16), (1, 4, 1, 16), (3, 2, 7, 24), (0, 2, 3, 8),
               *(kv_shape(s, dim) for s in ((2, 8, 300, 128), (1, 1, 77, 64), (3, 4, 129, 96)))]
     for shape in shapes:
         x = (torch.randn(shape, generator=gen, device=device) * 100).to(dtype)
-        for n_rep in (1, 2, 3, 4, 8):
+        # contiguous; a (b, s, h_k, d) projection output seen as (b, h_k, s, d), padded rows (the small ones)
+        layouts = (x, x.transpose(1, 2).contiguous().transpose(1, 2), torch.nn.functional.pad(x, (0, 8))[..., :-8])
+        for x, n_rep in itertools.product(layouts[:3 if x.numel() < 10**4 else 1], (1, 2, 3, 4, 8)):
             y, want = fe.repeat_kv(x, n_rep, dim=dim), original_repeat_kv(x, n_rep, dim)
-            assert y.shape == want.shape and y.dtype == want.dtype
-            assert torch.equal(bits(y), bits(want))
-            assert torch.equal(y, x.repeat_interleave(n_rep, dim=dim))
+            assert same(y, want) and torch.equal(y, x.repeat_interleave(n_rep, dim=dim))
             if n_rep == 1:
                 assert y is x  # as transformers: the input itself
                 continue
@@ -138,57 +129,50 @@ def test_forward_matches_the_original(device, dtype, dim):
             assert y.is_contiguous()
             if y.numel() and x.shape[dim] > 1:
                 assert y.stride() == want.stride()
-            if y.numel():
-                assert y.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
-
-
-def test_forward_of_strided_inputs_and_writable_output():
-    # a (b, s, h_k, d) projection output seen as (b, h_k, s, d), and a padded one
-    x = torch.randn(2, 7, 3, 16).transpose(1, 2)
-    padded = torch.randn(2, 3, 7, 24)[..., :16]
-    for t in (x, padded, torch.randn(2, 1, 7, 16)):
-        y = fe.repeat_kv(t, 4)
-        assert torch.equal(y, original_repeat_kv(t, 4)) and y.is_contiguous()
-        before = t.clone()
-        y.add_(1)  # in place on the output never touches the input (a stride-0 view could not even do this)
-        assert torch.equal(t, before)
+            # writable apart from x (a stride-0 view could not even be written)
+            before = x.clone()
+            y.add_(1)
+            assert same(x, before)
 
 
 # ---- backward
 
 
-def sequential_reference(grad, n_rep, dim):
-    """The kernel's arithmetic through reference.py (heads in dim 2 of a (b, s, h, d) view)."""
-    view = grad.transpose(1, 2) if dim == 1 else grad
-    out = gqa_reduce_reference(view, num_heads_kv=view.shape[2] // n_rep, out_dtype=grad.dtype, sequential=True)
-    return out.transpose(1, 2) if dim == 1 else out
-
-
 @pytest.mark.parametrize("dtype", [BF16, F16, F32], ids=str)
 @pytest.mark.parametrize("d", [16, 64, 80, 96, 128, 192, 256])
 def test_backward_is_the_sequential_fp32_sum(device, d, dtype):
-    # x in every memory order of its leading dims, gradients in both (16-bit on the GPU: the kernel reads them);
+    # x in every memory order of its leading dims, and with its head dim not innermost; gradients in both orders and
+    # with padded rows (a pitch of d + 8 elements, a multiple of 16 bytes: on the GPU the kernel reads all three);
     # values over many binades: the order of the additions matters
     gen = torch.Generator(device).manual_seed(d + 1000 * (BF16, F16, F32).index(dtype))
     # (batch, KV heads, n_rep, sequence length; the CPU's at most 9: its reference is slow)
     shapes = ((2, 2, 4, 131), (2, 1, 8, 195), (2, 2, 3, 259), (2, 4, 2, 323), (2, 3, 2, 9), (2, 3, 2, 5), (1, 2, 3, 5),
               (2, 2, 2, 3), (1, 1, 16, 1))
-    orders = ((0, 1, 2), (0, 2, 1), (1, 0, 2), (2, 1, 0))
+    orders = ((0, 1, 2, 3), (0, 2, 1, 3), (1, 0, 2, 3), (2, 1, 0, 3), (0, 3, 2, 1))  # x's dims in memory, outer first
     for (b, hk, n_rep, s), dim, order in itertools.product(shapes, (1, 2), orders):
         s = s if device == "cuda" else min(s, 9)
-        x = leading_order_storage(kv_shape((b, hk, s, d), dim), order, dtype, device, gen).requires_grad_()
+        shape = kv_shape((b, hk, s, d), dim)
+        x = torch.randn([shape[i] for i in order], generator=gen, device=device).to(dtype)
+        x = x.permute([order.index(i) for i in range(4)]).requires_grad_()
+        # its gradient's layout: dense, the last dim innermost, the leading dims in x's order
+        lead = [i for i in order if i != 3] + [3]
+        layout = torch.empty([shape[i] for i in lead]).permute([lead.index(i) for i in range(4)])
         y = fe.repeat_kv(x, n_rep, dim=dim)
         g = (torch.randn(y.shape, generator=gen, device=device)
              * torch.exp2(torch.randint(-10, 11, y.shape, generator=gen, device=device))).to(dtype)
-        grads = [g, g.transpose(1, 2).contiguous().transpose(1, 2)]
-        gxs, launched = launches(device, lambda: [grad_of(x, y, grad, retain_graph=True) for grad in grads])
+        grads = [g, g.transpose(1, 2).contiguous().transpose(1, 2), torch.nn.functional.pad(g, (0, 8))[..., :-8]]
+        gxs, launched = launches(lambda: [grad_of(x, y, gy, retain_graph=True) for gy in grads], device)
         assert launched is None or (launched == 0 if dtype == F32 else launched >= 2)
-        for grad, gx in zip(grads, gxs):
+        for gy, gx in zip(grads, gxs):
             case = (b, hk, n_rep, s, dim, order)
-            assert gx.dtype == dtype and same_layout(gx, x), case
-            assert torch.equal(bits(gx), bits(sequential_reference(grad, n_rep, dim))), case
-            assert torch.equal(bits(gx), bits(group_sum(grad, n_rep, dim))), case
-            assert_within_exact_bound(gx, grad, n_rep, dim)
+            assert gx.dtype == dtype and same_layout(gx, layout), case
+            assert gx.untyped_storage().nbytes() == gx.numel() * gx.element_size(), case
+            # the kernel's arithmetic through reference.py (heads in dim 2 of a (b, s, h, d) view)
+            view = gy.transpose(1, 2) if dim == 1 else gy
+            ref = gqa_reduce_reference(view, num_heads_kv=hk, out_dtype=dtype, sequential=True)
+            assert torch.equal(bits(gx), bits(ref.transpose(1, 2) if dim == 1 else ref)), case
+            assert torch.equal(bits(gx), bits(group_sum(gy, n_rep, dim))), case
+            assert_within_exact_bound(gx, gy, n_rep, dim)
         # the original's backward: the same sum up to the order of fp32 additions
         assert_within_exact_bound(grad_of(x, original_repeat_kv(x, n_rep, dim), g), g, n_rep, dim)
 
@@ -200,20 +184,6 @@ def test_backward_sign_of_zero_and_specials():
     out = grad_of(x, fe.repeat_kv(x, 2), g.expand(1, 6, 1, 8).contiguous())
     assert out[0, 0, 0, 0].item() == 0.0 and not out[0, 0, 0, 0].signbit()
     assert out[0, 1, 0, 0].item() == float("inf") and out[0, 2, 0, 0].isnan()
-
-
-@pytest.mark.parametrize("dim", [1, 2])
-def test_gradient_of_x_with_a_head_dim_not_innermost(dim):
-    # the gradient's still is (dense, last dim contiguous, the leading dims in x's order)
-    x = torch.randn(2, 16, 5, 3).permute(0, 3, 2, 1) if dim == 1 else torch.randn(2, 16, 3, 5).permute(0, 3, 2, 1)
-    x.requires_grad_()
-    y = fe.repeat_kv(x, 2, dim=dim)
-    g = torch.randn(y.shape)
-    gx = grad_of(x, y, g)
-    assert gx.stride(-1) == 1 and gx.untyped_storage().nbytes() == gx.numel() * gx.element_size()
-    pairs = ((0, 1), (1, 2), (0, 2))
-    assert [gx.stride(i) > gx.stride(j) for i, j in pairs] == [x.stride(i) > x.stride(j) for i, j in pairs]
-    assert torch.equal(gx, group_sum(g, 2, dim))
 
 
 @pytest.mark.ops
@@ -239,11 +209,9 @@ def test_compile_fullgraph(device, dynamic):
     def expand_both(k, v):
         return fe.repeat_kv(k, 4), fe.repeat_kv(v, 4, dim=2)
 
-    def layer(q, k, v, keep=None):
+    def layer(q, k, v):  # and the repeated K and V (their per-query-head gradients bound the GPU's)
         kr, vr = expand_both(k, v)
-        if keep is not None:  # eager only: the repeated K and V (their per-query-head gradients bound the GPU's)
-            keep.extend((kr, vr))
-        return torch.nn.functional.scaled_dot_product_attention(q, kr, vr.transpose(1, 2), is_causal=True)
+        return torch.nn.functional.scaled_dot_product_attention(q, kr, vr.transpose(1, 2), is_causal=True), kr, vr
 
     backend = "aot_eager" if device == "cpu" else "inductor"  # the CPU's SDPA: the math one
     compiled, compiled_layer = (torch.compile(f, fullgraph=True, backend=backend, dynamic=dynamic)
@@ -254,20 +222,17 @@ def test_compile_fullgraph(device, dynamic):
         q, k, gk, dout = (torch.randn(2, h, s, d, generator=gen, device=device).to(dtype) for h in (8, 2, 8, 8))
         v, gv = (torch.randn(2, s, h, d, generator=gen, device=device).to(dtype) for h in (2, 8))
         q, k, v = (t.requires_grad_() for t in (q, k, v))
-        got = compiled(k, v)
-        want = expand_both(k, v)
-        for a, b in zip(got, want):
-            assert torch.equal(bits(a), bits(b))
-        grads, launched = launches(device, lambda: torch.autograd.grad(got, (k, v), (gk, gv)))
+        got, want = compiled(k, v), expand_both(k, v)
+        assert all(map(same, got, want))
+        grads, launched = launches(lambda: torch.autograd.grad(got, (k, v), (gk, gv)), device)
         assert launched is None or launched >= 2
         for a, b in zip(grads, torch.autograd.grad(want, (k, v), (gk, gv))):
-            assert torch.equal(bits(a), bits(b)) and a.stride() == b.stride()
-        out = compiled_layer(q, k, v)
-        grads, launched = launches(device, lambda: torch.autograd.grad(out, (q, k, v), dout))
+            assert same(a, b) and a.stride() == b.stride()
+        out = compiled_layer(q, k, v)[0]
+        grads, launched = launches(lambda: torch.autograd.grad(out, (q, k, v), dout), device)
         assert launched is None or launched >= 2
-        keep = []
-        want = layer(q, k, v, keep)
-        want_grads = torch.autograd.grad(want, (q, k, v, *keep), dout)
+        want, kr, vr = layer(q, k, v)
+        want_grads = torch.autograd.grad(want, (q, k, v, kr, vr), dout)
         if device == "cpu":
             assert torch.equal(out, want)
             for a, b in zip(grads, want_grads):
@@ -300,49 +265,132 @@ def test_backward_output_strides_are_the_fakes(dim):
         (2, 0, 3, 8)
 
 
+# ---- autograd modes
+
+
+N_REP = 3
+
+
+def inputs(device, dim, dtype=torch.float32, batch=()):
+    """x of `batch` + (2, 2, 40, 64), its heads in dim (of each example), a tangent of x and a cotangent of
+    repeat_kv(x)."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    shape = (*batch, *kv_shape((2, 2, 40, 64), dim))
+    out_shape = list(shape)
+    out_shape[len(batch) + dim] *= N_REP
+    return [torch.randn(s, generator=gen, device=device).to(dtype) for s in (shape, shape, out_shape)]
+
+
+@pytest.mark.parametrize("dim", [1, 2])
+def test_forward_and_reverse_mode(device, dim):
+    # forward mode (forward_ad, torch.func.jvp, jvp of the raw op): the repeated tangent; reverse mode (torch.func's
+    # vjp and grad): the head-order sum, within rounding of transformers' (the same fp32 sum in torch's order)
+    x, t, g = inputs(device, dim, torch.bfloat16)
+    f = functools.partial(fe.repeat_kv, n_rep=N_REP, dim=dim)
+    with fwAD.dual_level():
+        primal, tangent = fwAD.unpack_dual(f(fwAD.make_dual(x, t)))
+    assert tangent is not None, "the tangent was dropped"
+    raw = [lambda a: torch.ops.flash_epilogue.repeat_kv(a, N_REP, dim)] if fe.kernels_available() else []
+    for primal, tangent in [(primal, tangent)] + [jvp(h, (x,), (t,)) for h in [f, *raw]]:
+        assert same(primal, original_repeat_kv(x, N_REP, dim)) and same(tangent, original_repeat_kv(t, N_REP, dim))
+    y, pullback = vjp(f, x)
+    assert same(y, original_repeat_kv(x, N_REP, dim)) and same(pullback(g)[0], group_sum(g, N_REP, dim))
+    gx = grad(lambda a: (f(a).float() * g.float()).sum())(x)
+    assert same(gx, group_sum(g, N_REP, dim))
+    torch.testing.assert_close(gx, vjp(lambda a: original_repeat_kv(a, N_REP, dim), x)[1](g)[0])
+
+
+@pytest.mark.parametrize("dim", [1, 2])
+def test_vmap_over_a_batch_of_inputs(device, dim):
+    xs, ts, gs = inputs(device, dim, torch.bfloat16, batch=(4,))
+    f = functools.partial(fe.repeat_kv, n_rep=N_REP, dim=dim)
+    ys = vmap(f)(xs)
+    assert same(ys, torch.stack([original_repeat_kv(x, N_REP, dim) for x in xs]))
+    for in_dim in (1, 3):  # the vmapped dim elsewhere than in front
+        assert same(vmap(f, in_dims=in_dim)(xs.movedim(0, in_dim)), ys)
+    # per-sample vjp and jvp under vmap
+    gxs = vmap(lambda a, g: vjp(f, a)[1](g)[0])(xs, gs)
+    assert same(gxs, torch.stack([group_sum(g, N_REP, dim) for g in gs]))
+    tangents = vmap(lambda a, t: jvp(f, (a,), (t,))[1])(xs, ts)
+    assert same(tangents, torch.stack([original_repeat_kv(t, N_REP, dim) for t in ts]))
+
+
+@pytest.mark.parametrize("dim", [1, 2])
+def test_fp64_jacobians_hessian_and_gradcheck(device, dim):
+    # jacrev, jacfwd and the hessian bitwise transformers'; gradcheck and gradgradcheck
+    mine, theirs = functools.partial(fe.repeat_kv, n_rep=2, dim=dim), (lambda a: original_repeat_kv(a, 2, dim))
+    x = torch.randn(kv_shape((1, 2, 3, 8), dim), dtype=F64, device=device)
+    w = torch.randn(kv_shape((1, 4, 3, 8), dim), dtype=F64, device=device)
+    for jac in (jacrev, jacfwd):
+        assert torch.equal(jac(mine)(x), jac(theirs)(x))
+    assert torch.equal(hessian(lambda a: (mine(a) ** 2 * w).sum())(x), hessian(lambda a: (theirs(a) ** 2 * w).sum())(x))
+    for shape in ((2, 3, 4, 8), (1, 1, 3, 8), (1, 2, 3, 8)):
+        x = torch.randn(kv_shape(shape, dim), dtype=F64, device=device, requires_grad=True)
+        f = functools.partial(fe.repeat_kv, n_rep=3, dim=dim)
+        assert torch.autograd.gradcheck(f, (x,)) and torch.autograd.gradgradcheck(f, (x,))
+
+
+@pytest.mark.parametrize("dim", [1, 2])
+def test_double_backward_and_forward_over_reverse(device, dim):
+    x, t, g = inputs(device, dim)
+    x.requires_grad_()
+    g.requires_grad_()
+    y = fe.repeat_kv(x, N_REP, dim=dim)
+    (gx,) = torch.autograd.grad(y, x, g, create_graph=True)
+    if fe.kernels_available():  # the extension's nodes
+        assert (y.grad_fn.name(), gx.grad_fn.name()) == ("RepeatKvBackward", "RepeatKvBackwardBackward")
+    assert same(gx, group_sum(g.detach(), N_REP, dim))
+    (gg,) = torch.autograd.grad(gx, g, t)  # the backward's adjoint: the expand again
+    assert same(gg, original_repeat_kv(t, N_REP, dim))
+    # forward-over-reverse: a tangent of the cotangent through the backward (the group sum of the tangent)
+    with fwAD.dual_level():
+        y = fe.repeat_kv(x, N_REP, dim=dim)
+        dual_g = fwAD.make_dual(g.detach(), original_repeat_kv(t, N_REP, dim))
+        primal, tangent = fwAD.unpack_dual(torch.autograd.grad(y, x, dual_g)[0])
+    assert same(primal, group_sum(g.detach(), N_REP, dim))
+    assert same(tangent, group_sum(original_repeat_kv(t, N_REP, dim), N_REP, dim))
+    # torch.func: the hessian-vector product of a quadratic through the op, forward over reverse
+    w = torch.randn(y.shape, device=device)
+    _, hvp = jvp(grad(lambda a: (fe.repeat_kv(a, N_REP, dim=dim) ** 2 * w).sum()), (x.detach(),), (t,))
+    torch.testing.assert_close(hvp, group_sum(2 * w * original_repeat_kv(t, N_REP, dim), N_REP, dim))
+
+
+
 # ---- GPU
 
 
-def backward_path(grad, n_rep=4, dim=1):
+def backward_path(gy, n_rep=4, dim=1):
     """(the gradient of x, the number of flash_epilogue kernels its backward launched) for repeat_kv's output
-    gradient `grad` (x: a leaf of grad's dtype, KV heads in `dim`), the gradient checked bitwise."""
-    shape = list(grad.shape)
+    gradient `gy` (x: a leaf of gy's dtype, KV heads in `dim`), the gradient checked bitwise."""
+    shape = list(gy.shape)
     shape[dim] //= n_rep
-    x = torch.zeros(shape, dtype=grad.dtype, device=grad.device, requires_grad=True)
+    x = torch.zeros(shape, dtype=gy.dtype, device=gy.device, requires_grad=True)
     y = fe.repeat_kv(x, n_rep, dim=dim)
-    out = []
-    launched = flash_kernels(lambda: out.append(grad_of(x, y, grad)))
-    assert torch.equal(bits(out[0]), bits(group_sum(grad, n_rep, dim)))
-    return out[0], launched
+    gx, launched = launches(lambda: grad_of(x, y, gy))
+    assert torch.equal(bits(gx), bits(group_sum(gy, n_rep, dim)))
+    return gx, launched
 
 
 @pytest.mark.gpu
 def test_gpu_backward_path(profiler_sees_kernels):
-    # the kernel reads strided gradients: contiguous, padded rows (a stride of 72 halves is a multiple of 16 bytes),
-    # both memory orders
-    for dim in (1, 2):
-        shape = kv_shape((2, 8, 9, 72), dim)
-        for grad in (torch.randn(shape[:3] + (64,), device="cuda").bfloat16(),
-                     torch.randn(shape, device="cuda").half()[..., :64]):
-            for g in (grad, grad.transpose(1, 2).contiguous().transpose(1, 2)):
-                gx, launched = backward_path(g, dim=dim)
-                assert launched and gx.stride(-1) == 1
-    # the stride-0 gradient of a .sum(), a row pitch that is not a multiple of 16 bytes, a misaligned start: one
-    # contiguous copy, then the kernel (the result does not depend on it)
+    # (gradients the kernel reads as they are: test_backward_is_the_sequential_fp32_sum) the stride-0 gradient of a
+    # .sum(), a row pitch that is not a multiple of 16 bytes, a misaligned start: one contiguous copy, then the kernel
+    # (the result does not depend on it)
     shape = (2, 8, 9, 64)
     misaligned = torch.randn(2 * 8 * 9 * 64 + 1, device="cuda").bfloat16()[1:].view(shape)
-    for grad in (torch.ones((), dtype=BF16, device="cuda").expand(shape),
-                 torch.randn(2, 8, 9, 68, device="cuda").bfloat16()[..., :64], misaligned):
-        assert backward_path(grad)[1]
+    for gy in (torch.ones((), dtype=BF16, device="cuda").expand(shape),
+               torch.randn(2, 8, 9, 68, device="cuda").bfloat16()[..., :64], misaligned):
+        assert backward_path(gy)[1]
     x = torch.randn(2, 2, 200, 128, device="cuda").bfloat16().requires_grad_()
-    assert flash_kernels(lambda: fe.repeat_kv(x, 4).sum().backward())
+    assert launches(lambda: fe.repeat_kv(x, 4).sum().backward())[1]
     assert torch.equal(x.grad, torch.full_like(x, 4.0))
-    # plain PyTorch, no flash_epilogue kernel, no error: fp32/fp64 gradients (the kernel writes 16-bit only), head
-    # dims without a tile, empty ones, and past the launchers' grid limits (batch or heads >= 65536)
-    cases = [torch.randn(2, 8, 9, 64), torch.randn(2, 8, 9, 64, dtype=F64), torch.randn(2, 8, 9, 12).bfloat16(),
+    # plain PyTorch, no flash_epilogue kernel, no error: fp64 gradients (the kernel writes 16-bit only; fp32: as in
+    # test_backward_is_the_sequential_fp32_sum), head dims without a tile, empty ones, and past the launchers' grid
+    # limits (batch or heads >= 65536)
+    cases = [torch.randn(2, 8, 9, 64, dtype=F64), torch.randn(2, 8, 9, 12).bfloat16(),
              torch.randn(2, 8, 9, 264).bfloat16(), torch.randn(2, 8, 0, 64).bfloat16(), torch.randn(0, 8, 9, 64).half()]
-    for grad in cases:
-        assert backward_path(grad.cuda())[1] == 0, (grad.dtype, grad.shape)
+    for gy in cases:
+        assert backward_path(gy.cuda())[1] == 0, (gy.dtype, gy.shape)
     for shape, dim in (((65536, 2, 1, 8), 1), ((1, 1, 65536, 8), 2)):
         assert backward_path(torch.ones((), dtype=BF16, device="cuda").expand(shape), n_rep=2, dim=dim)[1] == 0
 
@@ -361,11 +409,7 @@ def assert_within_layer_bound(name, a, b, per_head, n_rep, dim):
     m = per_head.double().abs().unflatten(dim, (-1, n_rep)).sum(dim + 1)
     bound = 2 * u * m + u * (a.double().abs() + b.double().abs()) + 2 * n_rep * 2.0**-24 * m \
         + torch.finfo(a.dtype).smallest_normal * u
-    err = (a.double() - b.double()).abs()
-    bad = err > bound
-    same = float((bits(a) == bits(b)).float().mean())
-    assert not bad.any(), (f"{name}: {int(bad.sum())} elements off, worst excess {(err - bound).max().item():.3e} "
-                           f"({same:.4%} bitwise equal)")
+    assert_within(a, b, bound, f"{name} ({(bits(a) == bits(b)).float().mean():.4%} bitwise equal)")
 
 
 def _sdpa_gqa_case(backend, dim, dtype, seed, b=2, hk=2, n_rep=4, s=256, d=128):
@@ -374,17 +418,15 @@ def _sdpa_gqa_case(backend, dim, dtype, seed, b=2, hk=2, n_rep=4, s=256, d=128):
     backend = getattr(SDPBackend, backend)
     gen = generator(seed)
     hq = hk * n_rep
-    q = torch.randn(kv_shape((b, hq, s, d), dim), device="cuda", generator=gen).to(dtype)
-    k = torch.randn(kv_shape((b, hk, s, d), dim), device="cuda", generator=gen).to(dtype)
-    v = torch.randn(kv_shape((b, hk, s, d), dim), device="cuda", generator=gen).to(dtype)
+    q, k, v = (torch.randn(kv_shape((b, h, s, d), dim), device="cuda", generator=gen).to(dtype) for h in (hq, hk, hk))
     dout = torch.randn(b, hq, s, d, device="cuda", generator=gen).to(dtype)
     heads_major = (lambda t: t) if dim == 1 else (lambda t: t.transpose(1, 2))
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
     qa, ka, va = (t.clone().requires_grad_() for t in (q, k, v))
     kr, vr = fe.repeat_kv(ka, n_rep, dim=dim), fe.repeat_kv(va, n_rep, dim=dim)
-    kr.retain_grad()
-    vr.retain_grad()
+    for t in (kr, vr):
+        t.retain_grad()
     with sdpa_kernel(backend):
         sdpa(heads_major(qa), heads_major(kr), heads_major(vr), is_causal=True).backward(dout)
 
@@ -407,9 +449,8 @@ def test_gpu_sdpa_layer_matches_enable_gqa(backend, dim, dtype, profiler_sees_ke
     # bound (FLASH_ATTENTION: the per-head values coincide, so typically bitwise, at most one ulp apart where the two
     # fp32 summation orders round apart)
     n_rep = 4
-    case = []
-    assert flash_kernels(lambda: case.append(_sdpa_gqa_case(backend, dim, dtype, seed=7 + dim, n_rep=n_rep))) >= 2
-    ours, theirs, per_head = case[0]
+    (ours, theirs, per_head), launched = launches(lambda: _sdpa_gqa_case(backend, dim, dtype, 7 + dim, n_rep=n_rep))
+    assert launched >= 2
     for name, a, b, g in zip(("dk", "dv"), ours, theirs, per_head):
         assert a.shape == b.shape and a.dtype == b.dtype == dtype
         # our gradient is exactly the sequential sum of the per-head gradients
@@ -423,17 +464,10 @@ def test_gpu_sdpa_layer_gradients_are_repeatable():
     # deterministic on FLASH_ATTENTION; the group reduce adds in a fixed order)
     (first, _, first_per_head), *runs = [_sdpa_gqa_case("FLASH_ATTENTION", 1, BF16, seed=11) for _ in range(10)]
     for ours, _, per_head in runs:
-        for a, b in zip(per_head, first_per_head):
-            assert torch.equal(bits(a), bits(b)), "SDPA's own per-head gradients differ between runs"
-        for a, b in zip(ours, first):
-            assert torch.equal(bits(a), bits(b))
-    # the reduce alone, on one fixed per-head gradient, 50 times
-    g = first_per_head[0]
-    x = torch.zeros(g.shape[0], g.shape[1] // 4, g.shape[2], g.shape[3], dtype=BF16, device="cuda", requires_grad=True)
-    y = fe.repeat_kv(x, 4)
-    want = grad_of(x, y, g, retain_graph=True)
-    for _ in range(50):
-        assert torch.equal(bits(grad_of(x, y, g, retain_graph=True)), bits(want))
+        assert all(map(same, per_head, first_per_head)), "SDPA's own per-head gradients differ between runs"
+        assert all(map(same, ours, first))
+    for _ in range(50):  # the reduce alone, on one fixed per-head gradient: bitwise group_sum each time
+        backward_path(first_per_head[0])
 
 
 @pytest.mark.gpu
@@ -453,13 +487,12 @@ def test_gpu_cuda_graph(debug, monkeypatch, profiler_sees_kernels):
         y = fe.repeat_kv(x, 4)
         return y, grad_of(x, y, gy)
 
-    assert flash_kernels(step)  # the kernel path
+    assert launches(step)[1]  # the kernel path
     graph, (y, gx) = cuda_graph(step, warmup=2)
     for _ in range(3):
         with torch.no_grad():
-            x.copy_(torch.randn(x.shape, device="cuda", generator=gen))
-            gy.copy_(torch.randn(gy.shape, device="cuda", generator=gen))
+            for t in (x, gy):
+                t.copy_(torch.randn(t.shape, device="cuda", generator=gen))
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(bits(y), bits(original_repeat_kv(x.detach(), 4)))
-        assert torch.equal(bits(gx), bits(group_sum(gy, 4, 1)))
+        assert same(y, original_repeat_kv(x.detach(), 4)) and same(gx, group_sum(gy, 4, 1))
