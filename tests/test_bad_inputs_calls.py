@@ -6,7 +6,6 @@ import dataclasses
 import os
 import re
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import pytest
 import torch
 
 import flash_epilogue as fe
-from conftest import bits, deterministic_algorithms, rand
+from conftest import bits, deterministic_algorithms, rand, run_checked
 from flash_epilogue import reference as ref
 
 BF16, F16, F32, I32 = torch.bfloat16, torch.float16, torch.float32, torch.int32
@@ -273,10 +272,7 @@ def test_env_switches_turn_on_the_content_checks(env, monkeypatch):
 
 
 def run(code, cwd=Path(__file__).resolve().parent.parent, **env):
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=cwd,
-                         env={**os.environ, **env})
-    assert out.returncode == 0, out.stdout + out.stderr
-    return out.stdout
+    return run_checked([sys.executable, "-c", code], cwd=cwd, env={**os.environ, **env}).stdout
 
 
 def test_without_the_extension_every_op_names_the_reason():
