@@ -49,9 +49,8 @@ struct GqaTraits {
   static constexpr int kMinBlocksPerSm = kNumThreads <= 256 ? 2 : 1;
 };
 
-template <class Config_, class ArchTag_>
+template <class Config, class ArchTag_>
 struct GqaAccumulateKernel {
-  using Config = Config_;
   using ArchTag = ArchTag_;
   using Traits = GqaTraits<Config, ArchTag>;
   using Collective = typename Traits::Collective;
@@ -174,9 +173,8 @@ struct AccumTiles {
 // group's partials (TMA), through a StreamRing, add them in head order in fp32 (elements outside the valid
 // rows and columns kept as they are) and bulk-copy the sum back: each tile moves once instead of g times,
 // no other CTA touches it, and the bits are those of the ordered per-head adds, without counters.
-template <class Config_>
+template <class Config>
 struct GqaAccumulateStreamKernel {
-  using Config = Config_;
   using ArchTag = cutlass::arch::Sm90;
   using Traits = GqaTraits<Config, ArchTag>;
   using Ring = StreamRing<Config, float, /*kCtasPerSm=*/1>;
@@ -188,11 +186,10 @@ struct GqaAccumulateStreamKernel {
   static_assert(Traits::kAccumTileElems * sizeof(float) == Ring::kStageBytes,
                 "a whole accumulator tile fills one stage");
   static_assert(Traits::kNumThreads == Ring::kNumConsumerThreads, "the accumulator's fragments are the consumers'");
-  using TmaLoad = typename Ring::TmaLoad;
 
   struct TensorParams {
     AccumTiles<Traits> accum;
-    TmaLoad tma_load_in;          // its partials, (rows, d, h_q, batch extent)
+    typename Ring::TmaLoad tma_load_in;  // its partials, (rows, d, h_q, batch extent)
     ShapeRowsHeadBatch shape_in;
   };
 
@@ -297,13 +294,12 @@ struct GqaAccumulateStreamKernel {
   }
 };
 
-template <class Config_, class Element_, class ArchTag_, bool kVarlen_>
+template <class Config, class Element_, class ArchTag_, bool kVarlen>
 struct GqaPostprocessKernel {
-  using Config = Config_;
   using Element = Element_;
   using ArchTag = ArchTag_;
   using Traits = GqaTraits<Config, ArchTag>;
-  using Store = StoreKernel<Config, Element, ArchTag, kVarlen_>;  // its TiledMma and CollectiveEpilogueBwd
+  using Store = StoreKernel<Config, Element, ArchTag, kVarlen>;  // its TiledMma and CollectiveEpilogueBwd
   using Epilogue = typename Store::Epilogue;
   static constexpr int kBlockN = Config::kBlockN;
   static constexpr int kNumThreads = Config::kNumThreads;
@@ -337,9 +333,8 @@ struct GqaPostprocessKernel {
   }
 };
 
-template <class Config_, class ArchTag_>
+template <class Config, class ArchTag_>
 struct GqaDenseKernel {
-  using Config = Config_;
   using ArchTag = ArchTag_;
   using Traits = GqaTraits<Config, ArchTag>;
   static constexpr int kBlockN = Config::kBlockN;
@@ -378,13 +373,11 @@ struct GqaDenseKernel {
   }
 };
 
-template <class Config_, class Element_, class ElementIn_, class ArchTag_, bool kVarlen_>
+template <class Config, class Element_, class ElementIn, class ArchTag_, bool kVarlen>  // ElementIn: float or Element
 struct GqaReduceKernel {
-  using Config = Config_;
   using Element = Element_;
-  using ElementIn = ElementIn_;  // float, or Element
   using ArchTag = ArchTag_;
-  using Store = StoreKernel<Config, Element, ArchTag, kVarlen_>;
+  using Store = StoreKernel<Config, Element, ArchTag, kVarlen>;
   using Epilogue = typename Store::Epilogue;
   static constexpr int kBlockN = Config::kBlockN;
   static constexpr int kHeadDim = Config::kHeadDim;

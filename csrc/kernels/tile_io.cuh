@@ -8,28 +8,13 @@
 #include <cutlass/array.h>
 #include <cutlass/fast_math.h>
 
+#include "flash_epilogue/fragment_utils.h"
 #include "flash_epilogue/named_barrier.h"
 
 namespace flash_epilogue {
 
 using ShapeRowsHeadBatch = cute::Shape<int32_t, int32_t, int32_t, int32_t>;    // (rows, d, head, batch)
 using StrideRowsHeadBatch = cute::Stride<int64_t, cute::_1, int64_t, int64_t>;
-
-// Tile n_block of (head, batch_coord) of a (rows, d, head, batch) tensor, in the sequence starting at row
-// `offset`; the tensor given (a TMA tensor) or in global memory at `ptr`.
-template <int kBlockN, int kHeadDim, class Tensor4>
-CUTLASS_DEVICE auto rows_tile(Tensor4 const& m, int head, int batch_coord, int offset, int n_block) {
-  using namespace cute;
-  return local_tile(domain_offset(make_coord(offset, _0{}), m(_, _, head, batch_coord)),
-                    Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, _0{}));
-}
-template <int kBlockN, int kHeadDim, class T, class ShapeT, class StrideT>
-CUTLASS_DEVICE auto rows_tile(T* ptr, ShapeT const& shape, StrideT const& stride, int head, int batch_coord, int offset,
-                              int n_block) {
-  using namespace cute;
-  return rows_tile<kBlockN, kHeadDim>(make_tensor(make_gmem_ptr(ptr), shape, stride), head, batch_coord, offset,
-                                      n_block);
-}
 
 // fn(width, i, row, col, pointer) for each element i of `thr_mma`'s C fragment over a tile (global, or a
 // swizzled smem stage). Without swapAB pairs (2i, 2i+1) are adjacent columns of a row and come together
@@ -124,13 +109,7 @@ struct StagedTileSum {
     // A chunk of row passes at a time: its loads for a head overlap, and the sums leave room for two CTAs.
 #pragma unroll
     for (int r0 = 0; r0 < kRowIters; r0 += kChunkRowIters) {
-      float sum[kChunkRowIters][kColIters][kVec];
-#pragma unroll
-      for (int r = 0; r < kChunkRowIters; ++r)
-#pragma unroll
-        for (int c = 0; c < kColIters; ++c)
-#pragma unroll
-          for (int v = 0; v < kVec; ++v) { sum[r][c][v] = 0.f; }
+      float sum[kChunkRowIters][kColIters][kVec] = {};
       for (int g = 0; g < group; ++g) {
         auto const gtile = tile_of(g);  // (BLK_N, BLK_D)
 #pragma unroll

@@ -176,8 +176,7 @@ struct CollectiveEpilogueBwd {
       if (d <= 0 || d > kHeadDim) { return "head dim must be in [1, kHeadDim]"; }
       if (d % kGmemElemsPerStore != 0) { return "head dim must be a multiple of 8 (16-byte vectors)"; }
       if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0) { return "tensor start must be 16-byte aligned"; }
-      int64_t const strides[3] = {cute::get<0>(stride), cute::get<2>(stride), cute::get<3>(stride)};
-      for (int64_t s : strides) {
+      for (int64_t s : {cute::get<0>(stride), cute::get<2>(stride), cute::get<3>(stride)}) {
         if (s < 0 || (s * int64_t(sizeof(Element))) % 16 != 0) {
           return "row, head and batch strides must be non-negative multiples of 16 bytes";
         }
@@ -214,17 +213,11 @@ struct CollectiveEpilogueBwd {
       }
     };
     bool const has_dv = args.ptr_dV != nullptr;  // without dV, its descriptor is dK's (never used)
-    return {args.ptr_dK,
-            args.shape_dK,
-            args.stride_dK,
-            args.ptr_dV,
-            args.shape_dV,
-            args.stride_dV,
+    return {args.ptr_dK, args.shape_dK, args.stride_dK, args.ptr_dV, args.shape_dV, args.stride_dV,
             make_store(args.ptr_dK, args.shape_dK, args.stride_dK),
             has_dv ? make_store(args.ptr_dV, args.shape_dV, args.stride_dV)
                    : make_store(args.ptr_dK, args.shape_dK, args.stride_dK),
-            args.cu_seqlens,
-            args.seqused};
+            args.cu_seqlens, args.seqused};
   }
 
   // Ideally from one thread, early in the kernel.
@@ -248,19 +241,13 @@ struct CollectiveEpilogueBwd {
     };
     Tensor sdK = smem_tensor(storage.smem_dk.data(), SmemLayoutdKV{});
     Tensor sdV = smem_tensor(storage.smem_dv.data(), SmemLayoutdKV{});
-    Tensor sdKt = smem_tensor(storage.smem_dk.data(), SmemLayoutdKVt{});
-    Tensor sdVt = smem_tensor(storage.smem_dv.data(), SmemLayoutdKVt{});
-
     auto smem_tiled_copy_dKV = make_tiled_copy_C(SmemCopyAtomdKV{}, tiled_mma);
     auto smem_thr_copy_dKV = smem_tiled_copy_dKV.get_thread_slice(thread_idx);
 
-    Tensor taccdKsdK = smem_thr_copy_dKV.partition_D(
-        cute::conditional_return<!dKV_swapAB>(sdK, sdKt));  // ((Atom,AtomNum), PIPE_M, PIPE_N)
-    Tensor taccdVsdV = smem_thr_copy_dKV.partition_D(
-        cute::conditional_return<!dKV_swapAB>(sdV, sdVt));  // ((Atom,AtomNum), PIPE_M, PIPE_N)
-
     // One tensor at a time, so only one 16-bit copy is live (keeps two CTAs per SM for the drivers).
-    auto to_smem = [&](FrgTensor const& frag, auto& smem_partition) {
+    auto to_smem = [&](FrgTensor const& frag, Element* smem) {
+      Tensor smem_partition = smem_thr_copy_dKV.partition_D(  // ((Atom,AtomNum), PIPE_M, PIPE_N)
+          conditional_return<!dKV_swapAB>(smem_tensor(smem, SmemLayoutdKV{}), smem_tensor(smem, SmemLayoutdKVt{})));
       Tensor frag_out = make_tensor_like<Element>(frag);
       convert_fragment(frag, frag_out);
       Tensor tacc_frag = smem_thr_copy_dKV.retile_S(frag_out);  // ((Atom,AtomNum), MMA_M, MMA_N)
@@ -280,8 +267,8 @@ struct CollectiveEpilogueBwd {
     };
 
     named_barrier_sync(NumEpilogueThreads, BarrierId);
-    if (has_dv) { to_smem(tdVrdV, taccdVsdV); }
-    to_smem(tdKrdK, taccdKsdK);
+    if (has_dv) { to_smem(tdVrdV, storage.smem_dv.data()); }
+    to_smem(tdKrdK, storage.smem_dk.data());
 
     // Varlen: a full tile is stored by TMA; the answer is the same in every thread, so barriers match.
     int const rows = get<0>(params.shape_dK);
@@ -347,25 +334,17 @@ struct CollectiveEpilogueBwd {
     cutlass::arch::fence_view_async_shared();  // generic-proxy smem writes -> visible to TMA
     // Everyone arrives; only the issuing (last) warp waits.
     named_barrier_arrive(NumEpilogueThreads + cutlass::NumThreadsPerWarp, StoreBarrierId);
-    auto tile = [&](auto const& tma, auto const& shape) {
-      Tensor m =
-          domain_offset(make_coord(row_offset, _0{}), tma.get_tma_tensor(shape)(_, _, head, batch));  // (rows, d)
-      return local_tile(m, select<1, 2>(TileShape_MNK{}), make_coord(n_block, _0{}));                 // (BLK_N, BLK_D)
+    auto store = [&](auto const& tma, auto const& shape, SmemTensor const& smem) {  // one output's tile
+      Tensor gmem = rows_tile<kBlockN, kHeadDim>(tma.get_tma_tensor(shape), head, batch, row_offset, n_block);
+      auto block_tma = tma.get_slice(_0{});
+      cute::copy(tma, block_tma.partition_S(smem), block_tma.partition_D(gmem));  // (TMA, TMA_N, TMA_D)
     };
-    Tensor gdK = tile(params.tma_store_dK, params.shape_dK);
-    Tensor gdV = tile(params.tma_store_dV, params.shape_dV);
-    auto block_tma_dK = params.tma_store_dK.get_slice(_0{});
-    auto block_tma_dV = params.tma_store_dV.get_slice(_0{});
-    Tensor tdKgdK = block_tma_dK.partition_D(gdK);  // (TMA, TMA_N, TMA_D)
-    Tensor tdKsdK = block_tma_dK.partition_S(sdK);  // (TMA, TMA_N, TMA_D)
-    Tensor tdVgdV = block_tma_dV.partition_D(gdV);  // (TMA, TMA_N, TMA_D)
-    Tensor tdVsdV = block_tma_dV.partition_S(sdV);  // (TMA, TMA_N, TMA_D)
     int const warp_idx = __shfl_sync(0xffffffff, thread_idx / cutlass::NumThreadsPerWarp, 0);
     if (warp_idx == NumEpilogueThreads / cutlass::NumThreadsPerWarp - 1) {
       named_barrier_sync(NumEpilogueThreads + cutlass::NumThreadsPerWarp, StoreBarrierId);
       if (cute::elect_one_sync()) {
-        if (params.ptr_dV != nullptr) { cute::copy(params.tma_store_dV, tdVsdV, tdVgdV); }
-        cute::copy(params.tma_store_dK, tdKsdK, tdKgdK);
+        if (params.ptr_dV != nullptr) { store(params.tma_store_dV, params.shape_dV, sdV); }
+        store(params.tma_store_dK, params.shape_dK, sdK);
         tma_store_arrive();
       }
     }
@@ -377,12 +356,9 @@ struct CollectiveEpilogueBwd {
   CUTLASS_DEVICE static auto tile_of(Element* ptr, ShapeT const& shape, StrideT const& stride, Params const& params,
                                      SeqlenInfo<kBlockN> const& seqlen_info,
                                      cute::tuple<int32_t, int32_t, int32_t> const& block_coord) {
-    using namespace cute;
     auto [n_block, bidh, bidb] = block_coord;
-    bool const is_varlen = params.cu_seqlens != nullptr;
-    Tensor m = make_tensor(make_gmem_ptr(ptr), shape, stride)(_, _, bidh, is_varlen ? 0 : bidb);  // (rows, d)
-    return local_tile(domain_offset(make_coord(seqlen_info.offset, _0{}), m), select<1, 2>(TileShape_MNK{}),
-                      make_coord(n_block, _0{}));
+    return rows_tile<kBlockN, kHeadDim>(ptr, shape, stride, bidh, params.cu_seqlens ? 0 : bidb, seqlen_info.offset,
+                                        n_block);
   }
 
   // One flag per 16-byte column block of this thread's partition: inside [0, num_cols).
