@@ -147,18 +147,17 @@ struct AccumTiles {
 
   CUTLASS_DEVICE bool holds(int thread_idx) const { return Traits::slab_of(thread_idx) < num_slabs; }
 
-  // The tile's first float, or -1 for a tile outside [0, num_tiles) (inconsistent sequence metadata).
-  template <class SeqInfo>
-  CUTLASS_DEVICE int64_t tile_offset(SeqInfo const& info, bool varlen, int n_block, int kv_head, int bidb) const {
-    int64_t const tile = (varlen ? info.offset_padded / Traits::Collective::kBlockN : 0) + n_block;
+  // Row tile `rt`'s first float, or -1 for a tile outside [0, num_tiles) (inconsistent sequence metadata).
+  template <class RowTileT>
+  CUTLASS_DEVICE int64_t tile_offset(RowTileT const& rt, bool varlen, int kv_head) const {
+    int64_t const tile = (varlen ? rt.seqlen_info.offset_padded / Traits::Collective::kBlockN : 0) + rt.n_block;
     if (tile < 0 || tile >= num_tiles) { return -1; }
-    return (varlen ? 0 : bidb) * batch_stride + kv_head * head_stride + tile * tile_elems;
+    return (varlen ? 0 : rt.batch) * batch_stride + kv_head * head_stride + tile * tile_elems;
   }
 
-  template <class Fragment, class SeqInfo>
-  CUTLASS_DEVICE bool read(Fragment& frag, SeqInfo const& info, bool varlen, int n_block, int kv_head, int bidb,
-                           int thread_idx) const {
-    int64_t const offset = tile_offset(info, varlen, n_block, kv_head, bidb);
+  template <class Fragment, class RowTileT>
+  CUTLASS_DEVICE bool read(Fragment& frag, RowTileT const& rt, bool varlen, int kv_head, int thread_idx) const {
+    int64_t const offset = tile_offset(rt, varlen, kv_head);
     if (offset < 0) { return false; }
     if (holds(thread_idx)) {
       Traits::Collective::load_fragment(frag, ptr + offset, thread_idx);
@@ -216,11 +215,8 @@ struct GqaAccumulateStreamKernel {
     TensorParams const& t = params.tensors[tensor];
     RowTile<kBlockN> const row_tile = locate_row_tile<kBlockN>(rest % params.num_n_tiles, rest / params.num_n_tiles,
                                                                params.batch, t.shape_in, params);
-    bool const varlen = params.cu_seqlens != nullptr;
     int64_t const offset =
-        row_tile.valid_rows > 0
-            ? t.accum.tile_offset(row_tile.seqlen_info, varlen, row_tile.n_block, head, row_tile.batch)
-            : -1;
+        row_tile.valid_rows > 0 ? t.accum.tile_offset(row_tile, params.cu_seqlens != nullptr, head) : -1;
     return {{tensor, head}, row_tile, offset};
   }
 
@@ -321,10 +317,7 @@ struct GqaPostprocessKernel {
 
   CUTLASS_DEVICE void operator()(Params const& params, char* smem) const {
     auto fill = [](auto& frag, auto const& /*thr_mma*/, TensorParams const& work, auto const& tile) {
-      bool const varlen = work.epilogue.cu_seqlens != nullptr;
-      if (!work.accum.read(frag, tile.seqlen_info, varlen, tile.n_block, tile.head, tile.batch, threadIdx.x)) {
-        return false;
-      }
+      if (!work.accum.read(frag, tile, work.epilogue.cu_seqlens != nullptr, tile.head, threadIdx.x)) { return false; }
 #pragma unroll
       for (int i = 0; i < cute::size(frag); ++i) { frag(i) *= work.scale; }
       return true;
@@ -356,20 +349,19 @@ struct GqaDenseKernel {
   CUTLASS_DEVICE void operator()(Params const& params, char*) const {
     using namespace cute;
     int const thread_idx = threadIdx.x;
-    auto const [n_block, bidb, seqlen_info, valid_rows] =
-        locate_row_tile<kBlockN>(blockIdx.x, blockIdx.z, params.batch, params.shape_out, params);
+    auto const tile = locate_row_tile<kBlockN>(blockIdx.x, blockIdx.z, params.batch, params.shape_out, params);
     int const kv_head = blockIdx.y;
-    if (valid_rows <= 0) { return; }
+    if (tile.valid_rows <= 0) { return; }
     typename Traits::TiledMma tiled_mma;
     auto thr_mma = tiled_mma.get_thread_slice(thread_idx);
     Tensor frag = partition_fragment_C(tiled_mma, typename Traits::FragmentTileShape{});
     bool const varlen = params.cu_seqlens != nullptr;
-    if (!params.accum.read(frag, seqlen_info, varlen, n_block, kv_head, bidb, thread_idx)) { return; }
+    if (!params.accum.read(frag, tile, varlen, kv_head, thread_idx)) { return; }
     store_fragment_tile<Config::kSwapAB, kBlockN, Config::kHeadDim>(
         frag, thr_mma,
         rows_tile<kBlockN, Config::kHeadDim>(params.ptr_out, params.shape_out, params.stride_out, kv_head,
-                                             varlen ? 0 : bidb, seqlen_info.offset, n_block),
-        valid_rows, get<1>(params.shape_out));
+                                             varlen ? 0 : tile.batch, tile.seqlen_info.offset, tile.n_block),
+        tile.valid_rows, get<1>(params.shape_out));
   }
 };
 

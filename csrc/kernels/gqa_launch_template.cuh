@@ -30,7 +30,6 @@ template <int kHeadDim>
 char const* launch_gqa_accumulate_streamed(GqaAccumulateLaunchArgs const& args, cudaStream_t stream) {
   using Config = BwdTileConfig<kHeadDim, cutlass::arch::Sm90>;
   using Kernel = GqaAccumulateStreamKernel<Config>;
-  using Ring = typename Kernel::Ring;
   bool const varlen = args.cu_seqlens != nullptr;
   int const batch_extent = varlen ? 1 : args.batch;
   int64_t const n_tiles = row_tiles<Config::kBlockN>(args.rows, args.batch, varlen);
@@ -49,7 +48,7 @@ char const* launch_gqa_accumulate_streamed(GqaAccumulateLaunchArgs const& args, 
     if (char const* why = tiles_of(*accums[i], partials[i]->head_dim, t.accum)) { return why; }
     t.shape_in = shape_of(*partials[i], args.rows, args.num_heads_q, batch_extent);
     t.tma_load_in =
-        Ring::make_tma_load(static_cast<float const*>(partials[i]->ptr), t.shape_in, stride_of(*partials[i]));
+        Kernel::Ring::make_tma_load(static_cast<float const*>(partials[i]->ptr), t.shape_in, stride_of(*partials[i]));
   }
   return launch_kernel<Kernel>(dim3(persistent_grid<Kernel>(num_tiles)), params, stream);
 }

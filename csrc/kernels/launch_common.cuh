@@ -37,11 +37,12 @@ __global__ void __launch_bounds__(Kernel::kNumThreads, Kernel::kMinBlocksPerSm)
 template <OutputDType kDType>
 using element_of = std::conditional_t<kDType == OutputDType::kBFloat16, cutlass::bfloat16_t, cutlass::half_t>;
 
+constexpr int kMaxDevices = 64;  // the per-device caches below; a device past them is not cached
+
 // Raise Kernel's dynamic shared-memory limit once per device. Keyed by the kernel class: two kernels with
 // the same Params share a function-pointer type, and a cache keyed by it skipped the second's attribute.
 template <class Kernel>
 cudaError_t set_smem_limit_once(int smem_bytes) {
-  constexpr int kMaxDevices = 64;
   static std::atomic<int> configured_bytes[kMaxDevices] = {};  // host threads launch concurrently
   int device = 0;
   if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) { return err; }
@@ -69,7 +70,6 @@ char const* launch_kernel(dim3 grid, typename Kernel::Params const& params, cuda
 
 // The current device's multiprocessor count, cached per device (0 if it cannot be read).
 inline int multiprocessor_count() {
-  constexpr int kMaxDevices = 64;
   static int counts[kMaxDevices] = {};
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) { return 0; }

@@ -18,10 +18,9 @@ template <class Config, class Element, class ArchTag_>
 struct StoreZeroKernel {
   using ArchTag = ArchTag_;
   static constexpr int kBlockN = Config::kBlockN;
-  static constexpr int kHeadDim = Config::kHeadDim;
   static constexpr int kNumThreads = Config::kNumThreads;
   static constexpr int kMinBlocksPerSm = 1;
-  using TileShape_MNK = cute::Shape<cute::_64, cute::Int<kBlockN>, cute::Int<kHeadDim>>;
+  using TileShape_MNK = cute::Shape<cute::_64, cute::Int<kBlockN>, cute::Int<Config::kHeadDim>>;
   // Sm80 on every arch: store_zero is predicated anyway, and no TMA descriptors to encode.
   using Epilogue = CollectiveEpilogueBwd<TileShape_MNK, Element, cutlass::arch::Sm80, kNumThreads, /*Varlen=*/true,
                                          Config::kSwapAB, Config::kAtomLayoutKdKV>;

@@ -154,7 +154,6 @@ struct CollectiveEpilogueBwd {
     int const* seqused = nullptr;     // (batch,), Varlen only
   };
 
-  // Device side.
   struct Params {
     Element* ptr_dK;
     ShapedKV shape_dK;
@@ -235,7 +234,6 @@ struct CollectiveEpilogueBwd {
                             cute::tuple<int32_t, int32_t, int32_t> const& block_coord) const {
     using namespace cute;
     auto [n_block, bidh, bidb] = block_coord;
-    bool const has_dv = params.ptr_dV != nullptr;
     auto smem_tensor = [](Element* ptr, auto layout) {
       return as_position_independent_swizzle_tensor(make_tensor(make_smem_ptr(ptr), layout));
     };
@@ -267,7 +265,7 @@ struct CollectiveEpilogueBwd {
     };
 
     named_barrier_sync(NumEpilogueThreads, BarrierId);
-    if (has_dv) { to_smem(tdVrdV, storage.smem_dv.data()); }
+    if (params.ptr_dV != nullptr) { to_smem(tdVrdV, storage.smem_dv.data()); }
     to_smem(tdKrdK, storage.smem_dk.data());
 
     // Varlen: a full tile is stored by TMA; the answer is the same in every thread, so barriers match.
@@ -308,7 +306,6 @@ struct CollectiveEpilogueBwd {
     if (valid_rows <= 0 || first_row >= valid_rows) { return; }
     Tensor gdK = tile_of(params.ptr_dK, params.shape_dK, params.stride_dK, params, seqlen_info, block_coord);
     Tensor gdV = tile_of(params.ptr_dV, params.shape_dV, params.stride_dV, params, seqlen_info, block_coord);
-    bool const has_dv = params.ptr_dV != nullptr;
 
     GmemTiledCopydKV gmem_tiled_copy_dKV;
     auto gmem_thr_copy_dKV = gmem_tiled_copy_dKV.get_thread_slice(thread_idx);
@@ -319,7 +316,7 @@ struct CollectiveEpilogueBwd {
     Tensor tdKVcdKV = gmem_thr_copy_dKV.partition_D(make_identity_tensor(select<1, 2>(TileShape_MNK{})));
     copy_predicated(gmem_tiled_copy_dKV, tdKVrZero, tdKVgdK, tdKVcdKV,
                     column_predicate(tdKVcdKV, get<1>(params.shape_dK)), valid_rows, first_row);
-    if (has_dv) {
+    if (params.ptr_dV != nullptr) {
       copy_predicated(gmem_tiled_copy_dKV, tdKVrZero, tdKVgdV, tdKVcdKV,
                       column_predicate(tdKVcdKV, get<1>(params.shape_dV)), valid_rows, first_row);
     }
