@@ -197,8 +197,7 @@ struct CollectiveEpilogueBwdGQA {
     }
   }
 
-  // The accumulator tile of block_coord's KV head and its counter (not valid if bad metadata puts it outside),
-  // and the query head's index in its group.
+  // block_coord's accumulator tile and counter (not valid if bad metadata puts it outside), its group member.
   struct TileLocation {
     int64_t offset;
     int64_t semaphore;
