@@ -178,7 +178,6 @@ struct GqaAccumulateStreamKernel {
   using Traits = GqaTraits<Config, ArchTag>;
   using Ring = StreamRing<Config, float, /*kCtasPerSm=*/1>;
   static constexpr int kBlockN = Config::kBlockN;
-  static constexpr int kHeadDim = Config::kHeadDim;
   static constexpr int kNumThreads = Ring::kNumThreads;
   static constexpr int kMinBlocksPerSm = 1;
   static constexpr int kSharedStorageSize = Ring::kSharedStorageSize;
@@ -269,7 +268,7 @@ struct GqaAccumulateStreamKernel {
         stage = ring.wait(load_index++);
         if (holds) {
           Tensor s_in = make_tensor(make_smem_ptr(ring.stage_ptr(stage)), typename Ring::SmemLayoutIn{});
-          load_accum_tile<Config::kSwapAB, kBlockN, kHeadDim, /*kAdd=*/true, /*kKeepOutside=*/true>(
+          load_accum_tile<Config::kSwapAB, kBlockN, Config::kHeadDim, /*kAdd=*/true, /*kKeepOutside=*/true>(
               frag, thr_mma, s_in, work.valid_rows, get<1>(t.shape_in));
         }
         if (member + 1 < params.group) { ring.release(stage); }
@@ -357,11 +356,22 @@ struct GqaDenseKernel {
     Tensor frag = partition_fragment_C(tiled_mma, typename Traits::FragmentTileShape{});
     bool const varlen = params.cu_seqlens != nullptr;
     if (!params.accum.read(frag, tile, varlen, kv_head, thread_idx)) { return; }
-    store_fragment_tile<Config::kSwapAB, kBlockN, Config::kHeadDim>(
-        frag, thr_mma,
-        rows_tile<kBlockN, Config::kHeadDim>(params.ptr_out, params.shape_out, params.stride_out, kv_head,
-                                             varlen ? 0 : tile.batch, tile.seqlen_info.offset, tile.n_block),
-        tile.valid_rows, get<1>(params.shape_out));
+    auto const gtile = rows_tile<kBlockN, Config::kHeadDim>(params.ptr_out, params.shape_out, params.stride_out,
+                                                            kv_head, varlen ? 0 : tile.batch, tile.seqlen_info.offset,
+                                                            tile.n_block);
+    int const valid_rows = tile.valid_rows;
+    int const num_cols = get<1>(params.shape_out);
+    // The inverse of load_accum_tile, for fp32 outputs: inside [0, valid_rows) x [0, num_cols).
+    auto store = [&](auto width, int i, int row, int col, auto ptr) {
+      if (row < valid_rows && col < num_cols) {
+        if constexpr (decltype(width)::value == 2) {
+          *reinterpret_cast<float2*>(ptr) = make_float2(frag(i), frag(i + 1));
+        } else {
+          *ptr = frag(i);
+        }
+      }
+    };
+    for_each_fragment_element<Config::kSwapAB, kBlockN, Config::kHeadDim>(thr_mma, gtile, store);
   }
 };
 

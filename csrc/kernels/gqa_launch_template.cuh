@@ -25,34 +25,6 @@ char const* tiles_of(AccumDesc const& a, int width, AccumTiles<Traits>& tiles) {
   return nullptr;
 }
 
-// The sm_90 path, both modes: deterministic by construction, so the semaphores are not used.
-template <int kHeadDim>
-char const* launch_gqa_accumulate_streamed(GqaAccumulateLaunchArgs const& args, cudaStream_t stream) {
-  using Config = BwdTileConfig<kHeadDim, cutlass::arch::Sm90>;
-  using Kernel = GqaAccumulateStreamKernel<Config>;
-  bool const varlen = args.cu_seqlens != nullptr;
-  int const batch_extent = varlen ? 1 : args.batch;
-  int64_t const n_tiles = row_tiles<Config::kBlockN>(args.rows, args.batch, varlen);
-  int64_t const num_tiles = n_tiles * 2 * args.num_heads_kv * batch_extent;
-  TensorDesc const* partials[2] = {&args.dk_partial, &args.dv_partial};
-  for (TensorDesc const* partial : partials) {
-    if (char const* why = tma_input_strides_fit(*partial, sizeof(float))) { return why; }
-  }
-  if (num_tiles == 0) { return nullptr; }
-  if (num_tiles > kMaxStreamedTiles) { return "more than 2^31 - 2^16 accumulator tiles"; }
-  typename Kernel::Params params{{}, args.num_heads_kv, args.num_heads_q / args.num_heads_kv, args.batch,
-                                 static_cast<int>(n_tiles), static_cast<int>(num_tiles), args.cu_seqlens, args.seqused};
-  AccumDesc const* accums[2] = {&args.dk_accum, &args.dv_accum};
-  for (int i = 0; i < 2; ++i) {
-    typename Kernel::TensorParams& t = params.tensors[i];
-    if (char const* why = tiles_of(*accums[i], partials[i]->head_dim, t.accum)) { return why; }
-    t.shape_in = shape_of(*partials[i], args.rows, args.num_heads_q, batch_extent);
-    t.tma_load_in =
-        Kernel::Ring::make_tma_load(static_cast<float const*>(partials[i]->ptr), t.shape_in, stride_of(*partials[i]));
-  }
-  return launch_kernel<Kernel>(dim3(persistent_grid<Kernel>(num_tiles)), params, stream);
-}
-
 // The sm_80 path: each query head's tile added through the collective.
 template <int kHeadDim, int kArch>
 char const* launch_gqa_accumulate_per_head(GqaAccumulateLaunchArgs const& args, cudaStream_t stream) {
@@ -64,10 +36,9 @@ char const* launch_gqa_accumulate_per_head(GqaAccumulateLaunchArgs const& args, 
   int const batch_extent = varlen ? 1 : args.batch;
   // One collective per accumulator. The semaphore buffer: dK's counters, dV's, then the ticket.
   auto coll_args = [&](AccumDesc const& accum, int* semaphores, int64_t num_semaphores) {  // accum as dK
-    return typename Collective::Arguments{accum.ptr,       nullptr,      accum.head_stride, accum.batch_stride,
-                                          accum.num_tiles, batch_extent, args.num_heads_q,  args.num_heads_kv,
-                                          args.rows,       semaphores,   nullptr,           args.cu_seqlens,
-                                          args.seqused,    num_semaphores};
+    return typename Collective::Arguments{accum.ptr, nullptr, accum.head_stride, accum.batch_stride, accum.num_tiles,
+                                          batch_extent, args.num_heads_q, args.num_heads_kv, args.rows, semaphores,
+                                          nullptr, args.cu_seqlens, args.seqused, num_semaphores};
   };
   constexpr int kTileElems = Collective::kAccumTileElems;
   if (args.dk_accum.tile_elems != kTileElems || args.dv_accum.tile_elems != kTileElems) {
@@ -110,10 +81,34 @@ char const* launch_gqa_accumulate_per_head(GqaAccumulateLaunchArgs const& args, 
 
 template <int kHeadDim, int kArch>
 char const* launch_gqa_accumulate(GqaAccumulateLaunchArgs const& args, cudaStream_t stream) {
-  if constexpr (kArch >= 90) {
-    return launch_gqa_accumulate_streamed<kHeadDim>(args, stream);
-  } else {
+  if constexpr (kArch < 90) {
     return launch_gqa_accumulate_per_head<kHeadDim, kArch>(args, stream);
+  } else {
+    // The sm_90 path, both modes: deterministic by construction, so the semaphores are not used.
+    using Config = BwdTileConfig<kHeadDim, cutlass::arch::Sm90>;
+    using Kernel = GqaAccumulateStreamKernel<Config>;
+    bool const varlen = args.cu_seqlens != nullptr;
+    int const batch_extent = varlen ? 1 : args.batch;
+    int64_t const n_tiles = row_tiles<Config::kBlockN>(args.rows, args.batch, varlen);
+    int64_t const num_tiles = n_tiles * 2 * args.num_heads_kv * batch_extent;
+    TensorDesc const* partials[2] = {&args.dk_partial, &args.dv_partial};
+    for (TensorDesc const* partial : partials) {
+      if (char const* why = tma_input_strides_fit(*partial, sizeof(float))) { return why; }
+    }
+    if (num_tiles == 0) { return nullptr; }
+    if (num_tiles > kMaxStreamedTiles) { return "more than 2^31 - 2^16 accumulator tiles"; }
+    typename Kernel::Params params{{}, args.num_heads_kv, args.num_heads_q / args.num_heads_kv, args.batch,
+                                   static_cast<int>(n_tiles), static_cast<int>(num_tiles), args.cu_seqlens,
+                                   args.seqused};
+    AccumDesc const* accums[2] = {&args.dk_accum, &args.dv_accum};
+    for (int i = 0; i < 2; ++i) {
+      typename Kernel::TensorParams& t = params.tensors[i];
+      if (char const* why = tiles_of(*accums[i], partials[i]->head_dim, t.accum)) { return why; }
+      t.shape_in = shape_of(*partials[i], args.rows, args.num_heads_q, batch_extent);
+      t.tma_load_in =
+          Kernel::Ring::make_tma_load(static_cast<float const*>(partials[i]->ptr), t.shape_in, stride_of(*partials[i]));
+    }
+    return launch_kernel<Kernel>(dim3(persistent_grid<Kernel>(num_tiles)), params, stream);
   }
 }
 
@@ -123,10 +118,9 @@ char const* launch_gqa_accum_to_dense(GqaDenseLaunchArgs const& args, cudaStream
   using Config = BwdTileConfig<kHeadDim, ArchTag>;
   using Kernel = GqaDenseKernel<Config, ArchTag>;
   bool const varlen = args.cu_seqlens != nullptr;
-  int const batch_extent = varlen ? 1 : args.batch;
   typename Kernel::Params params{{}, static_cast<float*>(args.out.ptr),
-                                 shape_of(args.out, args.rows, args.num_heads_kv, batch_extent), stride_of(args.out),
-                                 args.batch, args.cu_seqlens, args.seqused};
+                                 shape_of(args.out, args.rows, args.num_heads_kv, varlen ? 1 : args.batch),
+                                 stride_of(args.out), args.batch, args.cu_seqlens, args.seqused};
   if (char const* why = tiles_of(args.accum, args.out.head_dim, params.accum)) { return why; }
   return launch_kernel<Kernel>(row_tile_grid<Config::kBlockN>(args.rows, args.num_heads_kv, args.batch, varlen),
                                 params, stream);

@@ -38,14 +38,19 @@ struct StoreZeroKernel {
   };
 
   CUTLASS_DEVICE void operator()(Params const& params, char* /*smem*/) const {
+    int const bidb_sel = blockIdx.z;
     int const bidh = params.head_idx ? params.head_idx[blockIdx.y] : static_cast<int>(blockIdx.y);
     if (bidh < 0 || bidh >= params.num_heads) { return; }
-    int const bidb_sel = blockIdx.z;
-    auto const [n_block, bidb] =
-        params.padded_tiles
-            ? tile_to_block_and_batch<kBlockN>(blockIdx.x, blockIdx.z, params.batch, params.epilogue.cu_seqlens)
-            : cute::tuple<int, int>{params.first_block + static_cast<int>(blockIdx.x),
-                                    params.batch_idx ? params.batch_idx[bidb_sel] : bidb_sel};
+    int n_block, bidb;
+    if (params.padded_tiles) {
+      auto const [nb, b] =
+          tile_to_block_and_batch<kBlockN>(blockIdx.x, blockIdx.z, params.batch, params.epilogue.cu_seqlens);
+      n_block = nb;
+      bidb = b;
+    } else {
+      n_block = params.first_block + static_cast<int>(blockIdx.x);
+      bidb = params.batch_idx ? params.batch_idx[bidb_sel] : bidb_sel;
+    }
     if (bidb < 0 || bidb >= params.batch) { return; }
     Epilogue{}.store_zero(params.epilogue, threadIdx.x, cute::make_tuple(n_block, bidh, bidb), params.row_begin,
                           params.row_end);
@@ -61,10 +66,9 @@ char const* launch_store_zero(StoreZeroLaunchArgs const& args, cudaStream_t stre
   using Epilogue = typename Kernel::Epilogue;
   constexpr int kBlockN = Config::kBlockN;
   bool const is_varlen = args.cu_seqlens != nullptr;
-  int const batch_extent = is_varlen ? 1 : args.batch;
 
-  auto const ep_args = epilogue_arguments<Epilogue, Element>(args.dk, args.dv, args.rows, args.num_heads, batch_extent,
-                                                             args.cu_seqlens, args.seqused);
+  auto const ep_args = epilogue_arguments<Epilogue, Element>(args.dk, args.dv, args.rows, args.num_heads,
+                                                             is_varlen ? 1 : args.batch, args.cu_seqlens, args.seqused);
   if (char const* why = Epilogue::can_implement(ep_args)) { return why; }
 
   // No sequence is longer than the tensor's rows: clamp the window to them.

@@ -109,7 +109,13 @@ struct StagedTileSum {
     // A chunk of row passes at a time: its loads for a head overlap, and the sums leave room for two CTAs.
 #pragma unroll
     for (int r0 = 0; r0 < kRowIters; r0 += kChunkRowIters) {
-      float sum[kChunkRowIters][kColIters][kVec] = {};
+      float sum[kChunkRowIters][kColIters][kVec];
+#pragma unroll
+      for (int r = 0; r < kChunkRowIters; ++r)
+#pragma unroll
+        for (int c = 0; c < kColIters; ++c)
+#pragma unroll
+          for (int v = 0; v < kVec; ++v) { sum[r][c][v] = 0.f; }
       for (int g = 0; g < group; ++g) {
         auto const gtile = tile_of(g);  // (BLK_N, BLK_D)
 #pragma unroll
@@ -146,21 +152,5 @@ struct StagedTileSum {
     load_accum_tile<kSwapAB, kBlockN, kHeadDim>(frag, thr_mma, stage_tile(smem), kBlockN, kHeadDim);
   }
 };
-
-// The inverse for fp32 outputs, inside [0, valid_rows) x [0, num_cols).
-template <bool kSwapAB, int kBlockN, int kHeadDim, class Fragment, class ThrMma, class GmemTensor>
-CUTLASS_DEVICE void store_fragment_tile(Fragment const& frag, ThrMma const& thr_mma, GmemTensor const& gtile,
-                                        int valid_rows, int num_cols) {
-  auto store = [&](auto width, int i, int row, int col, auto ptr) {
-    if (row < valid_rows && col < num_cols) {
-      if constexpr (decltype(width)::value == 2) {
-        *reinterpret_cast<float2*>(ptr) = make_float2(frag(i), frag(i + 1));
-      } else {
-        *ptr = frag(i);
-      }
-    }
-  };
-  for_each_fragment_element<kSwapAB, kBlockN, kHeadDim>(thr_mma, gtile, store);
-}
 
 }  // namespace flash_epilogue

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <type_traits>
+#include <utility>
 
 #include <cute/tensor.hpp>
 
@@ -62,8 +63,8 @@ struct TensorAndHead {
 
 // An index over dK's items then dV's (`per_tensor` each) -> (tensor: 0 dK, 1 dV; index within it).
 template <class Index = int>
-CUTLASS_DEVICE cute::tuple<int, Index> split_by_tensor(std::type_identity_t<Index> index,
-                                                       std::type_identity_t<Index> per_tensor) {
+CUTLASS_DEVICE std::pair<int, Index> split_by_tensor(std::type_identity_t<Index> index,
+                                                     std::type_identity_t<Index> per_tensor) {
   int const tensor = index >= per_tensor ? 1 : 0;
   return {tensor, index - tensor * per_tensor};
 }

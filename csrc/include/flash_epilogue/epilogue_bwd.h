@@ -192,9 +192,7 @@ struct CollectiveEpilogueBwd {
     if (char const* why = check_one(args.ptr_dK, args.shape_dK, args.stride_dK)) { return why; }
     if (args.ptr_dV == nullptr) { return nullptr; }
     if (char const* why = check_one(args.ptr_dV, args.shape_dV, args.stride_dV)) { return why; }
-    if (cute::get<0>(args.shape_dK) != cute::get<0>(args.shape_dV) ||
-        cute::get<2>(args.shape_dK) != cute::get<2>(args.shape_dV) ||
-        cute::get<3>(args.shape_dK) != cute::get<3>(args.shape_dV)) {
+    if (!(cute::select<0, 2, 3>(args.shape_dK) == cute::select<0, 2, 3>(args.shape_dV))) {
       return "dK and dV must agree on rows, heads and batch";
     }
     if (!Varlen && (args.cu_seqlens || args.seqused)) { return "cu_seqlens/seqused need Varlen = true"; }
@@ -234,18 +232,23 @@ struct CollectiveEpilogueBwd {
                             cute::tuple<int32_t, int32_t, int32_t> const& block_coord) const {
     using namespace cute;
     auto [n_block, bidh, bidb] = block_coord;
+    bool const has_dv = params.ptr_dV != nullptr;
     auto smem_tensor = [](Element* ptr, auto layout) {
       return as_position_independent_swizzle_tensor(make_tensor(make_smem_ptr(ptr), layout));
     };
     Tensor sdK = smem_tensor(storage.smem_dk.data(), SmemLayoutdKV{});
     Tensor sdV = smem_tensor(storage.smem_dv.data(), SmemLayoutdKV{});
+
     auto smem_tiled_copy_dKV = make_tiled_copy_C(SmemCopyAtomdKV{}, tiled_mma);
     auto smem_thr_copy_dKV = smem_tiled_copy_dKV.get_thread_slice(thread_idx);
+    auto smem_partition = [&](auto const& s, Element* ptr) {  // ((Atom,AtomNum), PIPE_M, PIPE_N)
+      return smem_thr_copy_dKV.partition_D(conditional_return<!dKV_swapAB>(s, smem_tensor(ptr, SmemLayoutdKVt{})));
+    };
+    Tensor taccdKsdK = smem_partition(sdK, storage.smem_dk.data());
+    Tensor taccdVsdV = smem_partition(sdV, storage.smem_dv.data());
 
     // One tensor at a time, so only one 16-bit copy is live (keeps two CTAs per SM for the drivers).
-    auto to_smem = [&](FrgTensor const& frag, Element* smem) {
-      Tensor smem_partition = smem_thr_copy_dKV.partition_D(  // ((Atom,AtomNum), PIPE_M, PIPE_N)
-          conditional_return<!dKV_swapAB>(smem_tensor(smem, SmemLayoutdKV{}), smem_tensor(smem, SmemLayoutdKVt{})));
+    auto to_smem = [&](FrgTensor const& frag, auto& smem_partition) {
       Tensor frag_out = make_tensor_like<Element>(frag);
       convert_fragment(frag, frag_out);
       Tensor tacc_frag = smem_thr_copy_dKV.retile_S(frag_out);  // ((Atom,AtomNum), MMA_M, MMA_N)
@@ -265,8 +268,8 @@ struct CollectiveEpilogueBwd {
     };
 
     named_barrier_sync(NumEpilogueThreads, BarrierId);
-    if (params.ptr_dV != nullptr) { to_smem(tdVrdV, storage.smem_dv.data()); }
-    to_smem(tdKrdK, storage.smem_dk.data());
+    if (has_dv) { to_smem(tdVrdV, taccdVsdV); }
+    to_smem(tdKrdK, taccdKsdK);
 
     // Varlen: a full tile is stored by TMA; the answer is the same in every thread, so barriers match.
     int const rows = get<0>(params.shape_dK);
@@ -331,17 +334,23 @@ struct CollectiveEpilogueBwd {
     cutlass::arch::fence_view_async_shared();  // generic-proxy smem writes -> visible to TMA
     // Everyone arrives; only the issuing (last) warp waits.
     named_barrier_arrive(NumEpilogueThreads + cutlass::NumThreadsPerWarp, StoreBarrierId);
-    auto store = [&](auto const& tma, auto const& shape, SmemTensor const& smem) {  // one output's tile
-      Tensor gmem = rows_tile<kBlockN, kHeadDim>(tma.get_tma_tensor(shape), head, batch, row_offset, n_block);
-      auto block_tma = tma.get_slice(_0{});
-      cute::copy(tma, block_tma.partition_S(smem), block_tma.partition_D(gmem));  // (TMA, TMA_N, TMA_D)
+    auto tile = [&](auto const& tma, auto const& shape) {  // (BLK_N, BLK_D)
+      return rows_tile<kBlockN, kHeadDim>(tma.get_tma_tensor(shape), head, batch, row_offset, n_block);
     };
+    Tensor gdK = tile(params.tma_store_dK, params.shape_dK);
+    Tensor gdV = tile(params.tma_store_dV, params.shape_dV);
+    auto block_tma_dK = params.tma_store_dK.get_slice(_0{});
+    auto block_tma_dV = params.tma_store_dV.get_slice(_0{});
+    Tensor tdKgdK = block_tma_dK.partition_D(gdK);  // (TMA, TMA_N, TMA_D)
+    Tensor tdKsdK = block_tma_dK.partition_S(sdK);  // (TMA, TMA_N, TMA_D)
+    Tensor tdVgdV = block_tma_dV.partition_D(gdV);  // (TMA, TMA_N, TMA_D)
+    Tensor tdVsdV = block_tma_dV.partition_S(sdV);  // (TMA, TMA_N, TMA_D)
     int const warp_idx = __shfl_sync(0xffffffff, thread_idx / cutlass::NumThreadsPerWarp, 0);
     if (warp_idx == NumEpilogueThreads / cutlass::NumThreadsPerWarp - 1) {
       named_barrier_sync(NumEpilogueThreads + cutlass::NumThreadsPerWarp, StoreBarrierId);
       if (cute::elect_one_sync()) {
-        if (params.ptr_dV != nullptr) { store(params.tma_store_dV, params.shape_dV, sdV); }
-        store(params.tma_store_dK, params.shape_dK, sdK);
+        if (params.ptr_dV != nullptr) { cute::copy(params.tma_store_dV, tdVsdV, tdVgdV); }
+        cute::copy(params.tma_store_dK, tdKsdK, tdKgdK);
         tma_store_arrive();
       }
     }

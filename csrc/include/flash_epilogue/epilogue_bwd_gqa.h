@@ -197,18 +197,13 @@ struct CollectiveEpilogueBwdGQA {
     }
   }
 
-  // block_coord's accumulator tile and counter (not valid if bad metadata puts it outside), its group member.
+  // The accumulator tile of (n_block, kv_head, batch) and its counter; not valid if bad metadata puts it outside.
   struct TileLocation {
     int64_t offset;
     int64_t semaphore;
     bool valid;
-    int group_idx;
   };
-  CUTLASS_DEVICE static TileLocation locate(Params const& params,
-                                            cute::tuple<int32_t, int32_t, int32_t> const& block_coord) {
-    auto [n_block, q_head, bidb] = block_coord;
-    int group_idx;
-    int const kv_head = params.qhead_per_khead_divmod.divmod(group_idx, q_head);
+  CUTLASS_DEVICE static TileLocation locate(Params const& params, int n_block, int kv_head, int bidb) {
     SeqlenInfo<kBlockN> const info{bidb, params.static_seqlen, params.cu_seqlens, params.seqused};
     // 64-bit: offset_padded / kBlockN + n_block passes 2^31 for bad n_block or cu_seqlens.
     int64_t const tile = (params.cu_seqlens ? info.offset_padded / kBlockN : 0) + n_block;
@@ -219,7 +214,7 @@ struct CollectiveEpilogueBwdGQA {
         padded_order ? (static_cast<int64_t>(batch_coord) * params.num_tiles + tile) * params.num_heads_kv + kv_head
                      : (static_cast<int64_t>(n_block) * params.num_batch + bidb) * params.num_heads_kv + kv_head;
     bool const counter_in_range = padded_order || (n_block >= 0 && n_block < params.num_tiles);
-    return {offset, semaphore, tile >= 0 && tile < params.num_tiles && counter_in_range, group_idx};
+    return {offset, semaphore, tile >= 0 && tile < params.num_tiles && counter_in_range};
   }
 
   // Kept so that one kernel can call either collective.
@@ -232,14 +227,17 @@ struct CollectiveEpilogueBwdGQA {
                             TensorStorage& storage, TiledMma const& /*tiled_mma*/, int thread_idx,
                             cute::tuple<int32_t, int32_t, int32_t> const& block_coord) const {
     static_assert(decltype(cute::size(tdKrdK))::value == kFragElems, "fragment of another TiledMma or thread count");
-    TileLocation const loc = locate(params, block_coord);
+    auto [n_block, q_head, bidb] = block_coord;
+    int group_idx;
+    int const kv_head = params.qhead_per_khead_divmod.divmod(group_idx, q_head);
+    TileLocation const loc = locate(params, n_block, kv_head, bidb);
     if (!loc.valid) { return; }  // whole CTA
     int* const sem_dk = params.dk_semaphores ? params.dk_semaphores + loc.semaphore : nullptr;
     int* const sem_dv = params.dv_semaphores ? params.dv_semaphores + loc.semaphore : nullptr;
     if (params.ptr_dVaccum) {
-      add_tile(tdVrdV, params.ptr_dVaccum + loc.offset, sem_dv, loc.group_idx, storage, thread_idx);
+      add_tile(tdVrdV, params.ptr_dVaccum + loc.offset, sem_dv, group_idx, storage, thread_idx);
     }
-    add_tile(tdKrdK, params.ptr_dKaccum + loc.offset, sem_dk, loc.group_idx, storage, thread_idx);
+    add_tile(tdKrdK, params.ptr_dKaccum + loc.offset, sem_dk, group_idx, storage, thread_idx);
   }
 
   CUTLASS_DEVICE void store_tail() const {}
@@ -249,10 +247,13 @@ struct CollectiveEpilogueBwdGQA {
   CUTLASS_DEVICE void store_zero(Params const& params, int thread_idx,
                                  cute::tuple<int32_t, int32_t, int32_t> const& block_coord) const {
     if (params.dk_semaphores == nullptr) { return; }
-    TileLocation const loc = locate(params, block_coord);
+    auto [n_block, q_head, bidb] = block_coord;
+    int group_idx;
+    int const kv_head = params.qhead_per_khead_divmod.divmod(group_idx, q_head);
+    TileLocation const loc = locate(params, n_block, kv_head, bidb);
     if (!loc.valid || thread_idx != 0) { return; }
-    auto take_turn = [&loc](int* semaphore) {
-      semaphore_wait_eq(semaphore, loc.group_idx);
+    auto take_turn = [group_idx](int* semaphore) {
+      semaphore_wait_eq(semaphore, group_idx);
       semaphore_release_inc(semaphore);
     };
     if (params.ptr_dVaccum) { take_turn(params.dv_semaphores + loc.semaphore); }  // in store's order: dV, dK

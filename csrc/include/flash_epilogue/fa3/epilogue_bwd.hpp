@@ -84,9 +84,8 @@ struct CollectiveEpilogueBwd
   static char const* can_implement(Arguments const& args) { return Base::can_implement(collective_arguments(args)); }
 
   static Params to_underlying_arguments(Arguments const& args) {
-    typename Base::Arguments const base_args = collective_arguments(args);
-    fa3_compat::require(Base::can_implement(base_args), "CollectiveEpilogueBwd");
-    return Base::to_underlying_arguments(base_args);
+    fa3_compat::require(can_implement(args), "CollectiveEpilogueBwd");
+    return Base::to_underlying_arguments(collective_arguments(args));
   }
 };
 
