@@ -249,7 +249,6 @@ struct GqaAccumulateStreamKernel {
       return;
     }
 
-    // Consumers: the config's threads.
     cutlass::arch::warpgroup_reg_alloc<Ring::kConsumerRegisters>();
     typename Traits::TiledMma tiled_mma;
     auto thr_mma = tiled_mma.get_thread_slice(thread_idx);

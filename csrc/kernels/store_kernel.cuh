@@ -14,8 +14,7 @@
 
 namespace flash_epilogue {
 
-// kVarlen: cu_seqlens and/or seqused (the collective's Varlen).
-template <class Config, class Element_, class ArchTag_, bool kVarlen>
+template <class Config, class Element_, class ArchTag_, bool kVarlen>  // kVarlen: cu_seqlens and/or seqused given
 struct StoreKernel {
   using Element = Element_;
   using ArchTag = ArchTag_;

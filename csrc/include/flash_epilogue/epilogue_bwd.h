@@ -209,10 +209,9 @@ struct CollectiveEpilogueBwd {
         return nullptr;
       }
     };
-    bool const has_dv = args.ptr_dV != nullptr;  // without dV, its descriptor is dK's (never used)
     return {args.ptr_dK, args.shape_dK, args.stride_dK, args.ptr_dV, args.shape_dV, args.stride_dV,
-            make_store(args.ptr_dK, args.shape_dK, args.stride_dK),
-            has_dv ? make_store(args.ptr_dV, args.shape_dV, args.stride_dV)
+            make_store(args.ptr_dK, args.shape_dK, args.stride_dK),  // without dV, dV's descriptor is dK's (unused)
+            args.ptr_dV != nullptr ? make_store(args.ptr_dV, args.shape_dV, args.stride_dV)
                    : make_store(args.ptr_dK, args.shape_dK, args.stride_dK),
             args.cu_seqlens, args.seqused};
   }
@@ -362,9 +361,12 @@ struct CollectiveEpilogueBwd {
   CUTLASS_DEVICE static auto tile_of(Element* ptr, ShapeT const& shape, StrideT const& stride, Params const& params,
                                      SeqlenInfo<kBlockN> const& seqlen_info,
                                      cute::tuple<int32_t, int32_t, int32_t> const& block_coord) {
+    using namespace cute;
     auto [n_block, bidh, bidb] = block_coord;
-    return rows_tile<kBlockN, kHeadDim>(ptr, shape, stride, bidh, params.cu_seqlens ? 0 : bidb, seqlen_info.offset,
-                                        n_block);
+    bool const is_varlen = params.cu_seqlens != nullptr;
+    Tensor m = make_tensor(make_gmem_ptr(ptr), shape, stride)(_, _, bidh, is_varlen ? 0 : bidb);  // (rows, d)
+    return local_tile(domain_offset(make_coord(seqlen_info.offset, _0{}), m), select<1, 2>(TileShape_MNK{}),
+                      make_coord(n_block, _0{}));
   }
 
   // One flag per 16-byte column block of this thread's partition: inside [0, num_cols).
