@@ -43,9 +43,7 @@
     defined(FLASH_EPILOGUE_DISABLE_HDIM256)
 #error "flash_epilogue: every head dim is disabled (FLASH_EPILOGUE_DISABLE_HDIM*)"
 #endif
-namespace flash_epilogue {
-inline constexpr int kCompiledHeadDims[] = {FLASH_EPILOGUE_HEAD_DIMS};  // the first is HEADDIM_SWITCH's default
-}  // namespace flash_epilogue
+inline constexpr int kFlashEpilogueHeadDims[] = {FLASH_EPILOGUE_HEAD_DIMS};  // the first is HEADDIM_SWITCH's default
 
 #define HEADDIM_SWITCH(VALUE, NAME, ...)                                                  \
   [&] {                                                                                   \
@@ -54,7 +52,7 @@ inline constexpr int kCompiledHeadDims[] = {FLASH_EPILOGUE_HEAD_DIMS};  // the f
       FE_IF_HDIM128(case 128: { constexpr static int NAME = 128; return __VA_ARGS__(); }) \
       FE_IF_HDIM192(case 192: { constexpr static int NAME = 192; return __VA_ARGS__(); }) \
       FE_IF_HDIM256(case 256: { constexpr static int NAME = 256; return __VA_ARGS__(); }) \
-      default: { constexpr static int NAME = flash_epilogue::kCompiledHeadDims[0]; return __VA_ARGS__(); } \
+      default: { constexpr static int NAME = ::kFlashEpilogueHeadDims[0]; return __VA_ARGS__(); } \
     }                                                                                     \
   }()
 

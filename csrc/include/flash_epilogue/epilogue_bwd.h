@@ -333,8 +333,10 @@ struct CollectiveEpilogueBwd {
     cutlass::arch::fence_view_async_shared();  // generic-proxy smem writes -> visible to TMA
     // Everyone arrives; only the issuing (last) warp waits.
     named_barrier_arrive(NumEpilogueThreads + cutlass::NumThreadsPerWarp, StoreBarrierId);
-    auto tile = [&](auto const& tma, auto const& shape) {  // (BLK_N, BLK_D)
-      return rows_tile<kBlockN, kHeadDim>(tma.get_tma_tensor(shape), head, batch, row_offset, n_block);
+    auto tile = [&](auto const& tma, auto const& shape) {
+      Tensor m =
+          domain_offset(make_coord(row_offset, _0{}), tma.get_tma_tensor(shape)(_, _, head, batch));  // (rows, d)
+      return local_tile(m, select<1, 2>(TileShape_MNK{}), make_coord(n_block, _0{}));                 // (BLK_N, BLK_D)
     };
     Tensor gdK = tile(params.tma_store_dK, params.shape_dK);
     Tensor gdV = tile(params.tma_store_dV, params.shape_dV);

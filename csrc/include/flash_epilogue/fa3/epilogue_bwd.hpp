@@ -130,9 +130,8 @@ struct CollectiveEpilogueBwdGQA
     int const num_tiles = cute::get<0>(args.shape_dKaccum) / kTileElems;
     typename Base::Arguments a{args.ptr_dKaccum, args.ptr_dVaccum, cute::get<1>(args.stride_dKaccum),
                                cute::get<2>(args.stride_dKaccum), num_tiles, cute::get<2>(args.shape_dKaccum),
-                               args.num_heads_q, cute::get<1>(args.shape_dKaccum), num_tiles * Base::kBlockN};
-    a.cu_seqlens = Varlen_ ? args.cu_seqlens : nullptr;
-    a.seqused = Varlen_ ? args.seqused : nullptr;
+                               args.num_heads_q, cute::get<1>(args.shape_dKaccum), num_tiles * Base::kBlockN,
+                               nullptr, nullptr, Varlen_ ? args.cu_seqlens : nullptr, Varlen_ ? args.seqused : nullptr};
     if constexpr (Deterministic_) {
       a.dk_semaphores = args.dk_semaphore;
       a.dv_semaphores = args.dv_semaphore;
