@@ -1,8 +1,7 @@
 #pragma once
 
 // `store_zero`: zeros a row window of chosen (sequence, head) pairs. Grid (tiles, heads, sequences selected):
-// the padded tile space when varlen selects every sequence, else the window's tiles. The host clamps the
-// window to the tensor.
+// the padded tile space when varlen selects every sequence, else the window's tiles.
 
 #include <cute/tensor.hpp>
 

@@ -237,14 +237,16 @@ struct CollectiveEpilogueBwd {
     };
     Tensor sdK = smem_tensor(storage.smem_dk.data(), SmemLayoutdKV{});
     Tensor sdV = smem_tensor(storage.smem_dv.data(), SmemLayoutdKV{});
+    Tensor sdKt = smem_tensor(storage.smem_dk.data(), SmemLayoutdKVt{});
+    Tensor sdVt = smem_tensor(storage.smem_dv.data(), SmemLayoutdKVt{});
 
     auto smem_tiled_copy_dKV = make_tiled_copy_C(SmemCopyAtomdKV{}, tiled_mma);
     auto smem_thr_copy_dKV = smem_tiled_copy_dKV.get_thread_slice(thread_idx);
-    auto partition_smem = [&](auto const& s, Element* ptr) {  // ((Atom,AtomNum), PIPE_M, PIPE_N)
-      return smem_thr_copy_dKV.partition_D(conditional_return<!dKV_swapAB>(s, smem_tensor(ptr, SmemLayoutdKVt{})));
-    };
-    Tensor taccdKsdK = partition_smem(sdK, storage.smem_dk.data());
-    Tensor taccdVsdV = partition_smem(sdV, storage.smem_dv.data());
+
+    Tensor taccdKsdK = smem_thr_copy_dKV.partition_D(
+        cute::conditional_return<!dKV_swapAB>(sdK, sdKt));  // ((Atom,AtomNum), PIPE_M, PIPE_N)
+    Tensor taccdVsdV = smem_thr_copy_dKV.partition_D(
+        cute::conditional_return<!dKV_swapAB>(sdV, sdVt));  // ((Atom,AtomNum), PIPE_M, PIPE_N)
 
     // One tensor at a time, so only one 16-bit copy is live (keeps two CTAs per SM for the drivers).
     auto to_smem = [&](FrgTensor const& frag, auto& smem_partition) {
