@@ -8,14 +8,6 @@
 
 namespace flash_epilogue {
 
-template <int kHeadDim, int kArch>
-static CompiledTileConfig tile_config() {
-  using Config = BwdTileConfig<kHeadDim, arch_tag_of<kArch>>;
-  using Traits = GqaTraits<Config, arch_tag_of<kArch>>;
-  return {Config::kHeadDim, kArch,           Config::kBlockN,    Config::kNumThreads, Config::kSwapAB,
-          Config::kAtomLayoutNdKV, Traits::kAccumTileElems, Traits::kSlabCols, Traits::kSlabElems};
-}
-
 std::vector<CompiledTileConfig> const& compiled_tile_configs() {
   static std::vector<CompiledTileConfig> const table = [] {
     std::vector<CompiledTileConfig> configs;
@@ -23,7 +15,13 @@ std::vector<CompiledTileConfig> const& compiled_tile_configs() {
     for (int head_dim : {FLASH_EPILOGUE_HEAD_DIMS}) {
       for (int arch : {90, 80}) {
         configs.push_back(HEADDIM_SWITCH(head_dim, kHeadDim, [&] {
-          return ARCH_SWITCH(arch, kArch, [&] { return tile_config<kHeadDim, kArch>(); });
+          return ARCH_SWITCH(arch, kArch, [&] {
+            using Config = BwdTileConfig<kHeadDim, arch_tag_of<kArch>>;
+            using Traits = GqaTraits<Config, arch_tag_of<kArch>>;
+            return CompiledTileConfig{Config::kHeadDim,        kArch,           Config::kBlockN,
+                                      Config::kNumThreads,     Config::kSwapAB, Config::kAtomLayoutNdKV,
+                                      Traits::kAccumTileElems, Traits::kSlabCols, Traits::kSlabElems};
+          });
         }));
       }
     }

@@ -49,9 +49,8 @@ struct GqaTraits {
   static constexpr int kMinBlocksPerSm = kNumThreads <= 256 ? 2 : 1;
 };
 
-template <class Config_, class ArchTag_>
+template <class Config, class ArchTag_>
 struct GqaAccumulateKernel {
-  using Config = Config_;
   using ArchTag = ArchTag_;
   using Traits = GqaTraits<Config, ArchTag>;
   using Collective = typename Traits::Collective;
@@ -148,18 +147,17 @@ struct AccumTiles {
 
   CUTLASS_DEVICE bool holds(int thread_idx) const { return Traits::slab_of(thread_idx) < num_slabs; }
 
-  // The tile's first float, or -1 for a tile outside [0, num_tiles) (inconsistent sequence metadata).
-  template <class SeqInfo>
-  CUTLASS_DEVICE int64_t tile_offset(SeqInfo const& info, bool varlen, int n_block, int kv_head, int bidb) const {
-    int64_t const tile = (varlen ? info.offset_padded / Traits::Collective::kBlockN : 0) + n_block;
+  // Row tile `rt`'s first float, or -1 for a tile outside [0, num_tiles) (inconsistent sequence metadata).
+  template <class RowTileT>
+  CUTLASS_DEVICE int64_t tile_offset(RowTileT const& rt, bool varlen, int kv_head) const {
+    int64_t const tile = (varlen ? rt.seqlen_info.offset_padded / Traits::Collective::kBlockN : 0) + rt.n_block;
     if (tile < 0 || tile >= num_tiles) { return -1; }
-    return (varlen ? 0 : bidb) * batch_stride + kv_head * head_stride + tile * tile_elems;
+    return (varlen ? 0 : rt.batch) * batch_stride + kv_head * head_stride + tile * tile_elems;
   }
 
-  template <class Fragment, class SeqInfo>
-  CUTLASS_DEVICE bool read(Fragment& frag, SeqInfo const& info, bool varlen, int n_block, int kv_head, int bidb,
-                           int thread_idx) const {
-    int64_t const offset = tile_offset(info, varlen, n_block, kv_head, bidb);
+  template <class Fragment, class RowTileT>
+  CUTLASS_DEVICE bool read(Fragment& frag, RowTileT const& rt, bool varlen, int kv_head, int thread_idx) const {
+    int64_t const offset = tile_offset(rt, varlen, kv_head);
     if (offset < 0) { return false; }
     if (holds(thread_idx)) {
       Traits::Collective::load_fragment(frag, ptr + offset, thread_idx);
@@ -174,25 +172,22 @@ struct AccumTiles {
 // group's partials (TMA), through a StreamRing, add them in head order in fp32 (elements outside the valid
 // rows and columns kept as they are) and bulk-copy the sum back: each tile moves once instead of g times,
 // no other CTA touches it, and the bits are those of the ordered per-head adds, without counters.
-template <class Config_>
+template <class Config>
 struct GqaAccumulateStreamKernel {
-  using Config = Config_;
   using ArchTag = cutlass::arch::Sm90;
   using Traits = GqaTraits<Config, ArchTag>;
   using Ring = StreamRing<Config, float, /*kCtasPerSm=*/1>;
   static constexpr int kBlockN = Config::kBlockN;
-  static constexpr int kHeadDim = Config::kHeadDim;
   static constexpr int kNumThreads = Ring::kNumThreads;
   static constexpr int kMinBlocksPerSm = 1;
   static constexpr int kSharedStorageSize = Ring::kSharedStorageSize;
   static_assert(Traits::kAccumTileElems * sizeof(float) == Ring::kStageBytes,
                 "a whole accumulator tile fills one stage");
   static_assert(Traits::kNumThreads == Ring::kNumConsumerThreads, "the accumulator's fragments are the consumers'");
-  using TmaLoad = typename Ring::TmaLoad;
 
   struct TensorParams {
     AccumTiles<Traits> accum;
-    TmaLoad tma_load_in;          // its partials, (rows, d, h_q, batch extent)
+    typename Ring::TmaLoad tma_load_in;  // its partials, (rows, d, h_q, batch extent)
     ShapeRowsHeadBatch shape_in;
   };
 
@@ -219,11 +214,8 @@ struct GqaAccumulateStreamKernel {
     TensorParams const& t = params.tensors[tensor];
     RowTile<kBlockN> const row_tile = locate_row_tile<kBlockN>(rest % params.num_n_tiles, rest / params.num_n_tiles,
                                                                params.batch, t.shape_in, params);
-    bool const varlen = params.cu_seqlens != nullptr;
     int64_t const offset =
-        row_tile.valid_rows > 0
-            ? t.accum.tile_offset(row_tile.seqlen_info, varlen, row_tile.n_block, head, row_tile.batch)
-            : -1;
+        row_tile.valid_rows > 0 ? t.accum.tile_offset(row_tile, params.cu_seqlens != nullptr, head) : -1;
     return {{tensor, head}, row_tile, offset};
   }
 
@@ -257,7 +249,6 @@ struct GqaAccumulateStreamKernel {
       return;
     }
 
-    // Consumers: the config's threads.
     cutlass::arch::warpgroup_reg_alloc<Ring::kConsumerRegisters>();
     typename Traits::TiledMma tiled_mma;
     auto thr_mma = tiled_mma.get_thread_slice(thread_idx);
@@ -276,7 +267,7 @@ struct GqaAccumulateStreamKernel {
         stage = ring.wait(load_index++);
         if (holds) {
           Tensor s_in = make_tensor(make_smem_ptr(ring.stage_ptr(stage)), typename Ring::SmemLayoutIn{});
-          load_accum_tile<Config::kSwapAB, kBlockN, kHeadDim, /*kAdd=*/true, /*kKeepOutside=*/true>(
+          load_accum_tile<Config::kSwapAB, kBlockN, Config::kHeadDim, /*kAdd=*/true, /*kKeepOutside=*/true>(
               frag, thr_mma, s_in, work.valid_rows, get<1>(t.shape_in));
         }
         if (member + 1 < params.group) { ring.release(stage); }
@@ -297,13 +288,12 @@ struct GqaAccumulateStreamKernel {
   }
 };
 
-template <class Config_, class Element_, class ArchTag_, bool kVarlen_>
+template <class Config, class Element_, class ArchTag_, bool kVarlen>
 struct GqaPostprocessKernel {
-  using Config = Config_;
   using Element = Element_;
   using ArchTag = ArchTag_;
   using Traits = GqaTraits<Config, ArchTag>;
-  using Store = StoreKernel<Config, Element, ArchTag, kVarlen_>;  // its TiledMma and CollectiveEpilogueBwd
+  using Store = StoreKernel<Config, Element, ArchTag, kVarlen>;  // its TiledMma and CollectiveEpilogueBwd
   using Epilogue = typename Store::Epilogue;
   static constexpr int kBlockN = Config::kBlockN;
   static constexpr int kNumThreads = Config::kNumThreads;
@@ -325,10 +315,7 @@ struct GqaPostprocessKernel {
 
   CUTLASS_DEVICE void operator()(Params const& params, char* smem) const {
     auto fill = [](auto& frag, auto const& /*thr_mma*/, TensorParams const& work, auto const& tile) {
-      bool const varlen = work.epilogue.cu_seqlens != nullptr;
-      if (!work.accum.read(frag, tile.seqlen_info, varlen, tile.n_block, tile.head, tile.batch, threadIdx.x)) {
-        return false;
-      }
+      if (!work.accum.read(frag, tile, work.epilogue.cu_seqlens != nullptr, tile.head, threadIdx.x)) { return false; }
 #pragma unroll
       for (int i = 0; i < cute::size(frag); ++i) { frag(i) *= work.scale; }
       return true;
@@ -337,9 +324,8 @@ struct GqaPostprocessKernel {
   }
 };
 
-template <class Config_, class ArchTag_>
+template <class Config, class ArchTag_>
 struct GqaDenseKernel {
-  using Config = Config_;
   using ArchTag = ArchTag_;
   using Traits = GqaTraits<Config, ArchTag>;
   static constexpr int kBlockN = Config::kBlockN;
@@ -361,30 +347,38 @@ struct GqaDenseKernel {
   CUTLASS_DEVICE void operator()(Params const& params, char*) const {
     using namespace cute;
     int const thread_idx = threadIdx.x;
-    auto const [n_block, bidb, seqlen_info, valid_rows] =
-        locate_row_tile<kBlockN>(blockIdx.x, blockIdx.z, params.batch, params.shape_out, params);
+    auto const tile = locate_row_tile<kBlockN>(blockIdx.x, blockIdx.z, params.batch, params.shape_out, params);
     int const kv_head = blockIdx.y;
-    if (valid_rows <= 0) { return; }
+    if (tile.valid_rows <= 0) { return; }
     typename Traits::TiledMma tiled_mma;
     auto thr_mma = tiled_mma.get_thread_slice(thread_idx);
     Tensor frag = partition_fragment_C(tiled_mma, typename Traits::FragmentTileShape{});
     bool const varlen = params.cu_seqlens != nullptr;
-    if (!params.accum.read(frag, seqlen_info, varlen, n_block, kv_head, bidb, thread_idx)) { return; }
-    store_fragment_tile<Config::kSwapAB, kBlockN, Config::kHeadDim>(
-        frag, thr_mma,
-        rows_tile<kBlockN, Config::kHeadDim>(params.ptr_out, params.shape_out, params.stride_out, kv_head,
-                                             varlen ? 0 : bidb, seqlen_info.offset, n_block),
-        valid_rows, get<1>(params.shape_out));
+    if (!params.accum.read(frag, tile, varlen, kv_head, thread_idx)) { return; }
+    auto const gtile = rows_tile<kBlockN, Config::kHeadDim>(params.ptr_out, params.shape_out, params.stride_out,
+                                                            kv_head, varlen ? 0 : tile.batch, tile.seqlen_info.offset,
+                                                            tile.n_block);
+    int const valid_rows = tile.valid_rows;
+    int const num_cols = get<1>(params.shape_out);
+    // The inverse of load_accum_tile, for fp32 outputs: inside [0, valid_rows) x [0, num_cols).
+    auto store = [&](auto width, int i, int row, int col, auto ptr) {
+      if (row < valid_rows && col < num_cols) {
+        if constexpr (decltype(width)::value == 2) {
+          *reinterpret_cast<float2*>(ptr) = make_float2(frag(i), frag(i + 1));
+        } else {
+          *ptr = frag(i);
+        }
+      }
+    };
+    for_each_fragment_element<Config::kSwapAB, kBlockN, Config::kHeadDim>(thr_mma, gtile, store);
   }
 };
 
-template <class Config_, class Element_, class ElementIn_, class ArchTag_, bool kVarlen_>
+template <class Config, class Element_, class ElementIn, class ArchTag_, bool kVarlen>  // ElementIn: float or Element
 struct GqaReduceKernel {
-  using Config = Config_;
   using Element = Element_;
-  using ElementIn = ElementIn_;  // float, or Element
   using ArchTag = ArchTag_;
-  using Store = StoreKernel<Config, Element, ArchTag, kVarlen_>;
+  using Store = StoreKernel<Config, Element, ArchTag, kVarlen>;
   using Epilogue = typename Store::Epilogue;
   static constexpr int kBlockN = Config::kBlockN;
   static constexpr int kHeadDim = Config::kHeadDim;

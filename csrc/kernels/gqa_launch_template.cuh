@@ -14,8 +14,6 @@
 
 namespace flash_epilogue {
 
-namespace detail {
-
 // The kernels' view of an accumulator `width` columns wide, or why its floats per tile do not match.
 template <class Traits>
 char const* tiles_of(AccumDesc const& a, int width, AccumTiles<Traits>& tiles) {
@@ -27,84 +25,6 @@ char const* tiles_of(AccumDesc const& a, int width, AccumTiles<Traits>& tiles) {
   return nullptr;
 }
 
-template <class Element, int kHeadDim, class ArchTag, bool kVarlen>
-char const* launch_gqa_postprocess_variant(GqaPostprocessLaunchArgs const& args, cudaStream_t stream) {
-  using Config = BwdTileConfig<kHeadDim, ArchTag>;
-  using Kernel = GqaPostprocessKernel<Config, Element, ArchTag, kVarlen>;
-  typename Kernel::Params params{{{{}, {}, args.scale_dk}, {{}, {}, args.scale_dv}}, args.num_heads_kv, args.batch};
-  if (char const* why = tiles_of(args.dk_accum, args.dk.head_dim, params.tensors[0].accum)) { return why; }
-  if (char const* why = tiles_of(args.dv_accum, args.dv.head_dim, params.tensors[1].accum)) { return why; }
-  return launch_output_tiles<Kernel>(args, 2, args.num_heads_kv, params, stream);
-}
-
-template <class Element, class ElementIn, int kHeadDim, class ArchTag, bool kVarlen>
-char const* launch_gqa_reduce_variant(GqaReduceLaunchArgs const& args, cudaStream_t stream) {
-  using Config = BwdTileConfig<kHeadDim, ArchTag>;
-  using Kernel = GqaReduceKernel<Config, Element, ElementIn, ArchTag, kVarlen>;
-  int const batch_extent = args.cu_seqlens != nullptr ? 1 : args.batch;
-  bool const has_dv = args.dv_partial.ptr != nullptr;
-  auto tensor_params = [&](TensorDesc const& partial, float scale) {
-    return typename Kernel::TensorParams{{}, static_cast<ElementIn const*>(partial.ptr),
-                                         shape_of(partial, args.rows, args.num_heads_q, batch_extent),
-                                         stride_of(partial), scale};
-  };
-  typename Kernel::Params params{};
-  params.tensors[0] = tensor_params(args.dk_partial, args.scale_dk);
-  if (has_dv) { params.tensors[1] = tensor_params(args.dv_partial, args.scale_dv); }
-  params.group = args.num_heads_q / args.num_heads_kv;
-  params.num_heads_kv = args.num_heads_kv;
-  params.batch = args.batch;
-  return launch_output_tiles<Kernel>(args, has_dv ? 2 : 1, args.num_heads_kv, params, stream);
-}
-
-template <class Element, class ElementIn, int kHeadDim>
-char const* launch_gqa_reduce_streamed(GqaReduceLaunchArgs const& args, cudaStream_t stream) {
-  using Config = BwdTileConfig<kHeadDim, cutlass::arch::Sm90>;
-  StreamedTensor const tensors[2] = {{args.dk, args.dk_partial, args.scale_dk},
-                                     {args.dv, args.dv_partial, args.scale_dv}};
-  int const num_tensors = args.dv_partial.ptr != nullptr ? 2 : 1;
-  int const group = args.num_heads_q / args.num_heads_kv;
-  return launch_tile_stream_for<Config, Element, ElementIn, /*kReduce=*/true>(
-      tensors, num_tensors, args.rows, args.num_heads_kv, group, args.batch, args.cu_seqlens, args.seqused, stream);
-}
-
-// The sm_90 path, both modes: deterministic by construction, so the semaphores are not used.
-template <int kHeadDim>
-char const* launch_gqa_accumulate_streamed(GqaAccumulateLaunchArgs const& args, cudaStream_t stream) {
-  using Config = BwdTileConfig<kHeadDim, cutlass::arch::Sm90>;
-  using Kernel = GqaAccumulateStreamKernel<Config>;
-  using Ring = typename Kernel::Ring;
-  bool const varlen = args.cu_seqlens != nullptr;
-  int const batch_extent = varlen ? 1 : args.batch;
-  int64_t const n_tiles = row_tiles<Config::kBlockN>(args.rows, args.batch, varlen);
-  int64_t const num_tiles = n_tiles * 2 * args.num_heads_kv * batch_extent;
-  for (TensorDesc const* partial : {&args.dk_partial, &args.dv_partial}) {
-    if (char const* why = tma_input_strides_fit(*partial, sizeof(float))) { return why; }
-  }
-  if (num_tiles == 0) { return nullptr; }
-  if (num_tiles > kMaxStreamedTiles) { return "more than 2^31 - 2^16 accumulator tiles"; }
-  typename Kernel::Params params{{},
-                                 args.num_heads_kv,
-                                 args.num_heads_q / args.num_heads_kv,
-                                 args.batch,
-                                 static_cast<int>(n_tiles),
-                                 static_cast<int>(num_tiles),
-                                 args.cu_seqlens,
-                                 args.seqused};
-  TensorDesc const* partials[2] = {&args.dk_partial, &args.dv_partial};
-  AccumDesc const* accums[2] = {&args.dk_accum, &args.dv_accum};
-  for (int i = 0; i < 2; ++i) {
-    typename Kernel::TensorParams& t = params.tensors[i];
-    if (char const* why = tiles_of(*accums[i], partials[i]->head_dim, t.accum)) { return why; }
-    t.shape_in = shape_of(*partials[i], args.rows, args.num_heads_q, batch_extent);
-    t.tma_load_in =
-        Ring::make_tma_load(static_cast<float const*>(partials[i]->ptr), t.shape_in, stride_of(*partials[i]));
-  }
-  return launch_kernel<Kernel>(dim3(persistent_grid<Kernel>(num_tiles)), params, stream);
-}
-
-}  // namespace detail
-
 // The sm_80 path: each query head's tile added through the collective.
 template <int kHeadDim, int kArch>
 char const* launch_gqa_accumulate_per_head(GqaAccumulateLaunchArgs const& args, cudaStream_t stream) {
@@ -115,20 +35,14 @@ char const* launch_gqa_accumulate_per_head(GqaAccumulateLaunchArgs const& args, 
   bool const varlen = args.cu_seqlens != nullptr;
   int const batch_extent = varlen ? 1 : args.batch;
   // One collective per accumulator. The semaphore buffer: dK's counters, dV's, then the ticket.
-  auto coll_args = [&](AccumDesc const& accum, int* semaphores, int64_t num_semaphores) {
-    typename Collective::Arguments a{accum.ptr,       nullptr,      accum.head_stride, accum.batch_stride,
-                                     accum.num_tiles, batch_extent, args.num_heads_q,  args.num_heads_kv,
-                                     args.rows};
-    a.dk_semaphores = semaphores;  // this accumulator is the collective's dK
-    a.cu_seqlens = args.cu_seqlens;
-    a.seqused = args.seqused;
-    a.num_semaphores = num_semaphores;
-    return a;
+  auto coll_args = [&](AccumDesc const& accum, int* semaphores, int64_t num_semaphores) {  // accum as dK
+    return typename Collective::Arguments{accum.ptr, nullptr, accum.head_stride, accum.batch_stride, accum.num_tiles,
+                                          batch_extent, args.num_heads_q, args.num_heads_kv, args.rows, semaphores,
+                                          nullptr, args.cu_seqlens, args.seqused, num_semaphores};
   };
-  for (AccumDesc const* accum : {&args.dk_accum, &args.dv_accum}) {
-    if (accum->tile_elems != Collective::kAccumTileElems) {
-      return "the per-query-head adds take accumulators of whole tiles (kAccumTileElems floats each)";
-    }
+  constexpr int kTileElems = Collective::kAccumTileElems;
+  if (args.dk_accum.tile_elems != kTileElems || args.dv_accum.tile_elems != kTileElems) {
+    return "the per-query-head adds take accumulators of whole tiles (kAccumTileElems floats each)";
   }
   int64_t const counters = Collective::semaphore_count(coll_args(args.dk_accum, nullptr, 0));
   auto const dk_args = coll_args(args.dk_accum, args.semaphores, counters);
@@ -140,15 +54,14 @@ char const* launch_gqa_accumulate_per_head(GqaAccumulateLaunchArgs const& args, 
   int64_t const work_items = int64_t(tiles.x) * 2 * tiles.y * tiles.z;
   if (args.semaphores && work_items > INT_MAX) { return "more than 2^31 - 1 tiles x heads x 2 (deterministic mode)"; }
   int* const ticket = args.semaphores ? args.semaphores + 2 * counters : nullptr;
-  auto partial = [&](TensorDesc const& t) {
-    return typename Kernel::TensorParams{{}, static_cast<float const*>(t.ptr),
+  auto partial = [&](TensorDesc const& t, typename Collective::Arguments const& collective) {
+    return typename Kernel::TensorParams{Collective::to_underlying_arguments(collective),
+                                         static_cast<float const*>(t.ptr),
                                          shape_of(t, args.rows, args.num_heads_q, batch_extent), stride_of(t)};
   };
-  typename Kernel::Params params{{partial(args.dk_partial), partial(args.dv_partial)},
+  typename Kernel::Params params{{partial(args.dk_partial, dk_args), partial(args.dv_partial, dv_args)},
                                  args.batch, args.num_heads_q, args.num_heads_kv,
                                  static_cast<int>(tiles.x), static_cast<int>(tiles.z), ticket, 0, 1};
-  params.tensors[0].collective = Collective::to_underlying_arguments(dk_args);
-  params.tensors[1].collective = Collective::to_underlying_arguments(dv_args);
   if (args.semaphores) {
     // Zeroed on this stream before every launch (graph-capturable).
     if (cudaMemsetAsync(args.semaphores, 0, (2 * counters + 1) * sizeof(int), stream) != cudaSuccess) {
@@ -168,10 +81,34 @@ char const* launch_gqa_accumulate_per_head(GqaAccumulateLaunchArgs const& args, 
 
 template <int kHeadDim, int kArch>
 char const* launch_gqa_accumulate(GqaAccumulateLaunchArgs const& args, cudaStream_t stream) {
-  if constexpr (kArch >= 90) {
-    return detail::launch_gqa_accumulate_streamed<kHeadDim>(args, stream);
-  } else {
+  if constexpr (kArch < 90) {
     return launch_gqa_accumulate_per_head<kHeadDim, kArch>(args, stream);
+  } else {
+    // The sm_90 path, both modes: deterministic by construction, so the semaphores are not used.
+    using Config = BwdTileConfig<kHeadDim, cutlass::arch::Sm90>;
+    using Kernel = GqaAccumulateStreamKernel<Config>;
+    bool const varlen = args.cu_seqlens != nullptr;
+    int const batch_extent = varlen ? 1 : args.batch;
+    int64_t const n_tiles = row_tiles<Config::kBlockN>(args.rows, args.batch, varlen);
+    int64_t const num_tiles = n_tiles * 2 * args.num_heads_kv * batch_extent;
+    TensorDesc const* partials[2] = {&args.dk_partial, &args.dv_partial};
+    for (TensorDesc const* partial : partials) {
+      if (char const* why = tma_input_strides_fit(*partial, sizeof(float))) { return why; }
+    }
+    if (num_tiles == 0) { return nullptr; }
+    if (num_tiles > kMaxStreamedTiles) { return "more than 2^31 - 2^16 accumulator tiles"; }
+    typename Kernel::Params params{{}, args.num_heads_kv, args.num_heads_q / args.num_heads_kv, args.batch,
+                                   static_cast<int>(n_tiles), static_cast<int>(num_tiles), args.cu_seqlens,
+                                   args.seqused};
+    AccumDesc const* accums[2] = {&args.dk_accum, &args.dv_accum};
+    for (int i = 0; i < 2; ++i) {
+      typename Kernel::TensorParams& t = params.tensors[i];
+      if (char const* why = tiles_of(*accums[i], partials[i]->head_dim, t.accum)) { return why; }
+      t.shape_in = shape_of(*partials[i], args.rows, args.num_heads_q, batch_extent);
+      t.tma_load_in =
+          Kernel::Ring::make_tma_load(static_cast<float const*>(partials[i]->ptr), t.shape_in, stride_of(*partials[i]));
+    }
+    return launch_kernel<Kernel>(dim3(persistent_grid<Kernel>(num_tiles)), params, stream);
   }
 }
 
@@ -181,26 +118,29 @@ char const* launch_gqa_accum_to_dense(GqaDenseLaunchArgs const& args, cudaStream
   using Config = BwdTileConfig<kHeadDim, ArchTag>;
   using Kernel = GqaDenseKernel<Config, ArchTag>;
   bool const varlen = args.cu_seqlens != nullptr;
-  int const batch_extent = varlen ? 1 : args.batch;
-  typename Kernel::Params params{{},
-                                 static_cast<float*>(args.out.ptr),
-                                 shape_of(args.out, args.rows, args.num_heads_kv, batch_extent),
+  typename Kernel::Params params{{}, static_cast<float*>(args.out.ptr),
+                                 shape_of(args.out, args.rows, args.num_heads_kv, varlen ? 1 : args.batch),
                                  stride_of(args.out), args.batch, args.cu_seqlens, args.seqused};
-  if (char const* why = detail::tiles_of(args.accum, args.out.head_dim, params.accum)) { return why; }
+  if (char const* why = tiles_of(args.accum, args.out.head_dim, params.accum)) { return why; }
   return launch_kernel<Kernel>(row_tile_grid<Config::kBlockN>(args.rows, args.num_heads_kv, args.batch, varlen),
                                 params, stream);
 }
 
 template <OutputDType kDType, int kHeadDim, int kArch>
 char const* launch_gqa_postprocess(GqaPostprocessLaunchArgs const& args, cudaStream_t stream) {
-  using Element = element_of<kDType>;
   using ArchTag = arch_tag_of<kArch>;
+  using Config = BwdTileConfig<kHeadDim, ArchTag>;
+  auto launch = [&](auto varlen) {
+    using Kernel = GqaPostprocessKernel<Config, element_of<kDType>, ArchTag, decltype(varlen)::value>;
+    typename Kernel::Params params{{{{}, {}, args.scale_dk}, {{}, {}, args.scale_dv}}, args.num_heads_kv, args.batch};
+    if (char const* why = tiles_of(args.dk_accum, args.dk.head_dim, params.tensors[0].accum)) { return why; }
+    if (char const* why = tiles_of(args.dv_accum, args.dv.head_dim, params.tensors[1].accum)) { return why; }
+    return launch_output_tiles<Kernel>(args, 2, args.num_heads_kv, params, stream);
+  };
   if constexpr (kArch >= 90) {
-    if (without_sequence_metadata(args)) {
-      return detail::launch_gqa_postprocess_variant<Element, kHeadDim, ArchTag, false>(args, stream);
-    }
+    if (without_sequence_metadata(args)) { return launch(std::false_type{}); }
   }
-  return detail::launch_gqa_postprocess_variant<Element, kHeadDim, ArchTag, true>(args, stream);
+  return launch(std::true_type{});
 }
 
 template <OutputDType kDType, int kHeadDim, int kArch>
@@ -210,12 +150,29 @@ char const* launch_gqa_reduce(GqaReduceLaunchArgs const& args, cudaStream_t stre
   if (args.num_heads_kv <= 0 || args.num_heads_q % args.num_heads_kv != 0) {  // both drivers divide by it
     return "num_heads_q must be a multiple of num_heads_kv";
   }
+  using Config = BwdTileConfig<kHeadDim, ArchTag>;
+  int const group = args.num_heads_q / args.num_heads_kv;
+  bool const has_dv = args.dv_partial.ptr != nullptr;
   auto with_input = [&](auto input_tag) -> char const* {
     using ElementIn = typename decltype(input_tag)::type;
     if constexpr (kArch >= 90) {
-      return detail::launch_gqa_reduce_streamed<Element, ElementIn, kHeadDim>(args, stream);
+      StreamedTensor const tensors[2] = {{args.dk, args.dk_partial, args.scale_dk},
+                                         {args.dv, args.dv_partial, args.scale_dv}};
+      return launch_tile_stream_for<Config, Element, ElementIn, /*kReduce=*/true>(
+          tensors, has_dv ? 2 : 1, args.rows, args.num_heads_kv, group, args.batch, args.cu_seqlens, args.seqused,
+          stream);
     } else {
-      return detail::launch_gqa_reduce_variant<Element, ElementIn, kHeadDim, ArchTag, true>(args, stream);
+      using Kernel = GqaReduceKernel<Config, Element, ElementIn, ArchTag, /*kVarlen=*/true>;
+      int const batch_extent = args.cu_seqlens != nullptr ? 1 : args.batch;
+      auto tensor_params = [&](TensorDesc const& partial, float scale) {
+        return typename Kernel::TensorParams{{}, static_cast<ElementIn const*>(partial.ptr),
+                                             shape_of(partial, args.rows, args.num_heads_q, batch_extent),
+                                             stride_of(partial), scale};
+      };
+      typename Kernel::Params params{{tensor_params(args.dk_partial, args.scale_dk)}, group, args.num_heads_kv,
+                                     args.batch};
+      if (has_dv) { params.tensors[1] = tensor_params(args.dv_partial, args.scale_dv); }
+      return launch_output_tiles<Kernel>(args, has_dv ? 2 : 1, args.num_heads_kv, params, stream);
     }
   };
   return args.partial_fp32 ? with_input(std::type_identity<float>{}) : with_input(std::type_identity<Element>{});

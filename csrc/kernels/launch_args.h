@@ -96,22 +96,17 @@ struct GqaReduceLaunchArgs {
 // kArch 90: the sm_90 path; 80: the sm_80 path (Sm80 collectives, also runnable on sm_90).
 template <OutputDType kDType, int kHeadDim, int kArch>
 char const* launch_store(StoreLaunchArgs const& args, cudaStream_t stream);
-
 template <OutputDType kDType, int kHeadDim, int kArch>
 char const* launch_store_zero(StoreZeroLaunchArgs const& args, cudaStream_t stream);
-
+template <OutputDType kDType, int kHeadDim, int kArch>
+char const* launch_gqa_postprocess(GqaPostprocessLaunchArgs const& args, cudaStream_t stream);
+template <OutputDType kDType, int kHeadDim, int kArch>
+char const* launch_gqa_reduce(GqaReduceLaunchArgs const& args, cudaStream_t stream);
 // The accumulator's order depends on the C layout, not on the 16-bit type.
 template <int kHeadDim, int kArch>
 char const* launch_gqa_accumulate(GqaAccumulateLaunchArgs const& args, cudaStream_t stream);
-
 template <int kHeadDim, int kArch>
 char const* launch_gqa_accum_to_dense(GqaDenseLaunchArgs const& args, cudaStream_t stream);
-
-template <OutputDType kDType, int kHeadDim, int kArch>
-char const* launch_gqa_postprocess(GqaPostprocessLaunchArgs const& args, cudaStream_t stream);
-
-template <OutputDType kDType, int kHeadDim, int kArch>
-char const* launch_gqa_reduce(GqaReduceLaunchArgs const& args, cudaStream_t stream);
 
 // The slabs an accumulator tile `width` columns wide holds: those covering its columns, or all (slab_cols 0).
 constexpr int accum_slabs(int width, int slab_cols, int num_slabs) {

@@ -37,11 +37,12 @@ __global__ void __launch_bounds__(Kernel::kNumThreads, Kernel::kMinBlocksPerSm)
 template <OutputDType kDType>
 using element_of = std::conditional_t<kDType == OutputDType::kBFloat16, cutlass::bfloat16_t, cutlass::half_t>;
 
+constexpr int kMaxDevices = 64;  // the per-device caches below; a device past them is not cached
+
 // Raise Kernel's dynamic shared-memory limit once per device. Keyed by the kernel class: two kernels with
 // the same Params share a function-pointer type, and a cache keyed by it skipped the second's attribute.
 template <class Kernel>
 cudaError_t set_smem_limit_once(int smem_bytes) {
-  constexpr int kMaxDevices = 64;
   static std::atomic<int> configured_bytes[kMaxDevices] = {};  // host threads launch concurrently
   int device = 0;
   if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) { return err; }
@@ -69,12 +70,10 @@ char const* launch_kernel(dim3 grid, typename Kernel::Params const& params, cuda
 
 // The current device's multiprocessor count, cached per device (0 if it cannot be read).
 inline int multiprocessor_count() {
-  constexpr int kMaxDevices = 64;
   static int counts[kMaxDevices] = {};
-  int device = 0;
+  int device = 0, count = 0;
   if (cudaGetDevice(&device) != cudaSuccess) { return 0; }
   if (device < kMaxDevices && counts[device] > 0) { return counts[device]; }
-  int count = 0;
   if (cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) { return 0; }
   if (device < kMaxDevices) { counts[device] = count; }
   return count;
@@ -97,9 +96,7 @@ inline cute::Stride<int64_t, cute::_1, int64_t, int64_t> stride_of(TensorDesc co
 
 // Whether a launch takes the batched instantiation (the collective's Varlen = false).
 template <class LaunchArgs>
-bool without_sequence_metadata(LaunchArgs const& args) {
-  return args.cu_seqlens == nullptr && args.seqused == nullptr;
-}
+bool without_sequence_metadata(LaunchArgs const& args) { return args.cu_seqlens == nullptr && args.seqused == nullptr; }
 
 // CollectiveEpilogueBwd's arguments for outputs dk/dv (dv.ptr may be null: dK only).
 template <class Epilogue, class Element>
@@ -172,13 +169,11 @@ struct StreamedTensor {
 template <class Kernel>
 char const* launch_tile_stream(StreamedTensor const* tensors, int num_tensors, int rows, int num_heads, int group,
                                int batch, int const* cu_seqlens, int const* seqused, cudaStream_t stream) {
-  using namespace cute;
   using Epilogue = typename Kernel::Epilogue;
   using ElementIn = typename Kernel::ElementIn;
-  constexpr int kBlockN = Kernel::kBlockN;
   bool const varlen = cu_seqlens != nullptr;
   int const batch_extent = varlen ? 1 : batch;
-  int64_t const n_tiles = row_tiles<kBlockN>(rows, batch, varlen);
+  int64_t const n_tiles = row_tiles<Kernel::kBlockN>(rows, batch, varlen);
   int64_t const num_tiles = n_tiles * num_tensors * num_heads * batch_extent;
 
   for (int i = 0; i < num_tensors; ++i) {

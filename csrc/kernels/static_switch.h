@@ -38,20 +38,12 @@
 #define FLASH_EPILOGUE_HEAD_DIMS \
   FE_IF_HDIM64(64, ) FE_IF_HDIM96(96, ) FE_IF_HDIM128(128, ) FE_IF_HDIM192(192, ) FE_IF_HDIM256(256, )
 
-// The switch's default.
-#if !defined(FLASH_EPILOGUE_DISABLE_HDIM64)
-#define FE_FIRST_HEAD_DIM 64
-#elif !defined(FLASH_EPILOGUE_DISABLE_HDIM96)
-#define FE_FIRST_HEAD_DIM 96
-#elif !defined(FLASH_EPILOGUE_DISABLE_HDIM128)
-#define FE_FIRST_HEAD_DIM 128
-#elif !defined(FLASH_EPILOGUE_DISABLE_HDIM192)
-#define FE_FIRST_HEAD_DIM 192
-#elif !defined(FLASH_EPILOGUE_DISABLE_HDIM256)
-#define FE_FIRST_HEAD_DIM 256
-#else
+#if defined(FLASH_EPILOGUE_DISABLE_HDIM64) && defined(FLASH_EPILOGUE_DISABLE_HDIM96) && \
+    defined(FLASH_EPILOGUE_DISABLE_HDIM128) && defined(FLASH_EPILOGUE_DISABLE_HDIM192) && \
+    defined(FLASH_EPILOGUE_DISABLE_HDIM256)
 #error "flash_epilogue: every head dim is disabled (FLASH_EPILOGUE_DISABLE_HDIM*)"
 #endif
+inline constexpr int kFlashEpilogueHeadDims[] = {FLASH_EPILOGUE_HEAD_DIMS};  // the first is HEADDIM_SWITCH's default
 
 #define HEADDIM_SWITCH(VALUE, NAME, ...)                                                  \
   [&] {                                                                                   \
@@ -60,21 +52,18 @@
       FE_IF_HDIM128(case 128: { constexpr static int NAME = 128; return __VA_ARGS__(); }) \
       FE_IF_HDIM192(case 192: { constexpr static int NAME = 192; return __VA_ARGS__(); }) \
       FE_IF_HDIM256(case 256: { constexpr static int NAME = 256; return __VA_ARGS__(); }) \
-      default: { constexpr static int NAME = FE_FIRST_HEAD_DIM; return __VA_ARGS__(); }   \
+      default: { constexpr static int NAME = ::kFlashEpilogueHeadDims[0]; return __VA_ARGS__(); } \
     }                                                                                     \
   }()
 
-// The code path: 90 (sm_90: TMA collectives) or 80 (sm_80 collectives, also runnable on sm_90).
-#define ARCH_SWITCH(VALUE, NAME, ...)                            \
-  [&] {                                                          \
-    if ((VALUE) == 90) { constexpr static int NAME = 90; return __VA_ARGS__(); } \
-    constexpr static int NAME = 80;                              \
-    return __VA_ARGS__();                                        \
+// NAME = COND ? A : B, a constant of TYPE.
+#define FE_CONDITION_SWITCH(COND, TYPE, NAME, A, B, ...)               \
+  [&] {                                                                \
+    if (COND) { constexpr static TYPE NAME = A; return __VA_ARGS__(); } \
+    constexpr static TYPE NAME = B;                                    \
+    return __VA_ARGS__();                                              \
   }()
 
-#define BOOL_SWITCH(COND, NAME, ...)                             \
-  [&] {                                                          \
-    if (COND) { constexpr static bool NAME = true; return __VA_ARGS__(); } \
-    constexpr static bool NAME = false;                          \
-    return __VA_ARGS__();                                        \
-  }()
+// The code path: 90 (sm_90: TMA collectives) or 80 (sm_80 collectives, also runnable on sm_90).
+#define ARCH_SWITCH(VALUE, NAME, ...) FE_CONDITION_SWITCH((VALUE) == 90, int, NAME, 90, 80, __VA_ARGS__)
+#define BOOL_SWITCH(COND, NAME, ...) FE_CONDITION_SWITCH(COND, bool, NAME, true, false, __VA_ARGS__)

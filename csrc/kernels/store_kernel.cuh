@@ -14,29 +14,25 @@
 
 namespace flash_epilogue {
 
-template <class Config_, class Element_, class ArchTag_, bool kVarlen_>
+template <class Config, class Element_, class ArchTag_, bool kVarlen>  // kVarlen: cu_seqlens and/or seqused given
 struct StoreKernel {
-  using Config = Config_;
   using Element = Element_;
   using ArchTag = ArchTag_;
-  static constexpr bool kVarlen = kVarlen_;  // cu_seqlens and/or seqused (the collective's Varlen)
   static constexpr int kBlockN = Config::kBlockN;
   static constexpr int kHeadDim = Config::kHeadDim;
   static constexpr int kNumThreads = Config::kNumThreads;
   static constexpr int kMinBlocksPerSm = 2;
-  static constexpr bool kSwapAB = Config::kSwapAB;
   using TiledMmaConfig = BwdTiledMma<Config, Element, ArchTag>;
   using TiledMma = typename TiledMmaConfig::TiledMma;
   static_assert(cute::size(TiledMma{}) == kNumThreads, "the TiledMma must span exactly the epilogue threads");
   using TileShape_MNK = cute::Shape<cute::_64, cute::Int<kBlockN>, cute::Int<kHeadDim>>;
-  using Epilogue = CollectiveEpilogueBwd<TileShape_MNK, Element, ArchTag, kNumThreads, kVarlen, kSwapAB,
+  using Epilogue = CollectiveEpilogueBwd<TileShape_MNK, Element, ArchTag, kNumThreads, kVarlen, Config::kSwapAB,
                                          Config::kAtomLayoutKdKV>;
-  using StrideAccum = typename Epilogue::StridedKV;  // (rows, d, head, batch)
 
   struct TensorParams {
     typename Epilogue::Params epilogue;  // this output as the collective's dK, no dV
     float const* ptr_accum;
-    StrideAccum stride_accum;
+    typename Epilogue::StridedKV stride_accum;  // (rows, d, head, batch)
   };
 
   struct Params {
@@ -72,7 +68,8 @@ struct StoreKernel {
       auto const gtile = rows_tile<kBlockN, kHeadDim>(work.ptr_accum, ep.shape_dK, work.stride_accum, tile.head,
                                                       ep.cu_seqlens ? 0 : tile.batch, tile.seqlen_info.offset,
                                                       tile.n_block);  // (BLK_N, BLK_D)
-      load_accum_tile<kSwapAB, kBlockN, kHeadDim>(frag, thr_mma, gtile, tile.valid_rows, cute::get<1>(ep.shape_dK));
+      load_accum_tile<Config::kSwapAB, kBlockN, kHeadDim>(frag, thr_mma, gtile, tile.valid_rows,
+                                                          cute::get<1>(ep.shape_dK));
       return true;
     };
     store_output_tile(params, smem, fill);

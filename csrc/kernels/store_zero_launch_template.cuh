@@ -1,15 +1,60 @@
 #pragma once
 
-// Host side of `store_zero`: the window clamped to the tensor, the grid over the selection.
+// `store_zero`: zeros a row window of chosen (sequence, head) pairs. Grid (tiles, heads, sequences selected):
+// the padded tile space when varlen selects every sequence, else the window's tiles.
 
 #include <cute/tensor.hpp>
 
+#include "flash_epilogue/bwd_config.h"
+#include "flash_epilogue/epilogue_bwd.h"
 #include "launch_args.h"
 #include "launch_common.cuh"
-#include "store_zero_kernel.cuh"
 #include "tile_schedule.cuh"
 
 namespace flash_epilogue {
+
+template <class Config, class Element, class ArchTag_>
+struct StoreZeroKernel {
+  using ArchTag = ArchTag_;
+  static constexpr int kBlockN = Config::kBlockN;
+  static constexpr int kNumThreads = Config::kNumThreads;
+  static constexpr int kMinBlocksPerSm = 1;
+  using TileShape_MNK = cute::Shape<cute::_64, cute::Int<kBlockN>, cute::Int<Config::kHeadDim>>;
+  // Sm80 on every arch: store_zero is predicated anyway, and no TMA descriptors to encode.
+  using Epilogue = CollectiveEpilogueBwd<TileShape_MNK, Element, cutlass::arch::Sm80, kNumThreads, /*Varlen=*/true,
+                                         Config::kSwapAB, Config::kAtomLayoutKdKV>;
+
+  struct Params {
+    typename Epilogue::Params epilogue;
+    int batch;
+    int num_heads;
+    int const* batch_idx;  // null: blockIdx.z is the sequence
+    int const* head_idx;   // null: blockIdx.y is the head
+    int row_begin;
+    int row_end;
+    int first_block;       // tile of row_begin (selection grids start there)
+    bool padded_tiles;     // varlen, every sequence: blockIdx.x is a padded tile
+  };
+
+  CUTLASS_DEVICE void operator()(Params const& params, char* /*smem*/) const {
+    int const bidb_sel = blockIdx.z;
+    int const bidh = params.head_idx ? params.head_idx[blockIdx.y] : static_cast<int>(blockIdx.y);
+    if (bidh < 0 || bidh >= params.num_heads) { return; }
+    int n_block, bidb;
+    if (params.padded_tiles) {
+      auto const [nb, b] =
+          tile_to_block_and_batch<kBlockN>(blockIdx.x, blockIdx.z, params.batch, params.epilogue.cu_seqlens);
+      n_block = nb;
+      bidb = b;
+    } else {
+      n_block = params.first_block + static_cast<int>(blockIdx.x);
+      bidb = params.batch_idx ? params.batch_idx[bidb_sel] : bidb_sel;
+    }
+    if (bidb < 0 || bidb >= params.batch) { return; }
+    Epilogue{}.store_zero(params.epilogue, threadIdx.x, cute::make_tuple(n_block, bidh, bidb), params.row_begin,
+                          params.row_end);
+  }
+};
 
 template <OutputDType kDType, int kHeadDim, int kArch>
 char const* launch_store_zero(StoreZeroLaunchArgs const& args, cudaStream_t stream) {
@@ -20,10 +65,9 @@ char const* launch_store_zero(StoreZeroLaunchArgs const& args, cudaStream_t stre
   using Epilogue = typename Kernel::Epilogue;
   constexpr int kBlockN = Config::kBlockN;
   bool const is_varlen = args.cu_seqlens != nullptr;
-  int const batch_extent = is_varlen ? 1 : args.batch;
 
-  auto const ep_args = epilogue_arguments<Epilogue, Element>(args.dk, args.dv, args.rows, args.num_heads, batch_extent,
-                                                             args.cu_seqlens, args.seqused);
+  auto const ep_args = epilogue_arguments<Epilogue, Element>(args.dk, args.dv, args.rows, args.num_heads,
+                                                             is_varlen ? 1 : args.batch, args.cu_seqlens, args.seqused);
   if (char const* why = Epilogue::can_implement(ep_args)) { return why; }
 
   // No sequence is longer than the tensor's rows: clamp the window to them.

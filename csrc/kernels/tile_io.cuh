@@ -8,28 +8,13 @@
 #include <cutlass/array.h>
 #include <cutlass/fast_math.h>
 
+#include "flash_epilogue/fragment_utils.h"
 #include "flash_epilogue/named_barrier.h"
 
 namespace flash_epilogue {
 
 using ShapeRowsHeadBatch = cute::Shape<int32_t, int32_t, int32_t, int32_t>;    // (rows, d, head, batch)
 using StrideRowsHeadBatch = cute::Stride<int64_t, cute::_1, int64_t, int64_t>;
-
-// Tile n_block of (head, batch_coord) of a (rows, d, head, batch) tensor, in the sequence starting at row
-// `offset`; the tensor given (a TMA tensor) or in global memory at `ptr`.
-template <int kBlockN, int kHeadDim, class Tensor4>
-CUTLASS_DEVICE auto rows_tile(Tensor4 const& m, int head, int batch_coord, int offset, int n_block) {
-  using namespace cute;
-  return local_tile(domain_offset(make_coord(offset, _0{}), m(_, _, head, batch_coord)),
-                    Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, _0{}));
-}
-template <int kBlockN, int kHeadDim, class T, class ShapeT, class StrideT>
-CUTLASS_DEVICE auto rows_tile(T* ptr, ShapeT const& shape, StrideT const& stride, int head, int batch_coord, int offset,
-                              int n_block) {
-  using namespace cute;
-  return rows_tile<kBlockN, kHeadDim>(make_tensor(make_gmem_ptr(ptr), shape, stride), head, batch_coord, offset,
-                                      n_block);
-}
 
 // fn(width, i, row, col, pointer) for each element i of `thr_mma`'s C fragment over a tile (global, or a
 // swizzled smem stage). Without swapAB pairs (2i, 2i+1) are adjacent columns of a row and come together
@@ -167,21 +152,5 @@ struct StagedTileSum {
     load_accum_tile<kSwapAB, kBlockN, kHeadDim>(frag, thr_mma, stage_tile(smem), kBlockN, kHeadDim);
   }
 };
-
-// The inverse for fp32 outputs, inside [0, valid_rows) x [0, num_cols).
-template <bool kSwapAB, int kBlockN, int kHeadDim, class Fragment, class ThrMma, class GmemTensor>
-CUTLASS_DEVICE void store_fragment_tile(Fragment const& frag, ThrMma const& thr_mma, GmemTensor const& gtile,
-                                        int valid_rows, int num_cols) {
-  auto store = [&](auto width, int i, int row, int col, auto ptr) {
-    if (row < valid_rows && col < num_cols) {
-      if constexpr (decltype(width)::value == 2) {
-        *reinterpret_cast<float2*>(ptr) = make_float2(frag(i), frag(i + 1));
-      } else {
-        *ptr = frag(i);
-      }
-    }
-  };
-  for_each_fragment_element<kSwapAB, kBlockN, kHeadDim>(thr_mma, gtile, store);
-}
 
 }  // namespace flash_epilogue

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <type_traits>
+#include <utility>
 
 #include <cute/tensor.hpp>
 
@@ -60,15 +61,10 @@ struct TensorAndHead {
   int head;
 };
 
-// An index over dK's items then dV's (`per_tensor` each) -> (tensor, index within it).
-template <class Index>
-struct TensorSplit {
-  int tensor;  // 0: dK, 1: dV
-  Index index;
-};
+// An index over dK's items then dV's (`per_tensor` each) -> (tensor: 0 dK, 1 dV; index within it).
 template <class Index = int>
-CUTLASS_DEVICE TensorSplit<Index> split_by_tensor(std::type_identity_t<Index> index,
-                                                  std::type_identity_t<Index> per_tensor) {
+CUTLASS_DEVICE std::pair<int, Index> split_by_tensor(std::type_identity_t<Index> index,
+                                                     std::type_identity_t<Index> per_tensor) {
   int const tensor = index >= per_tensor ? 1 : 0;
   return {tensor, index - tensor * per_tensor};
 }

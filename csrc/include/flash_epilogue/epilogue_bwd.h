@@ -154,7 +154,6 @@ struct CollectiveEpilogueBwd {
     int const* seqused = nullptr;     // (batch,), Varlen only
   };
 
-  // Device side.
   struct Params {
     Element* ptr_dK;
     ShapedKV shape_dK;
@@ -176,8 +175,7 @@ struct CollectiveEpilogueBwd {
       if (d <= 0 || d > kHeadDim) { return "head dim must be in [1, kHeadDim]"; }
       if (d % kGmemElemsPerStore != 0) { return "head dim must be a multiple of 8 (16-byte vectors)"; }
       if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0) { return "tensor start must be 16-byte aligned"; }
-      int64_t const strides[3] = {cute::get<0>(stride), cute::get<2>(stride), cute::get<3>(stride)};
-      for (int64_t s : strides) {
+      for (int64_t s : {cute::get<0>(stride), cute::get<2>(stride), cute::get<3>(stride)}) {
         if (s < 0 || (s * int64_t(sizeof(Element))) % 16 != 0) {
           return "row, head and batch strides must be non-negative multiples of 16 bytes";
         }
@@ -194,9 +192,7 @@ struct CollectiveEpilogueBwd {
     if (char const* why = check_one(args.ptr_dK, args.shape_dK, args.stride_dK)) { return why; }
     if (args.ptr_dV == nullptr) { return nullptr; }
     if (char const* why = check_one(args.ptr_dV, args.shape_dV, args.stride_dV)) { return why; }
-    if (cute::get<0>(args.shape_dK) != cute::get<0>(args.shape_dV) ||
-        cute::get<2>(args.shape_dK) != cute::get<2>(args.shape_dV) ||
-        cute::get<3>(args.shape_dK) != cute::get<3>(args.shape_dV)) {
+    if (!(cute::select<0, 2, 3>(args.shape_dK) == cute::select<0, 2, 3>(args.shape_dV))) {
       return "dK and dV must agree on rows, heads and batch";
     }
     if (!Varlen && (args.cu_seqlens || args.seqused)) { return "cu_seqlens/seqused need Varlen = true"; }
@@ -213,18 +209,11 @@ struct CollectiveEpilogueBwd {
         return nullptr;
       }
     };
-    bool const has_dv = args.ptr_dV != nullptr;  // without dV, its descriptor is dK's (never used)
-    return {args.ptr_dK,
-            args.shape_dK,
-            args.stride_dK,
-            args.ptr_dV,
-            args.shape_dV,
-            args.stride_dV,
-            make_store(args.ptr_dK, args.shape_dK, args.stride_dK),
-            has_dv ? make_store(args.ptr_dV, args.shape_dV, args.stride_dV)
+    return {args.ptr_dK, args.shape_dK, args.stride_dK, args.ptr_dV, args.shape_dV, args.stride_dV,
+            make_store(args.ptr_dK, args.shape_dK, args.stride_dK),  // without dV, dV's descriptor is dK's (unused)
+            args.ptr_dV != nullptr ? make_store(args.ptr_dV, args.shape_dV, args.stride_dV)
                    : make_store(args.ptr_dK, args.shape_dK, args.stride_dK),
-            args.cu_seqlens,
-            args.seqused};
+            args.cu_seqlens, args.seqused};
   }
 
   // Ideally from one thread, early in the kernel.
@@ -321,7 +310,6 @@ struct CollectiveEpilogueBwd {
     if (valid_rows <= 0 || first_row >= valid_rows) { return; }
     Tensor gdK = tile_of(params.ptr_dK, params.shape_dK, params.stride_dK, params, seqlen_info, block_coord);
     Tensor gdV = tile_of(params.ptr_dV, params.shape_dV, params.stride_dV, params, seqlen_info, block_coord);
-    bool const has_dv = params.ptr_dV != nullptr;
 
     GmemTiledCopydKV gmem_tiled_copy_dKV;
     auto gmem_thr_copy_dKV = gmem_tiled_copy_dKV.get_thread_slice(thread_idx);
@@ -332,7 +320,7 @@ struct CollectiveEpilogueBwd {
     Tensor tdKVcdKV = gmem_thr_copy_dKV.partition_D(make_identity_tensor(select<1, 2>(TileShape_MNK{})));
     copy_predicated(gmem_tiled_copy_dKV, tdKVrZero, tdKVgdK, tdKVcdKV,
                     column_predicate(tdKVcdKV, get<1>(params.shape_dK)), valid_rows, first_row);
-    if (has_dv) {
+    if (params.ptr_dV != nullptr) {
       copy_predicated(gmem_tiled_copy_dKV, tdKVrZero, tdKVgdV, tdKVcdKV,
                       column_predicate(tdKVcdKV, get<1>(params.shape_dV)), valid_rows, first_row);
     }

@@ -145,12 +145,9 @@ struct CollectiveEpilogueBwdGQA {
   }
 
   static Params to_underlying_arguments(Arguments const& args) {
-    return {args.ptr_dKaccum,   args.ptr_dVaccum,
-            args.stride_head,   args.stride_batch,
-            args.num_tiles,     args.num_heads_kv,
-            args.static_seqlen, cutlass::FastDivmod(args.num_heads_q / args.num_heads_kv),
-            args.dk_semaphores, args.dk_semaphores ? args.dv_semaphores : nullptr,
-            args.cu_seqlens,    args.seqused,
+    return {args.ptr_dKaccum, args.ptr_dVaccum, args.stride_head, args.stride_batch, args.num_tiles,
+            args.num_heads_kv, args.static_seqlen, cutlass::FastDivmod(args.num_heads_q / args.num_heads_kv),
+            args.dk_semaphores, args.dk_semaphores ? args.dv_semaphores : nullptr, args.cu_seqlens, args.seqused,
             args.counter_order, args.num_batch};
   }
 

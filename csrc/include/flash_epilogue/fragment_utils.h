@@ -1,6 +1,6 @@
 #pragma once
 
-// Packed fragment conversion and a tiled copy with separate row and column predicates.
+// Packed fragment conversion, a tiled copy with separate row and column predicates, and row tiles.
 
 #include <cute/tensor.hpp>
 #include <cutlass/numeric_conversion.h>
@@ -45,6 +45,22 @@ CUTLASS_DEVICE void copy_predicated(TiledCopy const& tiled_copy, SrcTensor const
       }
     }
   }
+}
+
+// Tile n_block of (head, batch_coord) of a (rows, d, head, batch) tensor, in the sequence starting at row
+// `offset`; the tensor given (a TMA tensor) or in global memory at `ptr`.
+template <int kBlockN, int kHeadDim, class Tensor4>
+CUTLASS_DEVICE auto rows_tile(Tensor4 const& m, int head, int batch_coord, int offset, int n_block) {
+  using namespace cute;
+  return local_tile(domain_offset(make_coord(offset, _0{}), m(_, _, head, batch_coord)),
+                    Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, _0{}));
+}
+template <int kBlockN, int kHeadDim, class T, class ShapeT, class StrideT>
+CUTLASS_DEVICE auto rows_tile(T* ptr, ShapeT const& shape, StrideT const& stride, int head, int batch_coord, int offset,
+                              int n_block) {
+  using namespace cute;
+  return rows_tile<kBlockN, kHeadDim>(make_tensor(make_gmem_ptr(ptr), shape, stride), head, batch_coord, offset,
+                                      n_block);
 }
 
 }  // namespace flash_epilogue

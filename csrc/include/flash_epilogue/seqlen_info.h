@@ -37,9 +37,7 @@ struct SeqlenInfo {
 
   // offset_padded / kBlockN: equals (cu_seqlens[b] + b * kBlockN) / kBlockN for cu_seqlens[b] >= 0 and,
   // unlike that sum, never wraps. For negative (bad) entries valid_rows gives the batch no rows.
-  CUTLASS_HOST_DEVICE static int first_padded_tile(int b, int const* cu_seqlens) {
-    return cu_seqlens[b] / kBlockN + b;
-  }
+  CUTLASS_HOST_DEVICE static int first_padded_tile(int b, int const* cu_seqlens) { return cu_seqlens[b] / kBlockN + b; }
 
   // Rows of tile n_block that may be written, in [0, kBlockN] and inside the row extent (bad metadata
   // writes nothing outside the tensor). offset + n_block * kBlockN is formed only once the tile is known

@@ -33,14 +33,26 @@ inline void require(char const* why, char const* collective) {
   if (why != nullptr) { throw std::invalid_argument(std::string("flash_epilogue ") + collective + ": " + why); }
 }
 
+// FA3's kernels pass their whole SharedStorage to store; the epilogue's part is tensors.epilogue.
+template <class Collective>
+struct StoreFromSharedStorage : Collective {
+  template <class SharedStorage, class FrgTensor, class TiledMma>
+  CUTLASS_DEVICE void store(typename Collective::Params const& params, FrgTensor const& tdKrdK,
+                            FrgTensor const& tdVrdV, SharedStorage& shared_storage, TiledMma const& tiled_mma,
+                            int thread_idx, cute::tuple<int32_t, int32_t, int32_t> const& block_coord) const {
+    Collective::store(params, tdKrdK, tdVrdV, shared_storage.tensors.epilogue, tiled_mma, thread_idx, block_coord);
+  }
+};
+
 }  // namespace fa3_compat
 
 // dK/dV of MHA: fp32 fragments -> Element (bf16/fp16) tiles in global memory.
 template <class TileShape_MNK_, class Element_, class ArchTag_, int NumEpilogueThreads_, bool Varlen_, bool dKV_swapAB_,
           int AtomLayoutKdKV = 1>
 struct CollectiveEpilogueBwd
-    : flash_epilogue::CollectiveEpilogueBwd<TileShape_MNK_, Element_, ArchTag_, NumEpilogueThreads_, Varlen_,
-                                            dKV_swapAB_, AtomLayoutKdKV, fa3_compat::kMhaBarrierId> {
+    : fa3_compat::StoreFromSharedStorage<flash_epilogue::CollectiveEpilogueBwd<
+          TileShape_MNK_, Element_, ArchTag_, NumEpilogueThreads_, Varlen_, dKV_swapAB_, AtomLayoutKdKV,
+          fa3_compat::kMhaBarrierId>> {
   using Base = flash_epilogue::CollectiveEpilogueBwd<TileShape_MNK_, Element_, ArchTag_, NumEpilogueThreads_, Varlen_,
                                                      dKV_swapAB_, AtomLayoutKdKV, fa3_compat::kMhaBarrierId>;
   using typename Base::Element;
@@ -65,30 +77,15 @@ struct CollectiveEpilogueBwd
   };
 
   static typename Base::Arguments collective_arguments(Arguments const& args) {
-    return {args.ptr_dK,
-            args.shape_dK,
-            args.stride_dK,
-            args.ptr_dV,
-            args.shape_dV,
-            args.stride_dV,
-            Varlen_ ? args.cu_seqlens : nullptr,
-            Varlen_ ? args.seqused : nullptr};
+    return {args.ptr_dK, args.shape_dK, args.stride_dK, args.ptr_dV, args.shape_dV, args.stride_dV,
+            Varlen_ ? args.cu_seqlens : nullptr, Varlen_ ? args.seqused : nullptr};
   }
 
   static char const* can_implement(Arguments const& args) { return Base::can_implement(collective_arguments(args)); }
 
   static Params to_underlying_arguments(Arguments const& args) {
-    typename Base::Arguments const base_args = collective_arguments(args);
-    fa3_compat::require(Base::can_implement(base_args), "CollectiveEpilogueBwd");
-    return Base::to_underlying_arguments(base_args);
-  }
-
-  // FA3's kernels pass their whole SharedStorage; the epilogue's part is tensors.epilogue.
-  template <class SharedStorage, class FrgTensor, class TiledMma>
-  CUTLASS_DEVICE void store(Params const& params, FrgTensor const& tdKrdK, FrgTensor const& tdVrdV,
-                            SharedStorage& shared_storage, TiledMma const& tiled_mma, int thread_idx,
-                            cute::tuple<int32_t, int32_t, int32_t> const& block_coord) const {
-    Base::store(params, tdKrdK, tdVrdV, shared_storage.tensors.epilogue, tiled_mma, thread_idx, block_coord);
+    fa3_compat::require(can_implement(args), "CollectiveEpilogueBwd");
+    return Base::to_underlying_arguments(collective_arguments(args));
   }
 };
 
@@ -97,9 +94,9 @@ struct CollectiveEpilogueBwd
 template <class TileShape_MNK_, class ElementAccum, class ArchTag_, int NumEpilogueThreads_, bool Varlen_,
           bool Deterministic_>
 struct CollectiveEpilogueBwdGQA
-    : flash_epilogue::CollectiveEpilogueBwdGQA<TileShape_MNK_, ArchTag_, NumEpilogueThreads_,
-                                               cute::get<1>(TileShape_MNK_{}) * cute::get<2>(TileShape_MNK_{}),
-                                               fa3_compat::kGqaBarrierId> {
+    : fa3_compat::StoreFromSharedStorage<flash_epilogue::CollectiveEpilogueBwdGQA<
+          TileShape_MNK_, ArchTag_, NumEpilogueThreads_,
+          cute::get<1>(TileShape_MNK_{}) * cute::get<2>(TileShape_MNK_{}), fa3_compat::kGqaBarrierId>> {
   using Base = flash_epilogue::CollectiveEpilogueBwdGQA<TileShape_MNK_, ArchTag_, NumEpilogueThreads_,
                                                         cute::get<1>(TileShape_MNK_{}) * cute::get<2>(TileShape_MNK_{}),
                                                         fa3_compat::kGqaBarrierId>;
@@ -130,18 +127,11 @@ struct CollectiveEpilogueBwdGQA
   static constexpr int kTileElems = Base::kAccumTileElems;  // kBlockN * kHeadDim: FA3's tile
 
   static typename Base::Arguments collective_arguments(Arguments const& args) {
-    typename Base::Arguments a{};
-    a.ptr_dKaccum = args.ptr_dKaccum;
-    a.ptr_dVaccum = args.ptr_dVaccum;
-    a.stride_head = cute::get<1>(args.stride_dKaccum);
-    a.stride_batch = cute::get<2>(args.stride_dKaccum);
-    a.num_tiles = cute::get<0>(args.shape_dKaccum) / kTileElems;
-    a.batch_extent = cute::get<2>(args.shape_dKaccum);
-    a.num_heads_q = args.num_heads_q;
-    a.num_heads_kv = cute::get<1>(args.shape_dKaccum);
-    a.static_seqlen = a.num_tiles * Base::kBlockN;
-    a.cu_seqlens = Varlen_ ? args.cu_seqlens : nullptr;
-    a.seqused = Varlen_ ? args.seqused : nullptr;
+    int const num_tiles = cute::get<0>(args.shape_dKaccum) / kTileElems;
+    typename Base::Arguments a{args.ptr_dKaccum, args.ptr_dVaccum, cute::get<1>(args.stride_dKaccum),
+                               cute::get<2>(args.stride_dKaccum), num_tiles, cute::get<2>(args.shape_dKaccum),
+                               args.num_heads_q, cute::get<1>(args.shape_dKaccum), num_tiles * Base::kBlockN,
+                               nullptr, nullptr, Varlen_ ? args.cu_seqlens : nullptr, Varlen_ ? args.seqused : nullptr};
     if constexpr (Deterministic_) {
       a.dk_semaphores = args.dk_semaphore;
       a.dv_semaphores = args.dv_semaphore;
@@ -157,11 +147,7 @@ struct CollectiveEpilogueBwdGQA
     if (cute::get<0>(args.shape_dKaccum) % kTileElems != 0) {
       return "accumulator length must be whole kBlockN x kHeadDim tiles (seqlen_k_rounded * d_rounded)";
     }
-    bool const same_layout = cute::get<0>(args.shape_dVaccum) == cute::get<0>(args.shape_dKaccum) &&
-                             cute::get<1>(args.shape_dVaccum) == cute::get<1>(args.shape_dKaccum) &&
-                             cute::get<2>(args.shape_dVaccum) == cute::get<2>(args.shape_dKaccum) &&
-                             cute::get<1>(args.stride_dVaccum) == cute::get<1>(args.stride_dKaccum) &&
-                             cute::get<2>(args.stride_dVaccum) == cute::get<2>(args.stride_dKaccum);
+    bool const same_layout = args.shape_dVaccum == args.shape_dKaccum && args.stride_dVaccum == args.stride_dKaccum;
     if (args.ptr_dVaccum != nullptr && !same_layout) {
       return "dVaccum must have dKaccum's shape and strides (FA3 rounds d and dv to one head dim)";
     }
@@ -175,13 +161,6 @@ struct CollectiveEpilogueBwdGQA
   static Params to_underlying_arguments(Arguments const& args) {
     fa3_compat::require(can_implement(args), "CollectiveEpilogueBwdGQA");
     return Base::to_underlying_arguments(collective_arguments(args));
-  }
-
-  template <class SharedStorage, class FrgTensor, class TiledMma>
-  CUTLASS_DEVICE void store(Params const& params, FrgTensor const& tdKrdK, FrgTensor const& tdVrdV,
-                            SharedStorage& shared_storage, TiledMma const& tiled_mma, int thread_idx,
-                            cute::tuple<int32_t, int32_t, int32_t> const& block_coord) const {
-    Base::store(params, tdKrdK, tdVrdV, shared_storage.tensors.epilogue, tiled_mma, thread_idx, block_coord);
   }
 };
 
