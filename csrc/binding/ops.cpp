@@ -1,22 +1,465 @@
-// The ops and their registration: the arguments checked (checks.cpp), then one launch on the tensors' device and its
-// current stream through the one (dtype, head dim, arch path) dispatch to the instantiations of csrc/instantiations/.
+// The ops and their registration: every argument check, then one launch on the tensors' device and its current stream
+// through the one (dtype, head dim, arch path) dispatch to the instantiations of csrc/instantiations/.
+// The checks, in one order for every op: None, dtypes, ranks, shapes and head dims, strides, alignment, overlaps (of a
+// written tensor with itself, another written one, a read one), cu_seqlens/seqused, grid limits, last the devices (CPU
+// tensors fail only there) and the code path. Messages are built on failure only.
 
 #include "binding.h"
+#include "static_switch.h"
 
 #include <ATen/Context.h>
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <c10/util/SmallVector.h>
+#include <c10/util/strides.h>
 #include <cuda_runtime_api.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
+#include <charconv>
+#include <cmath>
+#include <limits>
+#include <map>
+#include <mutex>
+#include <string_view>
 #include <type_traits>
 
-#include "static_switch.h"
-
 namespace flash_epilogue {
+
+std::vector<std::string> const& compiled_archs() {
+  static std::vector<std::string> const archs = [] {
+    std::vector<std::string> out(1);  // from setup.py's comma-separated list
+    for (char c : std::string_view(FLASH_EPILOGUE_COMPILED_ARCHS)) { c == ',' ? out.emplace_back() : out.back() += c; }
+    return out;
+  }();
+  return archs;
+}
+
 namespace {
+
+using c10::ScalarType;
+
+// Numbers are formatted here, never streamed (the extension's own ostream integer insertion crashes on the H200 image).
+std::string num(int64_t v) { return std::to_string(v); }
+
+// As Python prints a tuple ((), (3,), (2, 3); '*' at index `star`) or, with `list`, a list.
+std::string seq(c10::IntArrayRef v, int64_t star = -1, bool list = false) {
+  std::string s = list ? "[" : "(";
+  for (size_t i = 0; i < v.size(); ++i) {
+    s += (i ? ", " : "") + (static_cast<int64_t>(i) == star ? std::string("'*'") : std::to_string(v[i]));
+  }
+  return s + (list ? "]" : v.size() == 1 ? ",)" : ")");
+}
+std::string num(c10::IntArrayRef v) { return seq(v); }
+
+template <class... A>
+std::string chars(A... a) {  // std::to_chars(a...) as a string
+  std::array<char, 32> buf;
+  return std::string(buf.data(), std::to_chars(buf.data(), buf.data() + buf.size(), a...).ptr);
+}
+std::string hex_str(int64_t v) { return "0x" + chars(static_cast<uint64_t>(v), 16); }  // Python's f"{v:#x}"
+std::string repr(double v) { return chars(v); }  // Python's repr of a float: the shortest round trip
+std::string dtype_name(ScalarType t) { return "torch." + std::string(c10::getDtypeNames(t).first); }
+std::string rank_got(TensorArg t) { return num(t.dim()) + " dims, shape " + num(t.sizes()); }
+int64_t address(TensorArg t) { return static_cast<int64_t>(reinterpret_cast<uintptr_t>(t.const_data_ptr())); }
+
+bool compiled_for(char const* arch) { return std::count(compiled_archs().begin(), compiled_archs().end(), arch) > 0; }
+bool has_kernels(int major, int minor) {  // an sm_90 GPU with sm_90a code, an sm_8x GPU with sm_80 code
+  return (major == 9 && minor == 0 && compiled_for("sm_90a")) || (major == 8 && compiled_for("sm_80"));
+}
+
+std::pair<int, int> device_capability(int device) {  // (major, minor), read once per device
+  static std::mutex mutex;
+  static std::map<int, std::pair<int, int>> cache;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (auto const it = cache.find(device); it != cache.end()) { return it->second; }
+  int major = 0, minor = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  return cache[device] = {major, minor};
+}
+
+// The head dims the kernels take (a config serves those up to its own); rows are 32-bit, grid y and z 16-bit.
+bool head_dim_supported(int64_t d) { return d > 0 && d % 8 == 0 && d <= 256; }
+bool within_grid_limits(int64_t rows, int64_t heads, int64_t batch) {
+  return rows < (int64_t(1) << 31) && heads < 65536 && batch < 65536;
+}
+
+// The tile serving head dims up to width: the smallest tile head dim >= width, as FA3 picks it (it fixes the GQA
+// accumulator's order), whether or not this build has it (FLASH_EPILOGUE_HEAD_DIMS may leave it out).
+int64_t serving_head_dim(int64_t width) {
+  for (int64_t hd : {FLASH_EPILOGUE_ALL_HEAD_DIMS}) {
+    if (width <= hd) { return hd; }
+  }
+  return 0;
+}
+constexpr int kBuiltHeadDims[] = {FLASH_EPILOGUE_HEAD_DIMS};
+std::string built_head_dims() {  // "64;128": this build's, as FLASH_EPILOGUE_HEAD_DIMS spells them
+  std::string out;
+  for (int hd : kBuiltHeadDims) { out += (out.empty() ? "" : ";") + std::to_string(hd); }
+  return out;
+}
+bool head_dim_built(int64_t d) {
+  return std::count(std::begin(kBuiltHeadDims), std::end(kBuiltHeadDims), serving_head_dim(d)) > 0;
+}
+
+CompiledTileConfig const& tile_config(int64_t width, int arch) {  // the one serving head dims up to width
+  for (CompiledTileConfig const& c : compiled_tile_configs()) {
+    if (c.arch == arch && c.head_dim == serving_head_dim(width)) { return c; }
+  }
+  C10_THROW_ERROR(Error, "flash_epilogue: internal: no tile config for head dim " + num(width) + " on sm_" + num(arch));
+}
+
+// Batched: ceil(rows / block_n) tiles per sequence. Varlen (rows: total tokens): batch_extent 1 and
+// (rows + batch * block_n) // block_n tiles, so that sequence b starts at ((cu_seqlens[b] + b * block_n) // block_n).
+// Both accumulators take the tile of the config serving max(d, dv), dK's of the slabs covering d, dV's dv.
+AccumLayout accum_layout(int arch, bool varlen, int64_t batch, int64_t rows, int64_t heads_kv, int64_t d, int64_t dv) {
+  CompiledTileConfig const& c = tile_config(std::max(d, dv), arch);
+  int64_t const n = c.block_n, tiles = varlen ? (rows + batch * n) / n : (rows + n - 1) / n;
+  auto const elems = [&c](int64_t w) { return int64_t(c.accum_tile_elems_for(static_cast<int>(w))); };
+  return {arch, c.block_n, c.head_dim, varlen ? 1 : batch, heads_kv, tiles, {elems(d), elems(dv)}};
+}
+
+// The path of a GQA call's accumulators, before the device checks: `requested`, else the device's (sm_8x: 80, else 90)
+int accum_path(at::Device device, int64_t requested) {
+  if (requested != 0) { return static_cast<int>(requested); }
+  if (!device.is_cuda()) { return 90; }
+  return device_capability(device.has_index() ? device.index() : c10::cuda::current_device()).first == 8 ? 80 : 90;
+}
+
+int64_t floor_div(int64_t a, int64_t b) { return a / b - (a % b < 0); }  // Python's a // b (b > 0)
+
+// Whether an element of `t` and one of `other` (starting delta_bytes after t) share memory: exact for equal element
+// sizes (a bounded search over the strides tells packed dk = kv[:, :, 0], dv = kv[:, :, 1] apart), else true.
+bool elements_coincide(TensorArg t, TensorArg other, int64_t delta_bytes) {
+  int64_t const size = t.element_size();
+  if (other.element_size() != size || delta_bytes % size != 0) { return true; }
+  // sum over dims of x_d * stride_d == delta, x_d in [0, n-1] for t and [-(n-1), 0] for other
+  std::map<int64_t, std::array<int64_t, 2>> terms;  // |stride| -> (lo, hi)
+  for (auto const& [x, sign] : {std::pair{&t, 1}, std::pair{&other, -1}}) {
+    for (int64_t d = 0; d < x->dim(); ++d) {
+      int64_t const n = x->size(d), s = x->stride(d), reach = (n - 1) * ((sign > 0) == (s > 0) ? 1 : -1);
+      if (n > 1 && s != 0) { terms[std::abs(s)][reach < 0 ? 0 : 1] += reach; }
+    }
+  }
+  // from the smallest stride: (stride, lo, hi, least and most offset of it and the smaller ones); first a zero sentinel
+  std::vector<std::array<int64_t, 5>> items(1);
+  int64_t least = 0, most = 0;
+  for (auto const& [s, r] : terms) { items.push_back({s, r[0], r[1], least += r[0] * s, most += r[1] * s}); }
+  int64_t budget = 100000;
+  auto reachable = [&](auto&& self, size_t k, int64_t rem) -> bool {  // largest stride first
+    if (k == 0) { return rem == 0; }
+    if (--budget < 0) { return true; }  // too many candidates to rule out: assume they coincide
+    int64_t const s = items[k][0], lo = items[k][1], hi = items[k][2];
+    int64_t const first = std::max(lo, -floor_div(items[k - 1][4] - rem, s));
+    int64_t const last = std::min(hi, floor_div(rem - items[k - 1][3], s));
+    for (int64_t x = first; x <= last; ++x) {
+      if (self(self, k - 1, rem - x * s)) { return true; }
+    }
+    return false;
+  };
+  return reachable(reachable, items.size() - 1, delta_bytes / size);
+}
+
+struct Named {  // a tensor argument and its name; t null: None
+  char const* name;
+  at::Tensor const* t;
+  at::Tensor const* operator->() const { return t; }
+};
+Named named(char const* name, OptArg t) { return {name, t.has_value() ? &*t : nullptr}; }
+using Names = c10::ArrayRef<Named>;
+struct Extents {
+  int64_t batch, rows;
+};
+
+struct Problem {  // what an op launches for once its arguments passed
+  bool varlen = false;
+  int rows = 0, heads = 0, heads_q = 0, batch = 0;  // heads: of dk/dv (h_k on the GQA side)
+  int head_dim = 0;                                 // the compiled config serving the head dims
+  AccumLayout accum;                                // the GQA ops' accumulators
+  at::Device device = at::kCPU;
+  int arch = 90;  // the code path: 90 (sm_90, TMA) or 80 (sm_80 collectives)
+};
+
+struct Checker {
+  char const* op;
+  Named cu, used;  // cu_seqlens, seqused
+  bool varlen;     // cu_seqlens given
+  explicit Checker(char const* op, OptArg cu_seqlens = {}, OptArg seqused = {})
+      : op(op), cu(named("cu_seqlens", cu_seqlens)), used(named("seqused", seqused)), varlen(cu.t != nullptr) {}
+  [[noreturn]] void fail(std::string const& arg, std::string const& expected, std::string const& got,
+                         bool type_error = false) const {
+    std::string const m = "flash_epilogue." + std::string(op) + ": " + arg + ": expected " + expected + ", got " + got;
+    if (type_error) { C10_THROW_ERROR(TypeError, m); }
+    C10_THROW_ERROR(ValueError, m);
+  }
+  [[noreturn]] void fail(Named n, char const* what, std::string const& expected, std::string const& got) const {
+    fail(std::string(n.name) + ": " + what, expected, got);
+  }
+  [[noreturn]] void fail_dtype(Named n, std::string const& expected) const {
+    fail(std::string(n.name) + ": dtype", expected, dtype_name(n->scalar_type()), true);
+  }
+  void defined(Names ts) const {  // the schema passes None for a Tensor as an undefined tensor
+    for (auto const& n : ts) {
+      if (!n->defined()) { fail(n.name, "a torch.Tensor", "NoneType", true); }
+    }
+  }
+  void float32(Names ts) const {
+    for (auto const& n : ts) {
+      if (n->scalar_type() != at::kFloat) { fail_dtype(n, "torch.float32"); }
+    }
+  }
+  void half(Named k, Named v) const {  // k 16-bit, v (when given) of k's dtype
+    if (k->scalar_type() != at::kHalf && k->scalar_type() != at::kBFloat16) {
+      fail_dtype(k, "torch.float16 or torch.bfloat16");
+    }
+    same_dtype(v, k);
+  }
+  void same_dtype(Named n, Named ref) const {
+    if (n.t && n->scalar_type() != ref->scalar_type()) {
+      fail_dtype(n, dtype_name(ref->scalar_type()) + " (the dtype of " + ref.name + ")");
+    }
+  }
+  void ranks(Names ts, bool accum = false) const {  // accum: the GQA accumulators' 4 dims
+    for (auto const& n : ts) {
+      if (n->dim() == (accum || !varlen ? 4 : 3)) { continue; }
+      fail(n, "rank",
+           accum    ? "4 dims (batch_extent, heads_kv, num_tiles, tile_elems)"
+           : varlen ? "3 dims (total_tokens, heads, headdim) because cu_seqlens is given"
+                    : "4 dims (batch, seqlen, heads, headdim) because cu_seqlens is None",
+           rank_got(*n.t));
+    }
+  }
+  // n (None: no check) has ref's shape but at dim (-1: the head dim; -2: the heads, h_k against h_q), named `which`
+  void shape_but(Named n, Named ref, int64_t dim, char const* which) const {
+    if (!n.t) { return; }
+    int64_t const star = ref->dim() + dim;
+    bool same = n->dim() == ref->dim();
+    for (int64_t i = 0; same && i < n->dim(); ++i) { same = i == star || n->size(i) == ref->size(i); }
+    if (!same) {
+      fail(n, "shape", seq(ref->sizes(), star) + " (" + ref.name + "'s shape but the " + which + " dim)",
+           num(n->sizes()));
+    }
+  }
+  void head_dim(char const* name, int64_t d) const {
+    if (!head_dim_supported(d)) { fail(std::string(name) + ": head dim", "a multiple of 8 in [8, 256]", num(d)); }
+    if (!head_dim_built(d)) {
+      fail(std::string(name) + ": head dim",
+           "a head dim this build has kernels for: " + num(d) + " runs on the tile of head dim " +
+               num(serving_head_dim(d)) + ", which this build leaves out (FLASH_EPILOGUE_HEAD_DIMS=" + built_head_dims() +
+               "); rebuild with it in FLASH_EPILOGUE_HEAD_DIMS",
+           num(d));
+    }
+  }
+  void kv_shapes(Named k, Named v) const {  // v (or None) has k's shape but the head dim; the head dims supported
+    shape_but(v, k, -1, "last");
+    head_dim(k.name, k->size(-1));
+    if (v.t) { head_dim(v.name, v->size(-1)); }
+  }
+  // h_k >= 1 and h_q a positive multiple of h_k (query head j belongs to KV head j // (h_q / h_k))
+  void group(int64_t h_q, char const* kv_name, int64_t h_k, char const* kv_src) const {
+    if (h_k < 1) {
+      fail(std::string(kv_name) + ": heads", ">= 1 (" + std::string(kv_src) + ", the number of KV heads)", num(h_k));
+    }
+    if (h_q < 1 || h_q % h_k != 0) {
+      fail("dk_partial: heads",
+           "a positive multiple of the " + num(h_k) + " KV heads (" + kv_src +
+               "): every KV head serves h_q / h_k query heads",
+           num(h_q) + " query heads (dk_partial.shape[-2])");
+    }
+  }
+
+  // The last dim contiguous, then every other stride a non-negative multiple of 16 bytes (dims of size <= 1 ignored;
+  // an empty tensor touches no memory: the kernels return early).
+  void layouts(Names ts) const {
+    for (auto const& n : ts) {
+      if (n->dim() > 0 && n->stride(-1) != 1) {
+        fail(n, "stride(-1)", "1 (last dim contiguous)", num(n->stride(-1)) + " (strides " + num(n->strides()) + ")");
+      }
+    }
+    for (auto const& n : ts) {
+      int64_t const multiple = std::max<int64_t>(16 / n->element_size(), 1);
+      for (int64_t i = 0; n->numel() > 0 && i + 1 < n->dim(); ++i) {
+        if (n->size(i) > 1 && (n->stride(i) < 0 || n->stride(i) % multiple != 0)) {
+          fail(std::string(n.name) + ": stride(" + num(i) + ")",
+               "a non-negative multiple of " + num(multiple) + " elements (16 bytes)",
+               num(n->stride(i)) + " (shape " + num(n->sizes()) + ", strides " + num(n->strides()) + ")");
+        }
+      }
+    }
+  }
+  void alignments(Names ts) const {
+    for (auto const& n : ts) {
+      int64_t const ptr = n->numel() > 0 ? address(*n.t) : 0;
+      if (ptr % 16 != 0) {
+        fail(n, "data_ptr", "a 16-byte aligned address", hex_str(ptr) + " (address % 16 = " + num(ptr % 16) + ")");
+      }
+    }
+  }
+  void contiguous(Names ts) const {
+    for (auto const& n : ts) {
+      if (n->numel() == 0 || n->is_contiguous()) { continue; }
+      fail(n, "strides", num(c10::contiguous_strides(n->sizes())) + " (contiguous)", num(n->strides()));
+    }
+  }
+
+  // No two elements of a written tensor at one address: its dims of size > 1 sorted by |stride|, each stride must
+  // exceed the farthest offset the smaller ones reach (sufficient, as torch's check of outputs).
+  void no_self_overlap(Named n) const {
+    if (!n.t || n->numel() <= 1 || n->is_non_overlapping_and_dense()) { return; }
+    c10::SmallVector<std::pair<int64_t, int64_t>, 6> dims;  // (|stride|, size)
+    for (int64_t i = 0; i < n->dim(); ++i) {
+      if (n->size(i) > 1) { dims.emplace_back(std::abs(n->stride(i)), n->size(i)); }
+    }
+    std::sort(dims.begin(), dims.end());
+    int64_t reach = 0;
+    for (auto const& [stride, size] : dims) {
+      if (stride <= reach) {
+        fail(n, "memory", "no two elements at one address (no stride 0 or overlapping strides on a dim of size > 1)",
+             "shape " + num(n->sizes()) + ", strides " + num(n->strides()));
+      }
+      reach += (size - 1) * stride;
+    }
+  }
+  void no_overlap(Named t, Named other) const {  // t (written) shares no element with other
+    if (!t.t || !other.t || t->numel() == 0 || other->numel() == 0) { return; }
+    auto const range = [](at::Tensor const& x) {  // [first byte, past the last)
+      int64_t extent = 1;
+      for (int64_t i = 0; i < x.dim(); ++i) { extent += (x.size(i) - 1) * x.stride(i); }
+      return std::array<int64_t, 2>{address(x), address(x) + extent * x.element_size()};
+    };
+    auto const [a0, a1] = range(*t.t);
+    auto const [b0, b1] = range(*other.t);
+    if (t->device() == other->device() && a0 < b1 && b0 < a1 && elements_coincide(*t.t, *other.t, b0 - a0)) {
+      fail(t, "memory", std::string("no overlap with ") + other.name,
+           "bytes [" + hex_str(a0) + ", " + hex_str(a1) + ") overlapping " + other.name + "'s [" + hex_str(b0) + ", " +
+               hex_str(b1) + ")");
+    }
+  }
+  void disjoint(Names written, Names read) const {
+    for (auto const& w : written) {
+      for (auto const& r : read) { no_overlap(w, r); }
+    }
+  }
+  void no_overlaps(Names written, Names read) const {  // with itself, another written one, a read one
+    for (auto const& w : written) { no_self_overlap(w); }
+    for (size_t i = 0; i < written.size(); ++i) {
+      for (size_t j = 0; j < i; ++j) { no_overlap(written[i], written[j]); }
+    }
+    disjoint(written, read);
+  }
+  Extents written_pair(Names all, Named k, Named v, Names read, Named t) const {  // k, v written; seqlens(t)
+    layouts(all);
+    alignments(all);
+    no_overlaps({k, v}, read);
+    return seqlens(t);
+  }
+  void index_tensor(Named n, char const* rank = "1 dim") const {  // None, or int32, 1-D, contiguous
+    if (!n.t) { return; }
+    if (n->scalar_type() != at::kInt) { fail_dtype(n, "torch.int32"); }
+    if (n->dim() != 1) { fail(n, "rank", rank, rank_got(*n.t)); }
+    if (n->numel() > 1 && n->stride(0) != 1) { fail(n, "stride(0)", "1 (contiguous)", num(n->stride(0))); }
+  }
+  // cu_seqlens/seqused; the batch (t.shape[0], varlen: cu_seqlens.numel() - 1) and rows (seqlen or total tokens)
+  Extents seqlens(Named t) const {
+    int64_t batch = t->size(0);
+    if (varlen) {
+      index_tensor(cu, "1 dim (batch + 1,)");
+      if (cu->numel() < 2) { fail(cu, "numel", "batch + 1 >= 2 (at least one sequence)", num(cu->numel())); }
+      batch = cu->numel() - 1;
+    }
+    index_tensor(used);
+    if (used.t && used->numel() != batch) {
+      std::string const src = varlen ? "cu_seqlens.numel() - 1" : std::string(t.name) + ".shape[0]";
+      fail(used, "numel", num(batch) + " (batch = " + src + ")", num(used->numel()));
+    }
+    return {batch, t->size(varlen ? 0 : 1)};
+  }
+  void arch_value(int64_t requested, char const* name = "_arch") const {
+    if (requested != 0 && requested != 80 && requested != 90) {
+      fail(name, "0 (the device's path), 80 or 90", num(requested));
+    }
+  }
+  void scalars(double scale_dk, double scale_dv, int64_t arch) const {  // scales as floats: inf and nan pass
+    double const max = std::numeric_limits<float>::max();
+    for (auto const& [name, v] : {std::pair{"scale_dk", scale_dk}, std::pair{"scale_dv", scale_dv}}) {
+      if (std::isfinite(v) && std::abs(v) > max) {
+        fail(name, "a float in fp32's range (|scale| <= " + repr(max) + "; inf and nan pass)", repr(v));
+      }
+    }
+    arch_value(arch);
+  }
+  // One CUDA device for every tensor, the first CUDA tensor's: one elsewhere (CPU, another GPU) names both devices.
+  // (Meta tensors among CUDA ones reach the fake kernels, which refuse them the same way.)
+  at::Device devices(Names ts) const {
+    Named const* ref = nullptr;
+    for (auto const& n : ts) { ref = ref || !n.t || !n->is_cuda() ? ref : &n; }
+    for (auto const& n : ts) {
+      if (n.t && ref == nullptr) { fail(n, "device", "a CUDA tensor", "a tensor on " + n->device().str()); }
+      if (n.t && n->device() != (*ref)->device()) {
+        fail(n, "device", (*ref)->device().str() + " (the device of " + ref->name + ")", n->device().str());
+      }
+    }
+    return (*ref)->device();
+  }
+  // The code path: 90 on an sm_90 GPU (sm_90a kernels), 80 on an sm_8x GPU when the build has sm_80 code;
+  // `requested` = 80 forces the sm_80 path on an sm_90 GPU (a testing knob). After devices().
+  int resolve_arch(at::Device device, int64_t requested) const {
+    arch_value(requested);
+    auto const [major, minor] = device_capability(device.index());
+    auto const capability = [major = major, minor = minor] { return "sm_" + num(major) + num(minor); };
+    bool const sm90 = major == 9 && minor == 0;
+    if (!has_kernels(major, minor)) {
+      std::string archs;
+      for (auto const& a : compiled_archs()) { archs += (archs.empty() ? "" : ", ") + a; }
+      fail("device", "a GPU of compute capability sm_90 (compiled for " + archs + ")",
+           device.str() + " with compute capability " + capability());
+    }
+    if (requested == 90 && !sm90) {
+      fail("_arch", "0 or 80 on " + device.str() + " (compute capability " + capability() + ")", num(requested));
+    }
+    return sm90 && compiled_for("sm_90a") && requested != 80 ? 90 : 80;
+  }
+  // seqlens(t), the accumulators' layout on the path of t's device (accums[i] of shape(i): dK's of head dim d,
+  // dV's of dv), strides, alignment
+  std::pair<Extents, AccumLayout> accum_side(Named t, Names rows, Names accums, Names aligned, int64_t arch,
+                                             int64_t heads_kv, int64_t d, int64_t dv) const {
+    Extents const e = seqlens(t);
+    AccumLayout const layout = accum_layout(accum_path(t->device(), arch), varlen, e.batch, e.rows, heads_kv, d, dv);
+    for (int i = 0; i < static_cast<int>(accums.size()); ++i) {
+      Named const n = accums[i];
+      std::vector<int64_t> const shape = layout.shape(i);
+      if (n->sizes() == c10::IntArrayRef(shape)) { continue; }
+      std::string const what = varlen ? num(e.batch) + " sequences of " + num(e.rows) + " total tokens"
+                                      : "batch " + num(e.batch) + ", seqlen " + num(e.rows);
+      fail(n, "shape",
+           num(shape) + " (the accumulator of " + what + ", " + num(heads_kv) + " KV heads and head dim " +
+               num(i ? dv : d) + " in the tile of head dim " + num(layout.config_head_dim) + " on the sm_" +
+               num(layout.arch) + " path: allocate it with flash_epilogue.gqa_accumulator)",
+           num(n->sizes()));
+    }
+    layouts(rows);
+    contiguous(accums);
+    alignments(aligned);
+    return {e, layout};
+  }
+  // The launch: grid limits (on t), tile config, devices, code path; heads: h_q on the GQA side, heads_kv: dk/dv's
+  Problem finish(Named t, Extents e, int64_t heads, int64_t width, Names ts, int64_t arch, int64_t heads_kv = 0,
+                 AccumLayout const& accum = {}) const {
+    if (!within_grid_limits(e.rows, heads, e.batch)) {
+      fail(t, "shape", "rows < 2^31 and heads, batch < 65536", num(t->sizes()));
+    }
+    auto const i32 = [](int64_t v) { return static_cast<int>(v); };
+    int const hd = tile_config(width, 90).head_dim;
+    Problem p{varlen, i32(e.rows), i32(heads_kv ? heads_kv : heads), i32(heads), i32(e.batch), hd, accum, devices(ts)};
+    p.arch = resolve_arch(p.device, arch);
+    TORCH_CHECK(!accum.block_n || p.arch == accum.arch, "flash_epilogue.", op, ": internal: arch paths disagree");
+    return p;
+  }
+};
 
 // (rows, d, heads, batch) view of a batched (batch, seqlen, heads, d) or varlen (total, heads, d) tensor. TMA needs
 // a 16-byte multiple also as the stride of a size-1 dim (torch's is arbitrary): the tensor's largest extent.
@@ -103,9 +546,43 @@ TORCH_LIBRARY_IMPL(flash_epilogue, CPU, m) { register_impls(m); }
 
 }  // namespace
 
+AccumLayout gqa_accum_layout(int64_t num_heads_kv, int64_t head_dim, int64_t head_dim_v, int64_t batch, int64_t rows,
+                             bool varlen, int64_t arch, at::Device device) {
+  Checker const c("gqa_accumulator");
+  if (num_heads_kv < 1 || num_heads_kv > 65535) { c.fail("num_heads_kv", "an int in [1, 65535]", num(num_heads_kv)); }
+  c.head_dim("head_dim", head_dim);
+  c.head_dim("head_dim_v", head_dim_v);
+  if (batch < 0) { c.fail("batch", "an int >= 0", num(batch)); }
+  if (rows < 0) { c.fail("rows", "an int >= 0", num(rows)); }
+  if (batch >= 65536) { c.fail("batch", "an int < 65536 (the kernels' grid limit)", num(batch)); }
+  if (rows >= (int64_t(1) << 31)) { c.fail("rows", "an int < 2^31 (the kernels' row index)", num(rows)); }
+  c.arch_value(arch, "arch");
+  int path = 90;
+  try {
+    path = accum_path(device, arch);
+  } catch (c10::Error const&) {}  // a device that cannot be queried: allocating on it says why
+  return accum_layout(path, varlen, batch, rows, num_heads_kv, head_dim, head_dim_v);
+}
+
 void store(TensorArg dk_accum, TensorArg dv_accum, TensorArg dk, TensorArg dv, OptArg cu_seqlens, OptArg seqused,
            int64_t arch) {
-  Problem const p = check_store(dk_accum, dv_accum, dk, dv, cu_seqlens, seqused, arch);
+  Checker const c("store", cu_seqlens, seqused);
+  Named const k_in{"dk_accum", &dk_accum}, v_in{"dv_accum", &dv_accum}, k{"dk", &dk}, v{"dv", &dv};
+  Named const all[] = {k_in, v_in, k, v};
+  c.defined(all);
+  c.float32({k_in, v_in});
+  c.half(k, v);
+  c.ranks(all);
+  for (auto const& [n, ref] : {std::pair{k_in, k}, std::pair{v_in, v}}) {
+    if (n->sizes() != ref->sizes()) {
+      c.fail(n, "shape", num(ref->sizes()) + " (the shape of " + ref.name + ")", num(n->sizes()));
+    }
+  }
+  c.kv_shapes(k, v);
+  Extents const e = c.written_pair(all, k, v, {k_in, v_in}, k);
+  c.disjoint({k, v}, {c.cu, c.used});
+  Problem const p = c.finish(k, e, dk.size(-2), std::max(dk.size(-1), dv.size(-1)), {k_in, v_in, k, v, c.cu, c.used},
+                             arch);
   if (dk.numel() == 0) { return; }  // batch 0, seqlen 0, heads 0: nothing to launch
   auto args = args_for<StoreLaunchArgs>(p, cu_seqlens, seqused, &dk, &dv);
   args.dk_accum = describe(dk_accum, p.varlen);
@@ -115,7 +592,25 @@ void store(TensorArg dk_accum, TensorArg dv_accum, TensorArg dk, TensorArg dv, O
 
 void store_zero(TensorArg dk, TensorArg dv, OptArg cu_seqlens, OptArg seqused, OptArg batch_idx, OptArg head_idx,
                 int64_t row_start, std::optional<int64_t> row_end, int64_t arch) {
-  Problem const p = check_store_zero(dk, dv, cu_seqlens, seqused, batch_idx, head_idx, row_start, row_end, arch);
+  Checker const c("store_zero", cu_seqlens, seqused);
+  Named const k{"dk", &dk}, v{"dv", &dv}, sel[] = {named("batch_idx", batch_idx), named("head_idx", head_idx)};
+  c.defined({k, v});
+  c.half(k, v);
+  c.ranks({k, v});
+  c.kv_shapes(k, v);
+  Extents const e = c.written_pair({k, v}, k, v, {}, k);
+  for (auto const& n : sel) { c.index_tensor(n); }
+  c.disjoint({k, v}, {c.cu, c.used, sel[0], sel[1]});
+  for (auto const& n : sel) {  // the kernel reads the selections with 16-bit grid dims
+    if (n.t && n->numel() >= 65536) { c.fail(n, "numel", "fewer than 65536 entries", num(n->numel())); }
+  }
+  int64_t constexpr int_max = std::numeric_limits<int>::max();  // the kernel's row window is int
+  if (row_start < 0 || row_start > int_max) { c.fail("row_start", "an int in [0, 2147483647]", num(row_start)); }
+  if (row_end.has_value() && (*row_end < row_start || *row_end > int_max)) {
+    c.fail("row_end", "None or an int in [row_start = " + num(row_start) + ", 2147483647]", num(*row_end));
+  }
+  Problem const p =
+      c.finish(k, e, dk.size(-2), std::max(dk.size(-1), dv.size(-1)), {k, v, c.cu, c.used, sel[0], sel[1]}, arch);
   int64_t const end = std::min<int64_t>(row_end.value_or(p.rows), p.rows);
   auto const empty = [](OptArg t) { return t.has_value() && t->numel() == 0; };  // an empty selection
   if (dk.numel() == 0 || empty(batch_idx) || empty(head_idx) || row_start >= end) { return; }
@@ -131,8 +626,42 @@ void store_zero(TensorArg dk, TensorArg dv, OptArg cu_seqlens, OptArg seqused, O
 
 void gqa_accumulate(TensorArg dk_partial, TensorArg dv_partial, TensorArg dk_accum, TensorArg dv_accum,
                     OptArg semaphores, OptArg cu_seqlens, OptArg seqused, bool deterministic, int64_t arch) {
-  Problem const p = check_gqa_accumulate(dk_partial, dv_partial, dk_accum, dv_accum, semaphores, cu_seqlens, seqused,
-                                         deterministic, arch);
+  Checker const c("gqa_accumulate", cu_seqlens, seqused);
+  Named const k{"dk_partial", &dk_partial}, v{"dv_partial", &dv_partial}, sem = named("semaphores", semaphores);
+  Named const accums[] = {{"dk_accum", &dk_accum}, {"dv_accum", &dv_accum}}, all[] = {k, v, accums[0], accums[1]};
+  c.defined(all);
+  c.arch_value(arch);
+  c.float32(all);
+  c.ranks({k, v});
+  c.ranks(accums, true);
+  c.kv_shapes(k, v);
+  int64_t const h_q = dk_partial.size(-2), h_k = dk_accum.size(1), d = dk_partial.size(-1), dv = dv_partial.size(-1);
+  c.group(h_q, "dk_accum", h_k, "dk_accum.shape[1]");
+  auto const [e, layout] = c.accum_side(k, {k, v}, accums, all, arch, h_k, d, dv);
+  int64_t const counters = layout.semaphore_numel();
+  if (!sem.t && deterministic) {
+    c.fail("semaphores",
+           "an int32 tensor of >= " + num(counters) +
+               " entries because deterministic=True (allocate the accumulator with "
+               "flash_epilogue.gqa_accumulator(..., deterministic=True))",
+           "None");
+  }
+  // The sm_80 deterministic mode's 1-D grid and int tickets: one work item per (row tile, batch, tensor, query
+  // head). The sm_90 path adds whole groups per CTA, with no ticket.
+  if (deterministic && layout.arch < 90 && (counters - 1) / h_k * h_q > std::numeric_limits<int32_t>::max()) {
+    c.fail("dk_partial: shape", "at most 2^31 - 1 (row tiles x batch x 2 x h_q) work items in deterministic mode",
+           num((counters - 1) / h_k * h_q));
+  }
+  c.index_tensor(sem);
+  if (sem.t && sem.t->numel() < counters) {
+    c.fail("semaphores: numel",
+           ">= " + num(counters) + " (2 * batch_extent * num_tiles * heads_kv + 1 for dk_accum of shape " +
+               num(layout.shape(0)) + ")",
+           num(sem.t->numel()));
+  }
+  c.no_overlaps({accums[0], accums[1], sem}, {k, v, c.cu, c.used});
+  Problem const p =
+      c.finish(k, e, h_q, std::max(d, dv), {k, v, accums[0], accums[1], sem, c.cu, c.used}, arch, h_k, layout);
   // the atomic adds' order varies from run to run: under torch.use_deterministic_algorithms(True), torch's error
   // (with warn_only=True the Python wrapper warns: a C++ warning of a torch.ops call would only reach stderr)
   at::Context& ctx = at::globalContext();
@@ -151,7 +680,21 @@ void gqa_accumulate(TensorArg dk_partial, TensorArg dv_partial, TensorArg dk_acc
 
 void gqa_postprocess(TensorArg dk_accum, TensorArg dv_accum, TensorArg dk, TensorArg dv, double scale_dk,
                      double scale_dv, OptArg cu_seqlens, OptArg seqused, int64_t arch) {
-  Problem const p = check_gqa_postprocess(dk_accum, dv_accum, dk, dv, scale_dk, scale_dv, cu_seqlens, seqused, arch);
+  Checker const c("gqa_postprocess", cu_seqlens, seqused);
+  Named const accums[] = {{"dk_accum", &dk_accum}, {"dv_accum", &dv_accum}}, k{"dk", &dk}, v{"dv", &dv};
+  Named const all[] = {accums[0], accums[1], k, v};
+  c.defined(all);
+  c.scalars(scale_dk, scale_dv, arch);
+  c.float32(accums);
+  c.half(k, v);
+  c.ranks(accums, true);
+  c.ranks({k, v});
+  c.kv_shapes(k, v);
+  int64_t const h_k = dk.size(-2), d = dk.size(-1);
+  auto const [e, layout] = c.accum_side(k, {k, v}, accums, all, arch, h_k, d, dv.size(-1));
+  c.no_overlaps({k, v}, {accums[0], accums[1], c.cu, c.used});
+  Problem const p =
+      c.finish(k, e, h_k, std::max(d, dv.size(-1)), {accums[0], accums[1], k, v, c.cu, c.used}, arch, 0, layout);
   if (dk.numel() == 0) { return; }
   auto args = args_for<GqaPostprocessLaunchArgs>(p, cu_seqlens, seqused, &dk, &dv);
   args.dk_accum = accum_desc(dk_accum, p.accum);
@@ -164,7 +707,20 @@ void gqa_postprocess(TensorArg dk_accum, TensorArg dv_accum, TensorArg dk, Tenso
 
 void gqa_accum_to_dense(TensorArg accum, TensorArg out, int64_t head_dim, OptArg cu_seqlens, OptArg seqused,
                         int64_t arch) {
-  Problem const p = check_gqa_accum_to_dense(accum, out, head_dim, cu_seqlens, seqused, arch);
+  Checker const c("gqa_accum_to_dense", cu_seqlens, seqused);
+  Named const in{"accum", &accum}, dense{"out", &out};
+  c.defined({in, dense});
+  c.arch_value(arch);
+  c.float32({in, dense});
+  c.ranks({in}, true);
+  c.ranks({dense});
+  c.head_dim("head_dim", head_dim);
+  c.head_dim("out", out.size(-1));
+  if (out.size(-1) > head_dim) { c.fail("out: head dim", "<= head_dim = " + num(head_dim), num(out.size(-1))); }
+  // the accumulator of out's head dim (as dK's) in the tile serving head_dim (as dV's would name it)
+  auto const [e, layout] = c.accum_side(dense, {dense}, {in}, {in, dense}, arch, out.size(-2), out.size(-1), head_dim);
+  c.no_overlaps({dense}, {in, c.cu, c.used});
+  Problem const p = c.finish(dense, e, out.size(-2), head_dim, {in, dense, c.cu, c.used}, arch, 0, layout);
   if (out.numel() == 0) { return; }
   auto args = args_for<GqaDenseLaunchArgs>(p, cu_seqlens, seqused);
   args.accum = accum_desc(accum, p.accum);
@@ -175,7 +731,32 @@ void gqa_accum_to_dense(TensorArg accum, TensorArg out, int64_t head_dim, OptArg
 
 void gqa_reduce(TensorArg dk_partial, OptArg dv_partial, TensorArg dk, OptArg dv, OptArg cu_seqlens, OptArg seqused,
                 double scale_dk, double scale_dv, int64_t arch) {
-  Problem const p = check_gqa_reduce(dk_partial, dv_partial, dk, dv, cu_seqlens, seqused, scale_dk, scale_dv, arch);
+  Checker const c("gqa_reduce", cu_seqlens, seqused);
+  bool const has_dv = dv_partial.has_value();
+  Named const k_in{"dk_partial", &dk_partial}, v_in = named("dv_partial", dv_partial);  // v_in, v: null when None
+  Named const k{"dk", &dk}, v = named("dv", dv);
+  c.defined({k_in, k});
+  if (!has_dv && v.t) { c.fail("dv", "None because dv_partial is None", "Tensor"); }
+  if (has_dv && !v.t) { c.fail("dv", "a torch.Tensor because dv_partial is given", "NoneType"); }
+  c.scalars(scale_dk, scale_dv, arch);
+  c.half(k, v);
+  if (dk_partial.scalar_type() != at::kFloat && dk_partial.scalar_type() != dk.scalar_type()) {
+    c.fail_dtype(k_in, "torch.float32 or " + dtype_name(dk.scalar_type()) + " (the dtype of dk)");
+  }
+  c.same_dtype(v_in, k_in);
+  std::array<Named, 4> const given = {k_in, has_dv ? v_in : k, k, v};
+  Names const all(given.data(), has_dv ? 4 : 2);  // the tensors given, partials first
+  c.ranks(all);
+  c.shape_but(v_in, k_in, -1, "last");
+  c.shape_but(k, k_in, -2, "heads");
+  c.shape_but(v, v_in, -2, "heads");
+  c.kv_shapes(k, v);
+  int64_t const h_q = dk_partial.size(-2), h_k = dk.size(-2);
+  c.group(h_q, "dk", h_k, "dk.shape[-2]");
+  Extents const e = c.written_pair(all, k, v, {k_in, v_in}, k_in);
+  c.disjoint({k, v}, {c.cu, c.used});
+  int64_t const width = std::max(dk.size(-1), has_dv ? dv->size(-1) : 0);
+  Problem const p = c.finish(k_in, e, h_q, width, {k_in, v_in, k, v, c.cu, c.used}, arch, h_k);
   if (dk.numel() == 0) { return; }
   auto args = args_for<GqaReduceLaunchArgs>(p, cu_seqlens, seqused, &dk, dv.has_value() ? &*dv : nullptr);
   args.dk_partial = describe(dk_partial, p.varlen);
@@ -184,6 +765,51 @@ void gqa_reduce(TensorArg dk_partial, OptArg dv_partial, TensorArg dk, OptArg dv
   args.scale_dk = static_cast<float>(scale_dk);
   args.scale_dv = static_cast<float>(scale_dv);
   launch("gqa_reduce", p, dk.scalar_type(), args, [](auto t, auto d, auto a) { return &launch_gqa_reduce<t, d, a>; });
+}
+
+int64_t check_repeat_kv(TensorArg t, int64_t n_rep, int64_t dim, std::optional<c10::IntArrayRef> layout) {
+  Checker const c(layout ? "repeat_kv_backward" : "repeat_kv");
+  char const* const heads = layout ? "heads" : "kv_heads";
+  if (t.dim() != 4) {
+    c.fail(layout ? "grad: rank" : "x: rank",
+           std::string("4 dims: (batch, ") + heads + ", seqlen, head_dim) for dim=1, (batch, seqlen, " + heads +
+               ", head_dim) for dim=2",
+           rank_got(t));
+  }
+  if (n_rep < 1) { c.fail("n_rep", "a positive int", num(n_rep)); }
+  if (dim != 1 && dim != 2 && dim != -3 && dim != -2) {
+    c.fail("dim", "1 (or -3) or 2 (or -2): the KV-head dim of a 4-D tensor", num(dim));
+  }
+  dim = dim < 0 ? dim + 4 : dim;
+  if (!layout && t.size(dim) > std::numeric_limits<int64_t>::max() / n_rep) {
+    c.fail("n_rep", "a positive int with x.shape[dim] * n_rep < 2^63", num(n_rep));
+  }
+  if (layout && t.size(dim) % n_rep != 0) {
+    c.fail("grad: heads", "a multiple of n_rep = " + num(n_rep) + " in dim " + num(dim),
+           num(t.size(dim)) + " (shape " + num(t.sizes()) + ")");
+  }
+  std::array<int64_t, 3> const dims = {0, 1, 2};
+  if (layout && (layout->size() != 3 || !std::is_permutation(layout->begin(), layout->end(), dims.begin()))) {
+    c.fail("layout", "a permutation of [0, 1, 2]", seq(*layout, -1, true));
+  }
+  return dim;
+}
+
+bool gqa_reduce_takes(TensorArg partial) {
+  ScalarType const dtype = partial.scalar_type();
+  if (!partial.is_cuda() || (dtype != at::kBFloat16 && dtype != at::kHalf)) { return false; }
+  auto const [major, minor] = device_capability(partial.get_device());
+  return head_dim_supported(partial.size(3)) && head_dim_built(partial.size(3)) && partial.numel() > 0 &&
+         within_grid_limits(partial.size(1), partial.size(2), partial.size(0)) && has_kernels(major, minor);
+}
+
+bool gqa_reduce_reads_in_place(TensorArg partial) {
+  int64_t const multiple = 16 / partial.element_size();
+  if (partial.size(3) > 1 && partial.stride(3) != 1) { return false; }
+  for (int64_t i = 0; i < 3; ++i) {
+    if (partial.size(i) > 1 && (partial.stride(i) < 0 || partial.stride(i) % multiple != 0)) { return false; }
+  }
+  return address(partial) % 16 == 0;
 }
 
 }  // namespace flash_epilogue
