@@ -1,7 +1,8 @@
-// The mutating ops in torch's in-place machinery: an ADInplaceOrView and an Autograd kernel per op with
-// `Tensor(x!)` arguments, unboxed (no IValue stack per call) and with the rules torch's generated kernels of in-place
-// ops apply. torch's autogradNotImplementedFallback() and its ADInplaceOrView partner bump the versions of written
-// *returns* only: these schemas return nothing, so those (boxed) fallbacks would miss every written tensor.
+// The mutating ops' kernels: their implementations (ops.cpp) for CPU and CUDA, and their place in torch's in-place
+// machinery: an ADInplaceOrView and an Autograd kernel per op, unboxed (no IValue stack per call) and with the rules
+// torch's generated kernels of in-place ops apply. torch's autogradNotImplementedFallback() and its ADInplaceOrView
+// partner bump the versions of written *returns* only: these schemas return nothing, so those (boxed) fallbacks would
+// miss every written tensor.
 //
 // ADInplaceOrView: the kernel, then a version bump of every written tensor (a tensor saved for backward and then
 // overwritten makes backward raise "modified by an inplace operation"). An inference tensor outside InferenceMode
@@ -23,7 +24,6 @@
 #include <cstdint>
 #include <optional>
 #include <type_traits>
-#include <vector>
 
 #include "binding.h"
 
@@ -48,33 +48,25 @@ bool has_tangent(TensorArg t) {  // a forward-mode AD dual tensor (only a tensor
   return t.unsafeGetTensorImpl()->autograd_meta() != nullptr && t._fw_grad(/*level=*/0).defined();
 }
 
-// The kernels of one op: kSchema its registered name, Sig its kernel's C++ signature (binding.h), and
-// kBackwardOfRepeatKv (bit i: argument i is a gradient whose derivative repeat_kv owns: gqa_reduce's partials).
-// Argument names and Tensor(x!) positions come from the registered schema (module.cpp); typing the handle checks Sig
-// against it.
-template <char const* kSchema, class Sig, uint32_t kBackwardOfRepeatKv = 0>
+// The kernels of one op: kSchema its registered name, kFn its implementation (ops.cpp), and kBackwardOfRepeatKv
+// (bit i: argument i is a gradient whose derivative repeat_kv owns: gqa_reduce's partials). Argument names and
+// Tensor(x!) positions come from the registered schema (module.cpp); typing the handle checks kFn's signature against
+// it.
+template <char const* kSchema, auto kFn, uint32_t kBackwardOfRepeatKv = 0>
 struct InplaceKernels;
 
-template <char const* kSchema, uint32_t kBackwardOfRepeatKv, class... Args>
-struct InplaceKernels<kSchema, void(Args...), kBackwardOfRepeatKv> {
-  struct Op {
-    c10::TypedOperatorHandle<void(Args...)> handle;
-    uint32_t written = 0;  // bit i: argument i is a Tensor(x!)
-  };
-  static Op const& op() {
-    static Op const o = [] {
-      c10::OperatorHandle const h = c10::Dispatcher::singleton().findSchemaOrThrow(kSchema, "");
-      Op r{h.template typed<void(Args...)>(), 0};
-      std::vector<c10::Argument> const& args = h.schema().arguments();
-      for (size_t i = 0; i < args.size(); ++i) {
-        if (args[i].alias_info() != nullptr && args[i].alias_info()->isWrite()) { r.written |= 1u << i; }
-      }
-      return r;
-    }();
-    return o;
+template <char const* kSchema, uint32_t kBackwardOfRepeatKv, class... Args, void (*kFn)(Args...)>
+struct InplaceKernels<kSchema, kFn, kBackwardOfRepeatKv> {
+  static c10::TypedOperatorHandle<void(Args...)> const& op() {
+    static auto const h = c10::Dispatcher::singleton().findSchemaOrThrow(kSchema, "").template typed<void(Args...)>();
+    return h;
   }
-  static bool writes(int i) { return (op().written >> i & 1u) != 0; }
+  static bool writes(int i) {  // argument i is a Tensor(x!)
+    c10::AliasInfo const* const alias = op().schema().arguments()[i].alias_info();
+    return alias != nullptr && alias->isWrite();
+  }
   static char const* name() { return kSchema + sizeof("flash_epilogue::") - 1; }  // the op's own name
+  static constexpr auto implementation = kFn;
 
   static void inplace_or_view(c10::DispatchKeySet ks, Args... args) {
     if (!c10::InferenceMode::is_enabled()) {
@@ -84,7 +76,7 @@ struct InplaceKernels<kSchema, void(Args...), kBackwardOfRepeatKv> {
     }
     {
       at::AutoDispatchBelowADInplaceOrView guard;
-      op().handle.redispatch(ks & c10::after_ADInplaceOrView_keyset, args...);
+      op().redispatch(ks & c10::after_ADInplaceOrView_keyset, args...);
     }
     for_each_tensor([](int i, TensorArg t) {
       if (writes(i)) { torch::autograd::increment_version(t); }
@@ -101,7 +93,7 @@ struct InplaceKernels<kSchema, void(Args...), kBackwardOfRepeatKv> {
     for_each_tensor([grad_mode](int i, TensorArg t) {
       bool const requires_grad = grad_mode && t.requires_grad();
       if (!requires_grad && !has_tangent(t)) { return; }
-      TORCH_CHECK(false, "flash_epilogue.", name(), ": ", op().handle.schema().arguments()[i].name(), ": ",
+      TORCH_CHECK(false, "flash_epilogue.", name(), ": ", op().schema().arguments()[i].name(), ": ",
                   requires_grad ? "requires grad" : "has a forward-mode tangent", ", but ", name(),
                   (kBackwardOfRepeatKv >> i & 1u) != 0
                       ? " has no derivative: it is itself the backward of repeat_kv (the group sum of the expanded "
@@ -112,7 +104,7 @@ struct InplaceKernels<kSchema, void(Args...), kBackwardOfRepeatKv> {
                         "backward without create_graph, or under torch.no_grad()) or on detached tensors");
     }, args...);
     at::AutoDispatchBelowAutograd guard;
-    op().handle.redispatch(ks & c10::after_autograd_keyset, args...);
+    op().redispatch(ks & c10::after_autograd_keyset, args...);
   }
 };
 
@@ -123,20 +115,24 @@ constexpr char kGqaPostprocess[] = "flash_epilogue::gqa_postprocess";
 constexpr char kGqaAccumToDense[] = "flash_epilogue::gqa_accum_to_dense";
 constexpr char kGqaReduce[] = "flash_epilogue::gqa_reduce";
 
-// Both keys' kernels of a list of ops.
+// The kernels of a list of ops, by key. CPU tensors get every metadata check, then the device check's message (the
+// CPU tests run the checks).
 template <class... Kernels>
 struct Register {
+  static void implementation(torch::Library& m) { (m.impl(Kernels::name(), TORCH_FN(Kernels::implementation)), ...); }
   static void inplace_or_view(torch::Library& m) { (m.impl(Kernels::name(), TORCH_FN(Kernels::inplace_or_view)), ...); }
   static void autograd(torch::Library& m) { (m.impl(Kernels::name(), TORCH_FN(Kernels::autograd)), ...); }
 };
 
 // Every op with Tensor(x!) arguments.
-using MutatingOps = Register<InplaceKernels<kStore, decltype(store)>, InplaceKernels<kStoreZero, decltype(store_zero)>,
-                             InplaceKernels<kGqaAccumulate, decltype(gqa_accumulate)>,
-                             InplaceKernels<kGqaPostprocess, decltype(gqa_postprocess)>,
-                             InplaceKernels<kGqaAccumToDense, decltype(gqa_accum_to_dense)>,
-                             InplaceKernels<kGqaReduce, decltype(gqa_reduce), /*dk_partial, dv_partial*/ 0b11>>;
+using MutatingOps = Register<InplaceKernels<kStore, &store>, InplaceKernels<kStoreZero, &store_zero>,
+                             InplaceKernels<kGqaAccumulate, &gqa_accumulate>,
+                             InplaceKernels<kGqaPostprocess, &gqa_postprocess>,
+                             InplaceKernels<kGqaAccumToDense, &gqa_accum_to_dense>,
+                             InplaceKernels<kGqaReduce, &gqa_reduce, /*dk_partial, dv_partial*/ 0b11>>;
 
+TORCH_LIBRARY_IMPL(flash_epilogue, CUDA, m) { MutatingOps::implementation(m); }
+TORCH_LIBRARY_IMPL(flash_epilogue, CPU, m) { MutatingOps::implementation(m); }
 TORCH_LIBRARY_IMPL(flash_epilogue, ADInplaceOrView, m) { MutatingOps::inplace_or_view(m); }
 TORCH_LIBRARY_IMPL(flash_epilogue, Autograd, m) { MutatingOps::autograd(m); }
 

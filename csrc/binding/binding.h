@@ -39,8 +39,8 @@ AccumLayout gqa_accum_layout(int64_t num_heads_kv, int64_t head_dim, int64_t hea
 // repeat_kv (x = t), with a layout repeat_kv_backward (grad = t); returns dim as 1 or 2.
 int64_t check_repeat_kv(TensorArg t, int64_t n_rep, int64_t dim, std::optional<c10::IntArrayRef> layout = {});
 
-// The mutating ops' kernels (ops.cpp), one per schema of module.cpp in its argument order; autograd.cpp types its
-// handles with these signatures, and repeat_kv's backward calls gqa_reduce.
+// The mutating ops (ops.cpp), one per schema of module.cpp in its argument order; autograd.cpp registers them, and
+// repeat_kv's backward calls gqa_reduce.
 void store(TensorArg dk_accum, TensorArg dv_accum, TensorArg dk, TensorArg dv, OptArg cu_seqlens, OptArg seqused,
            int64_t arch);
 void store_zero(TensorArg dk, TensorArg dv, OptArg cu_seqlens, OptArg seqused, OptArg batch_idx, OptArg head_idx,

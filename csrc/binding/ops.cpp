@@ -1,5 +1,5 @@
-// The ops and their registration: every argument check, then one launch on the tensors' device and its current stream
-// through the one (dtype, head dim, arch path) dispatch to the instantiations of csrc/instantiations/.
+// The ops (registered in autograd.cpp): every argument check, then one launch on the tensors' device and its current
+// stream through the one (dtype, head dim, arch path) dispatch to the instantiations of csrc/instantiations/.
 // The checks, in one order for every op: None, dtypes, ranks, shapes and head dims, strides, alignment, overlaps (of a
 // written tensor with itself, another written one, a read one), cu_seqlens/seqused, grid limits, last the devices (CPU
 // tensors fail only there) and the code path. Messages are built on failure only.
@@ -15,7 +15,6 @@
 #include <c10/util/SmallVector.h>
 #include <c10/util/strides.h>
 #include <cuda_runtime_api.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <array>
@@ -530,19 +529,6 @@ void launch(char const* op, Problem const& p, at::ScalarType dtype, Args const& 
   TORCH_CHECK(why == nullptr, "flash_epilogue.", op, ": arguments rejected by the kernel: ", why);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
-
-// CPU tensors get every metadata check, then the device check's message (the CPU tests run the checks).
-void register_impls(torch::Library& m) {
-  m.impl("store", &store);
-  m.impl("store_zero", &store_zero);
-  m.impl("gqa_accumulate", &gqa_accumulate);
-  m.impl("gqa_postprocess", &gqa_postprocess);
-  m.impl("gqa_accum_to_dense", &gqa_accum_to_dense);
-  m.impl("gqa_reduce", &gqa_reduce);
-}
-
-TORCH_LIBRARY_IMPL(flash_epilogue, CUDA, m) { register_impls(m); }
-TORCH_LIBRARY_IMPL(flash_epilogue, CPU, m) { register_impls(m); }
 
 }  // namespace
 
