@@ -170,11 +170,9 @@ struct Named {  // a tensor argument and its name; t null: None
 };
 Named named(char const* name, OptArg t) { return {name, t.has_value() ? &*t : nullptr}; }
 using Names = c10::ArrayRef<Named>;
-struct Extents {
-  int64_t batch, rows;
-};
 
 struct Problem {  // what an op launches for once its arguments passed
+  char const* op = nullptr;
   bool varlen = false;
   int rows = 0, heads = 0, heads_q = 0, batch = 0;  // heads: of dk/dv (h_k on the GQA side)
   int head_dim = 0;                                 // the compiled config serving the head dims
@@ -185,10 +183,12 @@ struct Problem {  // what an op launches for once its arguments passed
 
 struct Checker {
   char const* op;
-  Named cu, used;  // cu_seqlens, seqused
-  bool varlen;     // cu_seqlens given
-  explicit Checker(char const* op, OptArg cu_seqlens = {}, OptArg seqused = {})
-      : op(op), cu(named("cu_seqlens", cu_seqlens)), used(named("seqused", seqused)), varlen(cu.t != nullptr) {}
+  Named cu, used;               // cu_seqlens, seqused
+  bool varlen;                  // cu_seqlens given
+  int64_t arch;                 // the requested code path (_arch)
+  int64_t batch = 0, rows = 0;  // seqlens()'s: sequences, rows (seqlen or total tokens)
+  explicit Checker(char const* op, OptArg cu_seqlens = {}, OptArg seqused = {}, int64_t arch = 0)
+      : op(op), cu(named("cu_seqlens", cu_seqlens)), used(named("seqused", seqused)), varlen(cu.t), arch(arch) {}
   [[noreturn]] void fail(std::string const& arg, std::string const& expected, std::string const& got,
                          bool type_error = false) const {
     std::string const m = "flash_epilogue." + std::string(op) + ": " + arg + ": expected " + expected + ", got " + got;
@@ -350,11 +350,11 @@ struct Checker {
     }
     disjoint(written, read);
   }
-  Extents written_pair(Names all, Named k, Named v, Names read, Named t) const {  // k, v written; seqlens(t)
+  void written_pair(Names all, Named k, Named v, Names read, Named t) {  // k, v written; seqlens(t)
     layouts(all);
     alignments(all);
     no_overlaps({k, v}, read);
-    return seqlens(t);
+    seqlens(t);
   }
   void index_tensor(Named n, char const* rank = "1 dim") const {  // None, or int32, 1-D, contiguous
     if (!n.t) { return; }
@@ -363,8 +363,8 @@ struct Checker {
     if (n->numel() > 1 && n->stride(0) != 1) { fail(n, "stride(0)", "1 (contiguous)", num(n->stride(0))); }
   }
   // cu_seqlens/seqused; the batch (t.shape[0], varlen: cu_seqlens.numel() - 1) and rows (seqlen or total tokens)
-  Extents seqlens(Named t) const {
-    int64_t batch = t->size(0);
+  void seqlens(Named t) {
+    batch = t->size(0);
     if (varlen) {
       index_tensor(cu, "1 dim (batch + 1,)");
       if (cu->numel() < 2) { fail(cu, "numel", "batch + 1 >= 2 (at least one sequence)", num(cu->numel())); }
@@ -375,14 +375,14 @@ struct Checker {
       std::string const src = varlen ? "cu_seqlens.numel() - 1" : std::string(t.name) + ".shape[0]";
       fail(used, "numel", num(batch) + " (batch = " + src + ")", num(used->numel()));
     }
-    return {batch, t->size(varlen ? 0 : 1)};
+    rows = t->size(varlen ? 0 : 1);
   }
   void arch_value(int64_t requested, char const* name = "_arch") const {
     if (requested != 0 && requested != 80 && requested != 90) {
       fail(name, "0 (the device's path), 80 or 90", num(requested));
     }
   }
-  void scalars(double scale_dk, double scale_dv, int64_t arch) const {  // scales as floats: inf and nan pass
+  void scalars(double scale_dk, double scale_dv) const {  // scales as floats: inf and nan pass
     double const max = std::numeric_limits<float>::max();
     for (auto const& [name, v] : {std::pair{"scale_dk", scale_dk}, std::pair{"scale_dv", scale_dv}}) {
       if (std::isfinite(v) && std::abs(v) > max) {
@@ -424,36 +424,35 @@ struct Checker {
   }
   // seqlens(t), the accumulators' layout on the path of t's device (accums[i] of shape(i): dK's of head dim d,
   // dV's of dv), strides, alignment
-  std::pair<Extents, AccumLayout> accum_side(Named t, Names rows, Names accums, Names aligned, int64_t arch,
-                                             int64_t heads_kv, int64_t d, int64_t dv) const {
-    Extents const e = seqlens(t);
-    AccumLayout const layout = accum_layout(accum_path(t->device(), arch), varlen, e.batch, e.rows, heads_kv, d, dv);
+  AccumLayout accum_side(Named t, Names written, Names accums, Names aligned, int64_t heads_kv, int64_t d, int64_t dv) {
+    seqlens(t);
+    AccumLayout const layout = accum_layout(accum_path(t->device(), arch), varlen, batch, rows, heads_kv, d, dv);
     for (int i = 0; i < static_cast<int>(accums.size()); ++i) {
       Named const n = accums[i];
       std::vector<int64_t> const shape = layout.shape(i);
       if (n->sizes() == c10::IntArrayRef(shape)) { continue; }
-      std::string const what = varlen ? num(e.batch) + " sequences of " + num(e.rows) + " total tokens"
-                                      : "batch " + num(e.batch) + ", seqlen " + num(e.rows);
+      std::string const what = varlen ? num(batch) + " sequences of " + num(rows) + " total tokens"
+                                      : "batch " + num(batch) + ", seqlen " + num(rows);
       fail(n, "shape",
            num(shape) + " (the accumulator of " + what + ", " + num(heads_kv) + " KV heads and head dim " +
                num(i ? dv : d) + " in the tile of head dim " + num(layout.config_head_dim) + " on the sm_" +
                num(layout.arch) + " path: allocate it with flash_epilogue.gqa_accumulator)",
            num(n->sizes()));
     }
-    layouts(rows);
+    layouts(written);
     contiguous(accums);
     alignments(aligned);
-    return {e, layout};
+    return layout;
   }
   // The launch: grid limits (on t), tile config, devices, code path; heads: h_q on the GQA side, heads_kv: dk/dv's
-  Problem finish(Named t, Extents e, int64_t heads, int64_t width, Names ts, int64_t arch, int64_t heads_kv = 0,
+  Problem finish(Named t, int64_t heads, int64_t width, Names ts, int64_t heads_kv = 0,
                  AccumLayout const& accum = {}) const {
-    if (!within_grid_limits(e.rows, heads, e.batch)) {
+    if (!within_grid_limits(rows, heads, batch)) {
       fail(t, "shape", "rows < 2^31 and heads, batch < 65536", num(t->sizes()));
     }
     auto const i32 = [](int64_t v) { return static_cast<int>(v); };
     int const hd = tile_config(width, 90).head_dim;
-    Problem p{varlen, i32(e.rows), i32(heads_kv ? heads_kv : heads), i32(heads), i32(e.batch), hd, accum, devices(ts)};
+    Problem p{op, varlen, i32(rows), i32(heads_kv ? heads_kv : heads), i32(heads), i32(batch), hd, accum, devices(ts)};
     p.arch = resolve_arch(p.device, arch);
     TORCH_CHECK(!accum.block_n || p.arch == accum.arch, "flash_epilogue.", op, ": internal: arch paths disagree");
     return p;
@@ -514,7 +513,7 @@ void bind_primary_context(int device) {
 // The one dispatch: fn(kDType, kHeadDim, kArch), std::integral_constants of the outputs' dtype (ignored on the
 // accumulator side), the compiled head dim and the code path, gives the launch. One the kernel refuses: RuntimeError.
 template <class Args, class Fn>
-void launch(char const* op, Problem const& p, at::ScalarType dtype, Args const& args, Fn fn) {
+void launch(Problem const& p, at::ScalarType dtype, Args const& args, Fn fn) {
   c10::cuda::CUDAGuard const guard(p.device);
   bind_primary_context(p.device.index());
   cudaStream_t const stream = c10::cuda::getCurrentCUDAStream(p.device.index()).stream();
@@ -526,7 +525,7 @@ void launch(char const* op, Problem const& p, at::ScalarType dtype, Args const& 
       });
     });
   });
-  TORCH_CHECK(why == nullptr, "flash_epilogue.", op, ": arguments rejected by the kernel: ", why);
+  TORCH_CHECK(why == nullptr, "flash_epilogue.", p.op, ": arguments rejected by the kernel: ", why);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -552,7 +551,7 @@ AccumLayout gqa_accum_layout(int64_t num_heads_kv, int64_t head_dim, int64_t hea
 
 void store(TensorArg dk_accum, TensorArg dv_accum, TensorArg dk, TensorArg dv, OptArg cu_seqlens, OptArg seqused,
            int64_t arch) {
-  Checker const c("store", cu_seqlens, seqused);
+  Checker c("store", cu_seqlens, seqused, arch);
   Named const k_in{"dk_accum", &dk_accum}, v_in{"dv_accum", &dv_accum}, k{"dk", &dk}, v{"dv", &dv};
   Named const all[] = {k_in, v_in, k, v};
   c.defined(all);
@@ -565,26 +564,25 @@ void store(TensorArg dk_accum, TensorArg dv_accum, TensorArg dk, TensorArg dv, O
     }
   }
   c.kv_shapes(k, v);
-  Extents const e = c.written_pair(all, k, v, {k_in, v_in}, k);
+  c.written_pair(all, k, v, {k_in, v_in}, k);
   c.disjoint({k, v}, {c.cu, c.used});
-  Problem const p = c.finish(k, e, dk.size(-2), std::max(dk.size(-1), dv.size(-1)), {k_in, v_in, k, v, c.cu, c.used},
-                             arch);
+  Problem const p = c.finish(k, dk.size(-2), std::max(dk.size(-1), dv.size(-1)), {k_in, v_in, k, v, c.cu, c.used});
   if (dk.numel() == 0) { return; }  // batch 0, seqlen 0, heads 0: nothing to launch
   auto args = args_for<StoreLaunchArgs>(p, cu_seqlens, seqused, &dk, &dv);
   args.dk_accum = describe(dk_accum, p.varlen);
   args.dv_accum = describe(dv_accum, p.varlen);
-  launch("store", p, dk.scalar_type(), args, [](auto t, auto d, auto a) { return &launch_store<t, d, a>; });
+  launch(p, dk.scalar_type(), args, [](auto t, auto d, auto a) { return &launch_store<t, d, a>; });
 }
 
 void store_zero(TensorArg dk, TensorArg dv, OptArg cu_seqlens, OptArg seqused, OptArg batch_idx, OptArg head_idx,
                 int64_t row_start, std::optional<int64_t> row_end, int64_t arch) {
-  Checker const c("store_zero", cu_seqlens, seqused);
+  Checker c("store_zero", cu_seqlens, seqused, arch);
   Named const k{"dk", &dk}, v{"dv", &dv}, sel[] = {named("batch_idx", batch_idx), named("head_idx", head_idx)};
   c.defined({k, v});
   c.half(k, v);
   c.ranks({k, v});
   c.kv_shapes(k, v);
-  Extents const e = c.written_pair({k, v}, k, v, {}, k);
+  c.written_pair({k, v}, k, v, {}, k);
   for (auto const& n : sel) { c.index_tensor(n); }
   c.disjoint({k, v}, {c.cu, c.used, sel[0], sel[1]});
   for (auto const& n : sel) {  // the kernel reads the selections with 16-bit grid dims
@@ -595,8 +593,7 @@ void store_zero(TensorArg dk, TensorArg dv, OptArg cu_seqlens, OptArg seqused, O
   if (row_end.has_value() && (*row_end < row_start || *row_end > int_max)) {
     c.fail("row_end", "None or an int in [row_start = " + num(row_start) + ", 2147483647]", num(*row_end));
   }
-  Problem const p =
-      c.finish(k, e, dk.size(-2), std::max(dk.size(-1), dv.size(-1)), {k, v, c.cu, c.used, sel[0], sel[1]}, arch);
+  Problem const p = c.finish(k, dk.size(-2), std::max(dk.size(-1), dv.size(-1)), {k, v, c.cu, c.used, sel[0], sel[1]});
   int64_t const end = std::min<int64_t>(row_end.value_or(p.rows), p.rows);
   auto const empty = [](OptArg t) { return t.has_value() && t->numel() == 0; };  // an empty selection
   if (dk.numel() == 0 || empty(batch_idx) || empty(head_idx) || row_start >= end) { return; }
@@ -607,12 +604,12 @@ void store_zero(TensorArg dk, TensorArg dv, OptArg cu_seqlens, OptArg seqused, O
   args.num_head_idx = head_idx.has_value() ? static_cast<int>(head_idx->numel()) : 0;
   args.row_begin = static_cast<int>(row_start);
   args.row_end = static_cast<int>(end);
-  launch("store_zero", p, dk.scalar_type(), args, [](auto t, auto d, auto a) { return &launch_store_zero<t, d, a>; });
+  launch(p, dk.scalar_type(), args, [](auto t, auto d, auto a) { return &launch_store_zero<t, d, a>; });
 }
 
 void gqa_accumulate(TensorArg dk_partial, TensorArg dv_partial, TensorArg dk_accum, TensorArg dv_accum,
                     OptArg semaphores, OptArg cu_seqlens, OptArg seqused, bool deterministic, int64_t arch) {
-  Checker const c("gqa_accumulate", cu_seqlens, seqused);
+  Checker c("gqa_accumulate", cu_seqlens, seqused, arch);
   Named const k{"dk_partial", &dk_partial}, v{"dv_partial", &dv_partial}, sem = named("semaphores", semaphores);
   Named const accums[] = {{"dk_accum", &dk_accum}, {"dv_accum", &dv_accum}}, all[] = {k, v, accums[0], accums[1]};
   c.defined(all);
@@ -623,7 +620,7 @@ void gqa_accumulate(TensorArg dk_partial, TensorArg dv_partial, TensorArg dk_acc
   c.kv_shapes(k, v);
   int64_t const h_q = dk_partial.size(-2), h_k = dk_accum.size(1), d = dk_partial.size(-1), dv = dv_partial.size(-1);
   c.group(h_q, "dk_accum", h_k, "dk_accum.shape[1]");
-  auto const [e, layout] = c.accum_side(k, {k, v}, accums, all, arch, h_k, d, dv);
+  AccumLayout const layout = c.accum_side(k, {k, v}, accums, all, h_k, d, dv);
   int64_t const counters = layout.semaphore_numel();
   if (!sem.t && deterministic) {
     c.fail("semaphores",
@@ -646,8 +643,7 @@ void gqa_accumulate(TensorArg dk_partial, TensorArg dv_partial, TensorArg dk_acc
            num(sem.t->numel()));
   }
   c.no_overlaps({accums[0], accums[1], sem}, {k, v, c.cu, c.used});
-  Problem const p =
-      c.finish(k, e, h_q, std::max(d, dv), {k, v, accums[0], accums[1], sem, c.cu, c.used}, arch, h_k, layout);
+  Problem const p = c.finish(k, h_q, std::max(d, dv), {k, v, accums[0], accums[1], sem, c.cu, c.used}, h_k, layout);
   // the atomic adds' order varies from run to run: under torch.use_deterministic_algorithms(True), torch's error
   // (with warn_only=True the Python wrapper warns: a C++ warning of a torch.ops call would only reach stderr)
   at::Context& ctx = at::globalContext();
@@ -661,39 +657,37 @@ void gqa_accumulate(TensorArg dk_partial, TensorArg dv_partial, TensorArg dk_acc
   args.dk_partial = describe(dk_partial, p.varlen);
   args.dv_partial = describe(dv_partial, p.varlen);
   args.semaphores = deterministic ? semaphores->data_ptr<int>() : nullptr;
-  launch("gqa_accumulate", p, at::kFloat, args, [](auto, auto d, auto a) { return &launch_gqa_accumulate<d, a>; });
+  launch(p, at::kFloat, args, [](auto, auto d, auto a) { return &launch_gqa_accumulate<d, a>; });
 }
 
 void gqa_postprocess(TensorArg dk_accum, TensorArg dv_accum, TensorArg dk, TensorArg dv, double scale_dk,
                      double scale_dv, OptArg cu_seqlens, OptArg seqused, int64_t arch) {
-  Checker const c("gqa_postprocess", cu_seqlens, seqused);
+  Checker c("gqa_postprocess", cu_seqlens, seqused, arch);
   Named const accums[] = {{"dk_accum", &dk_accum}, {"dv_accum", &dv_accum}}, k{"dk", &dk}, v{"dv", &dv};
   Named const all[] = {accums[0], accums[1], k, v};
   c.defined(all);
-  c.scalars(scale_dk, scale_dv, arch);
+  c.scalars(scale_dk, scale_dv);
   c.float32(accums);
   c.half(k, v);
   c.ranks(accums, true);
   c.ranks({k, v});
   c.kv_shapes(k, v);
   int64_t const h_k = dk.size(-2), d = dk.size(-1);
-  auto const [e, layout] = c.accum_side(k, {k, v}, accums, all, arch, h_k, d, dv.size(-1));
+  AccumLayout const layout = c.accum_side(k, {k, v}, accums, all, h_k, d, dv.size(-1));
   c.no_overlaps({k, v}, {accums[0], accums[1], c.cu, c.used});
-  Problem const p =
-      c.finish(k, e, h_k, std::max(d, dv.size(-1)), {accums[0], accums[1], k, v, c.cu, c.used}, arch, 0, layout);
+  Problem const p = c.finish(k, h_k, std::max(d, dv.size(-1)), {accums[0], accums[1], k, v, c.cu, c.used}, 0, layout);
   if (dk.numel() == 0) { return; }
   auto args = args_for<GqaPostprocessLaunchArgs>(p, cu_seqlens, seqused, &dk, &dv);
   args.dk_accum = accum_desc(dk_accum, p.accum);
   args.dv_accum = accum_desc(dv_accum, p.accum);
   args.scale_dk = static_cast<float>(scale_dk);
   args.scale_dv = static_cast<float>(scale_dv);
-  launch("gqa_postprocess", p, dk.scalar_type(), args,
-         [](auto t, auto d, auto a) { return &launch_gqa_postprocess<t, d, a>; });
+  launch(p, dk.scalar_type(), args, [](auto t, auto d, auto a) { return &launch_gqa_postprocess<t, d, a>; });
 }
 
 void gqa_accum_to_dense(TensorArg accum, TensorArg out, int64_t head_dim, OptArg cu_seqlens, OptArg seqused,
                         int64_t arch) {
-  Checker const c("gqa_accum_to_dense", cu_seqlens, seqused);
+  Checker c("gqa_accum_to_dense", cu_seqlens, seqused, arch);
   Named const in{"accum", &accum}, dense{"out", &out};
   c.defined({in, dense});
   c.arch_value(arch);
@@ -704,27 +698,26 @@ void gqa_accum_to_dense(TensorArg accum, TensorArg out, int64_t head_dim, OptArg
   c.head_dim("out", out.size(-1));
   if (out.size(-1) > head_dim) { c.fail("out: head dim", "<= head_dim = " + num(head_dim), num(out.size(-1))); }
   // the accumulator of out's head dim (as dK's) in the tile serving head_dim (as dV's would name it)
-  auto const [e, layout] = c.accum_side(dense, {dense}, {in}, {in, dense}, arch, out.size(-2), out.size(-1), head_dim);
+  AccumLayout const layout = c.accum_side(dense, {dense}, {in}, {in, dense}, out.size(-2), out.size(-1), head_dim);
   c.no_overlaps({dense}, {in, c.cu, c.used});
-  Problem const p = c.finish(dense, e, out.size(-2), head_dim, {in, dense, c.cu, c.used}, arch, 0, layout);
+  Problem const p = c.finish(dense, out.size(-2), head_dim, {in, dense, c.cu, c.used}, 0, layout);
   if (out.numel() == 0) { return; }
   auto args = args_for<GqaDenseLaunchArgs>(p, cu_seqlens, seqused);
   args.accum = accum_desc(accum, p.accum);
   args.out = describe(out, p.varlen);
-  launch("gqa_accum_to_dense", p, at::kFloat, args,
-         [](auto, auto d, auto a) { return launch_gqa_accum_to_dense<d, a>; });
+  launch(p, at::kFloat, args, [](auto, auto d, auto a) { return launch_gqa_accum_to_dense<d, a>; });
 }
 
 void gqa_reduce(TensorArg dk_partial, OptArg dv_partial, TensorArg dk, OptArg dv, OptArg cu_seqlens, OptArg seqused,
                 double scale_dk, double scale_dv, int64_t arch) {
-  Checker const c("gqa_reduce", cu_seqlens, seqused);
+  Checker c("gqa_reduce", cu_seqlens, seqused, arch);
   bool const has_dv = dv_partial.has_value();
   Named const k_in{"dk_partial", &dk_partial}, v_in = named("dv_partial", dv_partial);  // v_in, v: null when None
   Named const k{"dk", &dk}, v = named("dv", dv);
   c.defined({k_in, k});
   if (!has_dv && v.t) { c.fail("dv", "None because dv_partial is None", "Tensor"); }
   if (has_dv && !v.t) { c.fail("dv", "a torch.Tensor because dv_partial is given", "NoneType"); }
-  c.scalars(scale_dk, scale_dv, arch);
+  c.scalars(scale_dk, scale_dv);
   c.half(k, v);
   if (dk_partial.scalar_type() != at::kFloat && dk_partial.scalar_type() != dk.scalar_type()) {
     c.fail_dtype(k_in, "torch.float32 or " + dtype_name(dk.scalar_type()) + " (the dtype of dk)");
@@ -739,10 +732,10 @@ void gqa_reduce(TensorArg dk_partial, OptArg dv_partial, TensorArg dk, OptArg dv
   c.kv_shapes(k, v);
   int64_t const h_q = dk_partial.size(-2), h_k = dk.size(-2);
   c.group(h_q, "dk", h_k, "dk.shape[-2]");
-  Extents const e = c.written_pair(all, k, v, {k_in, v_in}, k_in);
+  c.written_pair(all, k, v, {k_in, v_in}, k_in);
   c.disjoint({k, v}, {c.cu, c.used});
   int64_t const width = std::max(dk.size(-1), has_dv ? dv->size(-1) : 0);
-  Problem const p = c.finish(k_in, e, h_q, width, {k_in, v_in, k, v, c.cu, c.used}, arch, h_k);
+  Problem const p = c.finish(k_in, h_q, width, {k_in, v_in, k, v, c.cu, c.used}, h_k);
   if (dk.numel() == 0) { return; }
   auto args = args_for<GqaReduceLaunchArgs>(p, cu_seqlens, seqused, &dk, dv.has_value() ? &*dv : nullptr);
   args.dk_partial = describe(dk_partial, p.varlen);
@@ -750,7 +743,7 @@ void gqa_reduce(TensorArg dk_partial, OptArg dv_partial, TensorArg dk, OptArg dv
   args.partial_fp32 = dk_partial.scalar_type() == at::kFloat;
   args.scale_dk = static_cast<float>(scale_dk);
   args.scale_dv = static_cast<float>(scale_dv);
-  launch("gqa_reduce", p, dk.scalar_type(), args, [](auto t, auto d, auto a) { return &launch_gqa_reduce<t, d, a>; });
+  launch(p, dk.scalar_type(), args, [](auto t, auto d, auto a) { return &launch_gqa_reduce<t, d, a>; });
 }
 
 int64_t check_repeat_kv(TensorArg t, int64_t n_rep, int64_t dim, std::optional<c10::IntArrayRef> layout) {
