@@ -39,22 +39,10 @@ AccumLayout gqa_accum_layout(int64_t num_heads_kv, int64_t head_dim, int64_t hea
 // repeat_kv (x = t), with a layout repeat_kv_backward (grad = t); returns dim as 1 or 2.
 int64_t check_repeat_kv(TensorArg t, int64_t n_rep, int64_t dim, std::optional<c10::IntArrayRef> layout = {});
 
-// The mutating ops (ops.cpp), one per schema of module.cpp in its argument order; autograd.cpp registers them, and
-// repeat_kv's backward calls gqa_reduce.
-void store(TensorArg dk_accum, TensorArg dv_accum, TensorArg dk, TensorArg dv, OptArg cu_seqlens, OptArg seqused,
-           int64_t arch);
-void store_zero(TensorArg dk, TensorArg dv, OptArg cu_seqlens, OptArg seqused, OptArg batch_idx, OptArg head_idx,
-                int64_t row_start, std::optional<int64_t> row_end, int64_t arch);
-void gqa_accumulate(TensorArg dk_partial, TensorArg dv_partial, TensorArg dk_accum, TensorArg dv_accum,
-                    OptArg semaphores, OptArg cu_seqlens, OptArg seqused, bool deterministic, int64_t arch);
-void gqa_postprocess(TensorArg dk_accum, TensorArg dv_accum, TensorArg dk, TensorArg dv, double scale_dk,
-                     double scale_dv, OptArg cu_seqlens, OptArg seqused, int64_t arch);
-void gqa_accum_to_dense(TensorArg accum, TensorArg out, int64_t head_dim, OptArg cu_seqlens, OptArg seqused,
-                        int64_t arch);
+// gqa_reduce (ops.cpp), for repeat_kv's backward: whether it takes `partial` (batch, seqlen, heads, d) as dk_partial
+// (dtype, head dim, grid limits, a GPU with kernels, not empty) and whether it reads it in place (strides, alignment).
 void gqa_reduce(TensorArg dk_partial, OptArg dv_partial, TensorArg dk, OptArg dv, OptArg cu_seqlens, OptArg seqused,
                 double scale_dk, double scale_dv, int64_t arch);
-// For repeat_kv's backward: whether gqa_reduce takes `partial` (batch, seqlen, heads, d) as dk_partial (dtype, head
-// dim, grid limits, a GPU with kernels, not empty) and whether it reads it in place (strides, alignment).
 bool gqa_reduce_takes(TensorArg partial);
 bool gqa_reduce_reads_in_place(TensorArg partial);
 

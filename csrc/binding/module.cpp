@@ -1,4 +1,4 @@
-// The op schemas (their one definition; autograd.cpp and repeat_kv.cpp register the kernels) and the pybind11 module
+// The op schemas (their one definition; ops.cpp and repeat_kv.cpp register the kernels) and the pybind11 module
 // flash_epilogue._C (build info, the compiled configs and tile table, the GQA accumulator's geometry).
 
 #include <cuda_runtime_api.h>

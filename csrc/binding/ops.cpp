@@ -1,5 +1,5 @@
-// The ops (registered in autograd.cpp): every argument check, then one launch on the tensors' device and its current
-// stream through the one (dtype, head dim, arch path) dispatch to the instantiations of csrc/instantiations/.
+// The mutating ops: every argument check, then one launch on the tensors' device and its current stream through the
+// one (dtype, head dim, arch path) dispatch to the instantiations of csrc/instantiations/; last their registration.
 // The checks, in one order for every op: None, dtypes, ranks, shapes and head dims, strides, alignment, overlaps (of a
 // written tensor with itself, another written one, a read one), cu_seqlens/seqused, grid limits, last the devices (CPU
 // tensors fail only there) and the code path. Messages are built on failure only.
@@ -8,6 +8,11 @@
 #include "static_switch.h"
 
 #include <ATen/Context.h>
+#include <ATen/core/LegacyTypeDispatch.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/DispatchKeySet.h>
+#include <c10/core/GradMode.h>
+#include <c10/core/InferenceMode.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -15,6 +20,8 @@
 #include <c10/util/SmallVector.h>
 #include <c10/util/strides.h>
 #include <cuda_runtime_api.h>
+#include <torch/csrc/autograd/VariableTypeUtils.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <array>
@@ -791,4 +798,128 @@ bool gqa_reduce_reads_in_place(TensorArg partial) {
   return address(partial) % 16 == 0;
 }
 
+// The ops' kernels: their implementations for CPU and CUDA, and their place in torch's in-place machinery: an
+// ADInplaceOrView and an Autograd kernel per op, unboxed (no IValue stack per call) and with the rules torch's
+// generated kernels of in-place ops apply. torch's autogradNotImplementedFallback() and its ADInplaceOrView partner
+// bump the versions of written *returns* only: these schemas return nothing, so those (boxed) fallbacks would miss
+// every written tensor.
+//
+// ADInplaceOrView: the kernel, then a version bump of every written tensor (a tensor saved for backward and then
+// overwritten makes backward raise "modified by an inplace operation"). An inference tensor outside InferenceMode
+// gets torch's own error from that bump, raised before the kernel so that nothing is written.
+// Autograd: the ops are steps of an attention backward and have no derivative. With grad mode on, a written tensor
+// goes through torch's check_inplace (leaves and views that require grad), then any tensor argument that requires
+// grad raises a RuntimeError naming the op and the argument (one eager error, where torch's not-implemented
+// convention would defer it to backward). A forward-mode tangent raises the same way whatever the grad mode; grad
+// mode off (inside a backward without create_graph, under torch.no_grad()) checks nothing else.
+
+namespace {
+
+// Each tensor argument of a call (an optional one if given) as f(argument index, tensor), in schema order.
+template <class F, class... Args>
+void for_each_tensor(F&& f, Args const&... args) {
+  int i = 0;
+  auto const visit = [&](auto const& a) {
+    if constexpr (std::is_same_v<std::decay_t<decltype(a)>, at::Tensor>) { f(i, a); }
+    if constexpr (std::is_same_v<std::decay_t<decltype(a)>, std::optional<at::Tensor>>) {
+      if (a.has_value()) { f(i, *a); }
+    }
+    ++i;
+  };
+  (visit(args), ...);  // left to right
+}
+
+bool has_tangent(TensorArg t) {  // a forward-mode AD dual tensor (only a tensor with autograd meta can be one)
+  return t.unsafeGetTensorImpl()->autograd_meta() != nullptr && t._fw_grad(/*level=*/0).defined();
+}
+
+// The kernels of one op: kSchema its registered name, kFn its implementation, and kBackwardOfRepeatKv
+// (bit i: argument i is a gradient whose derivative repeat_kv owns: gqa_reduce's partials). Argument names and
+// Tensor(x!) positions come from the registered schema (module.cpp); typing the handle checks kFn's signature against
+// it.
+template <char const* kSchema, auto kFn, uint32_t kBackwardOfRepeatKv = 0>
+struct InplaceKernels;
+
+template <char const* kSchema, uint32_t kBackwardOfRepeatKv, class... Args, void (*kFn)(Args...)>
+struct InplaceKernels<kSchema, kFn, kBackwardOfRepeatKv> {
+  static c10::TypedOperatorHandle<void(Args...)> const& op() {
+    static auto const h = c10::Dispatcher::singleton().findSchemaOrThrow(kSchema, "").template typed<void(Args...)>();
+    return h;
+  }
+  static bool writes(int i) {  // argument i is a Tensor(x!)
+    c10::AliasInfo const* const alias = op().schema().arguments()[i].alias_info();
+    return alias != nullptr && alias->isWrite();
+  }
+  static char const* name() { return kSchema + sizeof("flash_epilogue::") - 1; }  // the op's own name
+  static constexpr auto implementation = kFn;
+
+  static void inplace_or_view(c10::DispatchKeySet ks, Args... args) {
+    if (!c10::InferenceMode::is_enabled()) {
+      for_each_tensor([](int i, TensorArg t) {
+        if (writes(i) && t.is_inference()) { torch::autograd::increment_version(t); }  // raises torch's error
+      }, args...);
+    }
+    {
+      at::AutoDispatchBelowADInplaceOrView guard;
+      op().redispatch(ks & c10::after_ADInplaceOrView_keyset, args...);
+    }
+    for_each_tensor([](int i, TensorArg t) {
+      if (writes(i)) { torch::autograd::increment_version(t); }
+    }, args...);
+  }
+
+  static void autograd(c10::DispatchKeySet ks, Args... args) {
+    bool const grad_mode = at::GradMode::is_enabled();
+    if (grad_mode) {  // torch's in-place rules first (its messages), as its generated kernels check
+      for_each_tensor([](int i, TensorArg t) {
+        if (writes(i) && t.requires_grad()) { torch::autograd::check_inplace(t, /*requires_grad=*/true); }
+      }, args...);
+    }
+    for_each_tensor([grad_mode](int i, TensorArg t) {
+      bool const requires_grad = grad_mode && t.requires_grad();
+      if (!requires_grad && !has_tangent(t)) { return; }
+      TORCH_CHECK(false, "flash_epilogue.", name(), ": ", op().schema().arguments()[i].name(), ": ",
+                  requires_grad ? "requires grad" : "has a forward-mode tangent", ", but ", name(),
+                  (kBackwardOfRepeatKv >> i & 1u) != 0
+                      ? " has no derivative: it is itself the backward of repeat_kv (the group sum of the expanded "
+                        "heads' gradient). To differentiate through a KV-head expand use flash_epilogue.repeat_kv, "
+                        "whose backward runs this reduce (double backward included); else call it under "
+                        "torch.no_grad() or on detached partials"
+                      : " has no derivative (a step of an attention backward): call it with grad mode off (inside a "
+                        "backward without create_graph, or under torch.no_grad()) or on detached tensors");
+    }, args...);
+    at::AutoDispatchBelowAutograd guard;
+    op().redispatch(ks & c10::after_autograd_keyset, args...);
+  }
+};
+
+constexpr char kStore[] = "flash_epilogue::store";
+constexpr char kStoreZero[] = "flash_epilogue::store_zero";
+constexpr char kGqaAccumulate[] = "flash_epilogue::gqa_accumulate";
+constexpr char kGqaPostprocess[] = "flash_epilogue::gqa_postprocess";
+constexpr char kGqaAccumToDense[] = "flash_epilogue::gqa_accum_to_dense";
+constexpr char kGqaReduce[] = "flash_epilogue::gqa_reduce";
+
+// The kernels of a list of ops, by key. CPU tensors get every metadata check, then the device check's message (the
+// CPU tests run the checks).
+template <class... Kernels>
+struct Register {
+  static void implementation(torch::Library& m) { (m.impl(Kernels::name(), TORCH_FN(Kernels::implementation)), ...); }
+  static void inplace_or_view(torch::Library& m) { (m.impl(Kernels::name(), TORCH_FN(Kernels::inplace_or_view)), ...); }
+  static void autograd(torch::Library& m) { (m.impl(Kernels::name(), TORCH_FN(Kernels::autograd)), ...); }
+};
+
+// Every op with Tensor(x!) arguments.
+using MutatingOps = Register<InplaceKernels<kStore, &store>, InplaceKernels<kStoreZero, &store_zero>,
+                             InplaceKernels<kGqaAccumulate, &gqa_accumulate>,
+                             InplaceKernels<kGqaPostprocess, &gqa_postprocess>,
+                             InplaceKernels<kGqaAccumToDense, &gqa_accum_to_dense>,
+                             InplaceKernels<kGqaReduce, &gqa_reduce, /*dk_partial, dv_partial*/ 0b11>>;
+
+TORCH_LIBRARY_IMPL(flash_epilogue, CUDA, m) { MutatingOps::implementation(m); }
+TORCH_LIBRARY_IMPL(flash_epilogue, CPU, m) { MutatingOps::implementation(m); }
+TORCH_LIBRARY_IMPL(flash_epilogue, ADInplaceOrView, m) { MutatingOps::inplace_or_view(m); }
+TORCH_LIBRARY_IMPL(flash_epilogue, Autograd, m) { MutatingOps::autograd(m); }
+
+}  // namespace
 }  // namespace flash_epilogue
