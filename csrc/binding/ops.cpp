@@ -46,8 +46,6 @@ std::vector<std::string> const& compiled_archs() {
 
 namespace {
 
-using c10::ScalarType;
-
 // Numbers are formatted here, never streamed (the extension's own ostream integer insertion crashes on the H200 image).
 std::string num(int64_t v) { return std::to_string(v); }
 
@@ -68,7 +66,7 @@ std::string chars(A... a) {  // std::to_chars(a...) as a string
 }
 std::string hex_str(int64_t v) { return "0x" + chars(static_cast<uint64_t>(v), 16); }  // Python's f"{v:#x}"
 std::string repr(double v) { return chars(v); }  // Python's repr of a float: the shortest round trip
-std::string dtype_name(ScalarType t) { return "torch." + std::string(c10::getDtypeNames(t).first); }
+std::string dtype_name(at::ScalarType t) { return "torch." + std::string(c10::getDtypeNames(t).first); }
 std::string rank_got(TensorArg t) { return num(t.dim()) + " dims, shape " + num(t.sizes()); }
 int64_t address(TensorArg t) { return static_cast<int64_t>(reinterpret_cast<uintptr_t>(t.const_data_ptr())); }
 
@@ -103,11 +101,6 @@ int64_t serving_head_dim(int64_t width) {
   return 0;
 }
 constexpr int kBuiltHeadDims[] = {FLASH_EPILOGUE_HEAD_DIMS};
-std::string built_head_dims() {  // "64;128": this build's, as FLASH_EPILOGUE_HEAD_DIMS spells them
-  std::string out;
-  for (int hd : kBuiltHeadDims) { out += (out.empty() ? "" : ";") + std::to_string(hd); }
-  return out;
-}
 bool head_dim_built(int64_t d) {
   return std::count(std::begin(kBuiltHeadDims), std::end(kBuiltHeadDims), serving_head_dim(d)) > 0;
 }
@@ -252,13 +245,14 @@ struct Checker {
   }
   void head_dim(char const* name, int64_t d) const {
     if (!head_dim_supported(d)) { fail(std::string(name) + ": head dim", "a multiple of 8 in [8, 256]", num(d)); }
-    if (!head_dim_built(d)) {
-      fail(std::string(name) + ": head dim",
-           "a head dim this build has kernels for: " + num(d) + " runs on the tile of head dim " +
-               num(serving_head_dim(d)) + ", which this build leaves out (FLASH_EPILOGUE_HEAD_DIMS=" + built_head_dims() +
-               "); rebuild with it in FLASH_EPILOGUE_HEAD_DIMS",
-           num(d));
-    }
+    if (head_dim_built(d)) { return; }
+    std::string built;  // "64;128": this build's, as FLASH_EPILOGUE_HEAD_DIMS spells them
+    for (int hd : kBuiltHeadDims) { built += (built.empty() ? "" : ";") + std::to_string(hd); }
+    fail(std::string(name) + ": head dim",
+         "a head dim this build has kernels for: " + num(d) + " runs on the tile of head dim " +
+             num(serving_head_dim(d)) + ", which this build leaves out (FLASH_EPILOGUE_HEAD_DIMS=" + built +
+             "); rebuild with it in FLASH_EPILOGUE_HEAD_DIMS",
+         num(d));
   }
   void kv_shapes(Named k, Named v) const {  // v (or None) has k's shape but the head dim; the head dims supported
     shape_but(v, k, -1, "last");
@@ -782,7 +776,7 @@ int64_t check_repeat_kv(TensorArg t, int64_t n_rep, int64_t dim, std::optional<c
 }
 
 bool gqa_reduce_takes(TensorArg partial) {
-  ScalarType const dtype = partial.scalar_type();
+  at::ScalarType const dtype = partial.scalar_type();
   if (!partial.is_cuda() || (dtype != at::kBFloat16 && dtype != at::kHalf)) { return false; }
   auto const [major, minor] = device_capability(partial.get_device());
   return head_dim_supported(partial.size(3)) && head_dim_built(partial.size(3)) && partial.numel() > 0 &&
@@ -816,17 +810,17 @@ bool gqa_reduce_reads_in_place(TensorArg partial) {
 namespace {
 
 // Each tensor argument of a call (an optional one if given) as f(argument index, tensor), in schema order.
+template <class F, class T>
+void visit(F& f, int i, T const& a) {
+  if constexpr (std::is_same_v<T, at::Tensor>) { f(i, a); }
+  if constexpr (std::is_same_v<T, std::optional<at::Tensor>>) {
+    if (a.has_value()) { f(i, *a); }
+  }
+}
 template <class F, class... Args>
 void for_each_tensor(F&& f, Args const&... args) {
   int i = 0;
-  auto const visit = [&](auto const& a) {
-    if constexpr (std::is_same_v<std::decay_t<decltype(a)>, at::Tensor>) { f(i, a); }
-    if constexpr (std::is_same_v<std::decay_t<decltype(a)>, std::optional<at::Tensor>>) {
-      if (a.has_value()) { f(i, *a); }
-    }
-    ++i;
-  };
-  (visit(args), ...);  // left to right
+  (visit(f, i++, args), ...);  // left to right
 }
 
 bool has_tangent(TensorArg t) {  // a forward-mode AD dual tensor (only a tensor with autograd meta can be one)
