@@ -1,7 +1,7 @@
 #pragma once
 
-// What the binding's files share. ops.cpp holds the package's only argument checks (repeat_kv's: check_repeat_kv): a
-// bad argument raises ValueError (TypeError for a wrong dtype or a None tensor) before any launch:
+// What module.cpp and ops.cpp share. ops.cpp holds the package's only argument checks: a bad argument raises
+// ValueError (TypeError for a wrong dtype or a None tensor) before any launch:
 // `flash_epilogue.<op>: <arg>: expected <expected>, got <got>`.
 
 #include <ATen/core/Tensor.h>
@@ -35,16 +35,6 @@ struct AccumLayout {
 // total tokens); arch 0: the device's path (80 on an sm_8x GPU, else 90). The GQA ops check against the same.
 AccumLayout gqa_accum_layout(int64_t num_heads_kv, int64_t head_dim, int64_t head_dim_v, int64_t batch, int64_t rows,
                              bool varlen, int64_t arch, at::Device device);
-
-// repeat_kv (x = t), with a layout repeat_kv_backward (grad = t); returns dim as 1 or 2.
-int64_t check_repeat_kv(TensorArg t, int64_t n_rep, int64_t dim, std::optional<c10::IntArrayRef> layout = {});
-
-// gqa_reduce (ops.cpp), for repeat_kv's backward: whether it takes `partial` (batch, seqlen, heads, d) as dk_partial
-// (dtype, head dim, grid limits, a GPU with kernels, not empty) and whether it reads it in place (strides, alignment).
-void gqa_reduce(TensorArg dk_partial, OptArg dv_partial, TensorArg dk, OptArg dv, OptArg cu_seqlens, OptArg seqused,
-                double scale_dk, double scale_dv, int64_t arch);
-bool gqa_reduce_takes(TensorArg partial);
-bool gqa_reduce_reads_in_place(TensorArg partial);
 
 void set_debug_sync(bool on);  // FLASH_EPILOGUE_DEBUG: repeat_kv's backward synchronizes after its launch
 bool debug_sync_enabled();
