@@ -755,7 +755,7 @@ void gqa_reduce(TensorArg dk_partial, OptArg dv_partial, TensorArg dk, OptArg dv
 
 // Each tensor argument of a call (an optional one if given) as f(argument index, tensor), in schema order.
 template <class F, class T>
-void visit(F& f, int i, T const& a) {
+void visit_arg(F& f, int i, T const& a) {
   if constexpr (std::is_same_v<T, at::Tensor>) { f(i, a); }
   if constexpr (std::is_same_v<T, std::optional<at::Tensor>>) {
     if (a.has_value()) { f(i, *a); }
@@ -764,7 +764,7 @@ void visit(F& f, int i, T const& a) {
 template <class F, class... Args>
 void for_each_tensor(F&& f, Args const&... args) {
   int i = 0;
-  (visit(f, i++, args), ...);  // left to right
+  (visit_arg(f, i++, args), ...);  // left to right
 }
 
 bool has_tangent(TensorArg t) {  // a forward-mode AD dual tensor (only a tensor with autograd meta can be one)
