@@ -1,7 +1,7 @@
 #pragma once
 
-// What the binding's files share. checks.cpp is the package's only argument checker: check_<op> returns what the op
-// launches for or raises ValueError (TypeError for a wrong dtype or a None tensor):
+// What module.cpp and ops.cpp share. ops.cpp holds the package's only argument checks: a bad argument raises
+// ValueError (TypeError for a wrong dtype or a None tensor) before any launch:
 // `flash_epilogue.<op>: <arg>: expected <expected>, got <got>`.
 
 #include <ATen/core/Tensor.h>
@@ -35,55 +35,6 @@ struct AccumLayout {
 // total tokens); arch 0: the device's path (80 on an sm_8x GPU, else 90). The GQA ops check against the same.
 AccumLayout gqa_accum_layout(int64_t num_heads_kv, int64_t head_dim, int64_t head_dim_v, int64_t batch, int64_t rows,
                              bool varlen, int64_t arch, at::Device device);
-
-struct Problem {  // what an op launches for once its arguments passed
-  bool varlen = false;
-  int rows = 0, heads = 0, heads_q = 0, batch = 0;  // heads: of dk/dv (h_k on the GQA side)
-  int head_dim = 0;                                 // the compiled config serving the head dims
-  AccumLayout accum;                                // the GQA ops' accumulators
-  at::Device device = at::kCPU;
-  int arch = 90;  // the code path: 90 (sm_90, TMA) or 80 (sm_80 collectives)
-};
-
-// check_<op>(the op's arguments); store: 16-bit dk/dv (dv: its own head dim) from fp32 accumulators of their shapes.
-Problem check_store(TensorArg dk_accum, TensorArg dv_accum, TensorArg dk, TensorArg dv, OptArg cu_seqlens,
-                    OptArg seqused, int64_t arch);
-// store_zero: dk/dv as for store; int32 selections; a row window [row_start, row_end) within int32.
-Problem check_store_zero(TensorArg dk, TensorArg dv, OptArg cu_seqlens, OptArg seqused, OptArg batch_idx,
-                         OptArg head_idx, int64_t row_start, std::optional<int64_t> row_end, int64_t arch);
-// gqa_accumulate: fp32 partials of h_q heads, the accumulators (h_k dividing h_q), semaphores when deterministic.
-Problem check_gqa_accumulate(TensorArg dk_partial, TensorArg dv_partial, TensorArg dk_accum, TensorArg dv_accum,
-                             OptArg semaphores, OptArg cu_seqlens, OptArg seqused, bool deterministic, int64_t arch);
-// gqa_postprocess: the accumulators of dk/dv's problem; scales within fp32's range.
-Problem check_gqa_postprocess(TensorArg dk_accum, TensorArg dv_accum, TensorArg dk, TensorArg dv, double scale_dk,
-                              double scale_dv, OptArg cu_seqlens, OptArg seqused, int64_t arch);
-// gqa_accum_to_dense: an accumulator of head dim head_dim; fp32 out of at most head_dim columns.
-Problem check_gqa_accum_to_dense(TensorArg accum, TensorArg out, int64_t head_dim, OptArg cu_seqlens, OptArg seqused,
-                                 int64_t arch);
-// gqa_reduce: partials (fp32 or dk's dtype) of h_q heads into dk/dv of h_k heads; dv_partial and dv None together.
-Problem check_gqa_reduce(TensorArg dk_partial, OptArg dv_partial, TensorArg dk, OptArg dv, OptArg cu_seqlens,
-                         OptArg seqused, double scale_dk, double scale_dv, int64_t arch);
-// repeat_kv (x = t), with a layout repeat_kv_backward (grad = t); returns dim as 1 or 2.
-int64_t check_repeat_kv(TensorArg t, int64_t n_rep, int64_t dim, std::optional<c10::IntArrayRef> layout = {});
-
-// The mutating ops' kernels (ops.cpp), one per schema of module.cpp in its argument order; autograd.cpp types its
-// handles with these signatures, and repeat_kv's backward calls gqa_reduce.
-void store(TensorArg dk_accum, TensorArg dv_accum, TensorArg dk, TensorArg dv, OptArg cu_seqlens, OptArg seqused,
-           int64_t arch);
-void store_zero(TensorArg dk, TensorArg dv, OptArg cu_seqlens, OptArg seqused, OptArg batch_idx, OptArg head_idx,
-                int64_t row_start, std::optional<int64_t> row_end, int64_t arch);
-void gqa_accumulate(TensorArg dk_partial, TensorArg dv_partial, TensorArg dk_accum, TensorArg dv_accum,
-                    OptArg semaphores, OptArg cu_seqlens, OptArg seqused, bool deterministic, int64_t arch);
-void gqa_postprocess(TensorArg dk_accum, TensorArg dv_accum, TensorArg dk, TensorArg dv, double scale_dk,
-                     double scale_dv, OptArg cu_seqlens, OptArg seqused, int64_t arch);
-void gqa_accum_to_dense(TensorArg accum, TensorArg out, int64_t head_dim, OptArg cu_seqlens, OptArg seqused,
-                        int64_t arch);
-void gqa_reduce(TensorArg dk_partial, OptArg dv_partial, TensorArg dk, OptArg dv, OptArg cu_seqlens, OptArg seqused,
-                double scale_dk, double scale_dv, int64_t arch);
-// For repeat_kv's backward: whether gqa_reduce takes `partial` (batch, seqlen, heads, d) as dk_partial (dtype, head
-// dim, grid limits, a GPU with kernels, not empty) and whether it reads it in place (strides, alignment).
-bool gqa_reduce_takes(TensorArg partial);
-bool gqa_reduce_reads_in_place(TensorArg partial);
 
 void set_debug_sync(bool on);  // FLASH_EPILOGUE_DEBUG: repeat_kv's backward synchronizes after its launch
 bool debug_sync_enabled();

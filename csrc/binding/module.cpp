@@ -1,5 +1,5 @@
-// The op schemas (their one definition; ops.cpp and repeat_kv.cpp register the kernels) and the pybind11 module
-// flash_epilogue._C (build info, the compiled configs and tile table, the GQA accumulator's geometry).
+// The op schemas (their one definition; ops.cpp registers the kernels) and the pybind11 module flash_epilogue._C
+// (build info, the compiled configs and tile table, the GQA accumulator's geometry).
 
 #include <cuda_runtime_api.h>
 #include <cutlass/version.h>
@@ -34,7 +34,6 @@ TORCH_LIBRARY(flash_epilogue, m) {
 
 namespace {
 
-namespace py = pybind11;
 using namespace pybind11::literals;
 using flash_epilogue::compiled_archs;
 using flash_epilogue::compiled_tile_configs;
