@@ -340,7 +340,7 @@ def test_cuda_graph_every_op():
             assert same(a, b), trial
 
 
-# ---- autograd: the in-place ops as torch's own (csrc/binding/autograd.cpp; torch's in-place ops the reference)
+# ---- autograd: the in-place ops as torch's own (csrc/binding/ops.cpp; torch's in-place ops the reference)
 
 
 def op_calls(t):
