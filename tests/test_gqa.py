@@ -128,7 +128,7 @@ def check_reduce(d, dv, with_dv, arch, h_k, g, partial_dtype, out_dtype, batch, 
                 assert_bits(out, want, name)
         return
     (buf_k, dk), (buf_v, dv_out) = (carve(lead + (h_k, w), out_dtype, layout, dev)
-                                    for w, layout in zip((d, dv), out_layouts))
+                                    for w, layout in zip((d, dv if with_dv else d), out_layouts))
     expect_k, expect_v = buf_k.clone(), buf_v.clone()
     gqa_reduce_reference(pk, pv, out=(same_view(expect_k, dk), same_view(expect_v, dv_out)), sequential=True, **kw)
     ret = call(dev, fe.gqa_reduce, pk, pv, out=(dk, dv_out) if with_dv else dk, _arch=arch, **kw)

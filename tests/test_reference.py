@@ -72,7 +72,7 @@ def test_sequence_bounds():
     ((0, 2, 64), (0, 2, 64), F16, 0, {"cu_seqlens": i32(0, 0)}, [(0, 0)]),
 ], ids=["fp16", "bf16", "d192-dv128", "d64-dv128", "d256-dv8", "seqused", "varlen", "varlen-seqused", "bad-metadata",
         "all-empty", "no-rows"])
-@pytest.mark.parametrize("heads_major", [False, True], ids=["", "heads-major"])
+@pytest.mark.parametrize("heads_major", [False, True], ids=["rows-major", "heads-major"])
 def test_store(shape_k, shape_v, dtype, seed, seq, bounds, heads_major):
     """Random accumulators into canary outputs: acc.to(dtype) on the rows of `bounds`, the canary on the others;
     heads_major: the outputs and dk_accum in (.., heads, rows, d) storage."""
