@@ -299,10 +299,14 @@ def _fake_of(name: str):
 
     def fake(*args, **kwargs) -> None:
         tensors = [(n, t) for n, t in (*zip(names, args), *kwargs.items()) if isinstance(t, torch.Tensor)]
-        ref = next(iter([nt for nt in tensors if nt[1].is_cuda] + [nt for nt in tensors if not nt[1].is_meta]), None)
-        for n, t in tensors if ref is not None else ():
-            if t.device != ref[1].device:
-                fail(name, f"{n}: device", f"{ref[1].device} (the device of {ref[0]})", t.device)
+        cuda = [(n, t) for n, t in tensors if t.is_cuda]
+        real = [(n, t) for n, t in tensors if not t.is_meta]
+        if not (cuda or real):
+            return
+        ref_name, ref = (cuda or real)[0]
+        for n, t in tensors:
+            if t.device != ref.device:
+                fail(name, f"{n}: device", f"{ref.device} (the device of {ref_name})", t.device)
 
     return fake
 

@@ -111,9 +111,8 @@ int64_t serving_head_dim(int64_t width) {
   }
   return 0;
 }
-constexpr int kBuiltHeadDims[] = {FLASH_EPILOGUE_HEAD_DIMS};
 bool head_dim_built(int64_t d) {
-  return std::count(std::begin(kBuiltHeadDims), std::end(kBuiltHeadDims), serving_head_dim(d)) > 0;
+  return std::count(std::begin(kFlashEpilogueHeadDims), std::end(kFlashEpilogueHeadDims), serving_head_dim(d)) > 0;
 }
 
 CompiledTileConfig const& tile_config(int64_t width, int arch) {  // the one serving head dims up to width
@@ -258,7 +257,7 @@ struct Checker {
     if (!head_dim_supported(d)) { fail(std::string(name) + ": head dim", "a multiple of 8 in [8, 256]", num(d)); }
     if (head_dim_built(d)) { return; }
     std::string built;  // "64;128": this build's, as FLASH_EPILOGUE_HEAD_DIMS spells them
-    for (int hd : kBuiltHeadDims) { built += (built.empty() ? "" : ";") + std::to_string(hd); }
+    for (int hd : kFlashEpilogueHeadDims) { built += (built.empty() ? "" : ";") + std::to_string(hd); }
     fail(std::string(name) + ": head dim",
          "a head dim this build has kernels for: " + num(d) + " runs on the tile of head dim " +
              num(serving_head_dim(d)) + ", which this build leaves out (FLASH_EPILOGUE_HEAD_DIMS=" + built +

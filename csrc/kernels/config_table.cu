@@ -12,7 +12,7 @@ std::vector<CompiledTileConfig> const& compiled_tile_configs() {
   static std::vector<CompiledTileConfig> const table = [] {
     std::vector<CompiledTileConfig> configs;
     // An entry's head_dim is its config's: a head dim HEADDIM_SWITCH lacked would show up as 64.
-    for (int head_dim : {FLASH_EPILOGUE_HEAD_DIMS}) {
+    for (int head_dim : kFlashEpilogueHeadDims) {
       for (int arch : {90, 80}) {
         configs.push_back(HEADDIM_SWITCH(head_dim, kHeadDim, [&] {
           return ARCH_SWITCH(arch, kArch, [&] {

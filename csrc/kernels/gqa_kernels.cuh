@@ -220,36 +220,31 @@ struct GqaAccumulateStreamKernel {
   }
 
   CUTLASS_DEVICE void operator()(Params const& params, char* smem) const {
+    Ring const ring(smem);
+    ring.run([&] { produce(params, ring); }, [&] { consume(params, ring); });
+  }
+
+  // Per tile, the accumulator tile, then the partials in head order.
+  CUTLASS_DEVICE void produce(Params const& params, Ring const& ring) const {
+    using namespace cute;
+    for (auto const& t : params.tensors) { prefetch_tma_descriptor(t.tma_load_in.get_tma_descriptor()); }
+    int load_index = 0;
+    for (int tile = blockIdx.x; tile < params.num_tiles; tile += gridDim.x) {
+      TileWork const work = decode(params, tile);
+      if (work.offset < 0) { continue; }
+      TensorParams const& t = params.tensors[work.tensor];
+      ring.load_bytes(t.accum.ptr + work.offset, t.accum.tile_elems * int(sizeof(float)), ring.acquire(load_index++));
+      for (int member = 0; member < params.group; ++member) {
+        int const stage = ring.acquire(load_index++);
+        ring.load_tile(t.tma_load_in, t.shape_in, work.head * params.group + member,
+                       params.cu_seqlens ? 0 : work.batch, work.seqlen_info.offset, work.n_block, stage);
+      }
+    }
+  }
+
+  CUTLASS_DEVICE void consume(Params const& params, Ring const& ring) const {
     using namespace cute;
     int const thread_idx = threadIdx.x;
-    int const warp_idx = __shfl_sync(0xffffffff, thread_idx / cutlass::NumThreadsPerWarp, 0);
-    Ring const ring(smem);
-    if (thread_idx == 0) { ring.init(); }
-    __syncthreads();  // the only CTA-wide barrier: the roles part here
-
-    if (warp_idx >= Ring::kNumConsumerWarps) {
-      // Producer: per tile, the accumulator tile, then the partials in head order.
-      cutlass::arch::warpgroup_reg_dealloc<Ring::kProducerRegisters>();
-      if (warp_idx == Ring::kNumConsumerWarps && cute::elect_one_sync()) {
-        for (auto const& t : params.tensors) { prefetch_tma_descriptor(t.tma_load_in.get_tma_descriptor()); }
-        int load_index = 0;
-        for (int tile = blockIdx.x; tile < params.num_tiles; tile += gridDim.x) {
-          TileWork const work = decode(params, tile);
-          if (work.offset < 0) { continue; }
-          TensorParams const& t = params.tensors[work.tensor];
-          ring.load_bytes(t.accum.ptr + work.offset, t.accum.tile_elems * int(sizeof(float)),
-                          ring.acquire(load_index++));
-          for (int member = 0; member < params.group; ++member) {
-            int const stage = ring.acquire(load_index++);
-            ring.load_tile(t.tma_load_in, t.shape_in, work.head * params.group + member,
-                           params.cu_seqlens ? 0 : work.batch, work.seqlen_info.offset, work.n_block, stage);
-          }
-        }
-      }
-      return;
-    }
-
-    cutlass::arch::warpgroup_reg_alloc<Ring::kConsumerRegisters>();
     typename Traits::TiledMma tiled_mma;
     auto thr_mma = tiled_mma.get_thread_slice(thread_idx);
     Tensor frag = partition_fragment_C(tiled_mma, typename Traits::FragmentTileShape{});

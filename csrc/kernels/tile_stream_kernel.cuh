@@ -86,14 +86,27 @@ struct StreamRing {
 
   CUTLASS_DEVICE ElementIn* stage_ptr(int stage) const { return stages + stage * kStageElems; }
 
-  // Thread 0, before the CTA-wide barrier that parts the roles.
-  CUTLASS_DEVICE void init() const {
+  // The CTA's roles, once thread 0 has set up the barriers: one thread of the producer warpgroup runs
+  // `produce` (the warpgroup's other registers go to the consumers), the consumer warpgroups `consume`.
+  template <class Produce, class Consume>
+  CUTLASS_DEVICE void run(Produce&& produce, Consume&& consume) const {
+    int const warp_idx = __shfl_sync(0xffffffff, threadIdx.x / cutlass::NumThreadsPerWarp, 0);
+    if (threadIdx.x == 0) {
 #pragma unroll
-    for (int s = 0; s < kStages; ++s) {
-      Barrier::init(&full[s], 1);
-      Barrier::init(&empty[s], kNumConsumerWarps);
+      for (int s = 0; s < kStages; ++s) {
+        Barrier::init(&full[s], 1);
+        Barrier::init(&empty[s], kNumConsumerWarps);
+      }
+      cutlass::arch::fence_barrier_init();
     }
-    cutlass::arch::fence_barrier_init();
+    __syncthreads();  // the only CTA-wide barrier: the roles part here
+    if (warp_idx >= kNumConsumerWarps) {
+      cutlass::arch::warpgroup_reg_dealloc<kProducerRegisters>();
+      if (warp_idx == kNumConsumerWarps && cute::elect_one_sync()) { produce(); }
+    } else {
+      cutlass::arch::warpgroup_reg_alloc<kConsumerRegisters>();
+      consume();
+    }
   }
 
   // Producer: `load_index`'s stage once every consumer warp released it (a fresh barrier passes parity 1).
@@ -198,37 +211,33 @@ struct TileStreamKernel {
   }
 
   CUTLASS_DEVICE void operator()(Params const& params, char* smem) const {
+    Ring const ring(smem);
+    ring.run([&] { produce(params, ring); }, [&] { consume(params, ring, smem); });
+  }
+
+  // Walks the consumers' tiles, skipping the same empty ones.
+  CUTLASS_DEVICE void produce(Params const& params, Ring const& ring) const {
+    using namespace cute;
+    for (int i = 0; i < params.num_tensors; ++i) {
+      prefetch_tma_descriptor(params.tensors[i].tma_load_in.get_tma_descriptor());
+    }
+    int load_index = 0;
+    for (int tile = blockIdx.x; tile < params.num_tiles; tile += gridDim.x) {
+      TileWork const work = decode(params, tile);
+      if (work.valid_rows <= 0) { continue; }
+      for (int member = 0; member < params.group; ++member, ++load_index) {
+        int const stage = ring.acquire(load_index);
+        TensorParams const& t = params.tensors[work.tensor];
+        ring.load_tile(t.tma_load_in, t.shape_in, work.head * params.group + member,
+                       t.epilogue.cu_seqlens ? 0 : work.batch, work.seqlen_info.offset, work.n_block, stage);
+      }
+    }
+  }
+
+  // Consumers: the collective's epilogue threads.
+  CUTLASS_DEVICE void consume(Params const& params, Ring const& ring, char* smem) const {
     using namespace cute;
     int const thread_idx = threadIdx.x;
-    int const warp_idx = __shfl_sync(0xffffffff, thread_idx / cutlass::NumThreadsPerWarp, 0);
-    Ring const ring(smem);
-    if (thread_idx == 0) { ring.init(); }
-    __syncthreads();  // the only CTA-wide barrier: the roles part here
-
-    if (warp_idx >= Ring::kNumConsumerWarps) {
-      // Producer: one thread walks the consumers' tiles, skipping the same empty ones.
-      cutlass::arch::warpgroup_reg_dealloc<Ring::kProducerRegisters>();
-      if (warp_idx == Ring::kNumConsumerWarps && cute::elect_one_sync()) {
-        for (int i = 0; i < params.num_tensors; ++i) {
-          prefetch_tma_descriptor(params.tensors[i].tma_load_in.get_tma_descriptor());
-        }
-        int load_index = 0;
-        for (int tile = blockIdx.x; tile < params.num_tiles; tile += gridDim.x) {
-          TileWork const work = decode(params, tile);
-          if (work.valid_rows <= 0) { continue; }
-          for (int member = 0; member < params.group; ++member, ++load_index) {
-            int const stage = ring.acquire(load_index);
-            TensorParams const& t = params.tensors[work.tensor];
-            ring.load_tile(t.tma_load_in, t.shape_in, work.head * params.group + member,
-                           t.epilogue.cu_seqlens ? 0 : work.batch, work.seqlen_info.offset, work.n_block, stage);
-          }
-        }
-      }
-      return;
-    }
-
-    // Consumers: the collective's epilogue threads.
-    cutlass::arch::warpgroup_reg_alloc<Ring::kConsumerRegisters>();
     if (thread_idx == 0) {
       for (int i = 0; i < params.num_tensors; ++i) { Epilogue::prefetch_tma_descriptors(params.tensors[i].epilogue); }
     }
