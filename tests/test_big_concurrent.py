@@ -14,17 +14,18 @@ import pytest
 import torch
 
 import flash_epilogue as fe
-from conftest import CANARY_BITS, bits, canary, cu_seqlens, cuda_graph, first_diff, generator, rand, same, same_view
+from conftest import CANARY_BITS, bits, canary, cuda_graph, first_diff, generator, int32, rand, same, same_view
 from flash_epilogue.reference import (gqa_accumulate_reference, gqa_reduce_reference, gqa_reduce_sequential_fp32,
                                       group_sum_reference, sequence_bounds, store_reference, store_zero_reference)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
-DEV, I32, BF16 = "cuda", torch.int32, torch.bfloat16
+DEV, BF16 = "cuda", torch.bfloat16
 INT32_ELEMS, CHUNK_ELEMS = 2**31, 2**28  # CHUNK_ELEMS: elements compared at a time
 native_sm80 = pytest.mark.parametrize("arch", (0, 80), ids=("native", "sm80"))
 
 
 def need_gib(gib: float):
+    torch.cuda.empty_cache()  # the memory an earlier test left cached counts as used
     free, _ = torch.cuda.mem_get_info()
     if free < gib * 2**30:
         pytest.skip(f"needs {gib:.0f} GiB of free GPU memory, {free / 2**30:.0f} GiB free")
@@ -39,13 +40,6 @@ def run_in_child(workload):
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and result.stdout.strip().endswith("OK"), (
         f"exit {result.returncode}\nstdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-3000:]}")
-
-
-@pytest.fixture(autouse=True)
-def _release_memory():
-    yield
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
 
 
 def row_mask(rows: int, bounds) -> torch.Tensor:
@@ -79,8 +73,7 @@ def varlen_big():
     """cu_seqlens and seqused over S_BIG rows: a short first sequence, two long ones, the last five rows a sequence
     of their own (the rows past 2^31 elements); seqused cuts two of them; and the mask of the valid rows."""
     first, half = 1000, S_BIG // 2
-    cu = torch.tensor([0, first, half, S_BIG - 5, S_BIG], dtype=I32, device=DEV)
-    used = torch.tensor([first, half - first - 3, (S_BIG - 5 - half) - 77, 5], dtype=I32, device=DEV)
+    cu, used = int32(0, first, half, S_BIG - 5, S_BIG), int32(first, half - first - 3, (S_BIG - 5 - half) - 77, 5)
     return cu, used, row_mask(S_BIG, sequence_bounds(4, S_BIG, cu, used))
 
 
@@ -103,22 +96,18 @@ def test_store_and_store_zero_beyond_int32(layout, arch):
         kw = {"cu_seqlens": cu, "seqused": used, "check_inputs": True}
         zero_kw = {"cu_seqlens": cu, "seqused": used, "head_idx": [0, H_BIG - 1], "row_start": 3}
     fe.store(acc_k, acc_v, dk, dv, _arch=arch, **kw)
-    torch.cuda.synchronize()
     row_dim, rows = dk.dim() - 3, dk.shape[dk.dim() - 3]
     for name, out, acc in (("dk", dk, acc_k), ("dv", dv, acc_v)):
         check_rows(name, out, lambda a, b: acc.narrow(row_dim, a, b - a).to(BF16), mask, row_dim)
-        assert bits(out[..., -1, -1, -1]) == bits(acc[..., -1, -1, -1].to(BF16))  # the very last element, explicitly
     acc_k = acc_v = acc = None  # freed: room for the store_zero references
     pairs = [(dk, dv)] + [(dk, torch.ones(1, S_BIG, H_BIG, 64, dtype=BF16, device=DEV))] * (layout == "batched")
     for zk, zv in pairs:  # batched: dv heads-major, then a contiguous dv of head dim 64
         ref_k, ref_v = zk.clone(), zv.clone()
         store_zero_reference(ref_k, ref_v, **zero_kw)
         fe.store_zero(zk, zv, _arch=arch, **zero_kw)
-        torch.cuda.synchronize()
         for name, got, want in (("dk", zk, ref_k), ("dv", zv, ref_v)):
             check_rows(name, got, lambda a, b: want.narrow(row_dim, a, b - a), None, row_dim)
-            assert (want == 0).sum().item() > 0
-            last = got.narrow(row_dim, rows - 1, 1)  # past 2^31 elements, explicitly
+            last = got.narrow(row_dim, rows - 1, 1)  # zeroed (and so the reference too), past 2^31 elements
             assert (last[..., 0, :] == 0).all() and (last[..., -1, :] == 0).all()
 
 
@@ -132,7 +121,6 @@ def test_gqa_reduce_beyond_int32(g, partial_dtype):
     pk = torch.randn(S_BIG, H_BIG, D_BIG, device=DEV).to(partial_dtype)
     out = canary((S_BIG, h_k, D_BIG))
     assert fe.gqa_reduce(pk, num_heads_kv=h_k, out=out, cu_seqlens=cu, seqused=used, scale_dk=0.125) is out
-    torch.cuda.synchronize()
     check_rows("dk", out, lambda a, b: gqa_reduce_sequential_fp32(pk[a:b], h_k, 0.125).to(BF16), mask, 0,
                row_elems=H_BIG * D_BIG)
 
@@ -146,10 +134,9 @@ def test_gqa_accumulate_beyond_int32(deterministic):
     pk, pv = torch.randn(1, s, h_k * g, d, device=DEV), torch.randn(1, s, h_k * g, dv_dim, device=DEV)
     acc = fe.gqa_accumulator(h_k, d, dv_dim, batch=1, seqlen=s, deterministic=deterministic, device=DEV)
     assert acc.dk_accum.numel() > INT32_ELEMS
-    fe.gqa_accumulate(pk, pv, acc, deterministic=deterministic, seqused=torch.tensor([s - 3], dtype=I32, device=DEV))
+    fe.gqa_accumulate(pk, pv, acc, deterministic=deterministic, seqused=int32(s - 3))
     dk, dv = canary((1, s, h_k, d)), canary((1, s, h_k, dv_dim))
     fe.gqa_postprocess(acc, dk, dv)  # every row: the accumulator holds zeros past seqused
-    torch.cuda.synchronize()
     del acc
     for name, out, p in (("dk", dk, pk), ("dv", dv, pv)):
         def rows(a, b):
@@ -169,7 +156,7 @@ def bad_metadata_call(op, cu, arch, check_inputs):
     unchanged outside `view`, and inside it on the rows of the sequences that lie in the tensor (want: their expected
     bits, None for no such rows)."""
     total, h_k, g, d = 300, 2, 2, 64 if op == "store_d64" else 128
-    cu_t, gen = torch.tensor(cu, dtype=I32, device=DEV), generator(3)
+    cu_t, gen = int32(*cu), generator(3)
     valid = 200 if cu[0] == 0 else 0  # rows of the sequences inside the tensor: [0, 100), [100, 200)
     kw = {"cu_seqlens": cu_t, "check_inputs": check_inputs}
     bufs = [canary((total + 8, h_k + 2, d + 8)) for _ in range(2)]
@@ -186,34 +173,27 @@ def bad_metadata_call(op, cu, arch, check_inputs):
         return outs[:1]
     # accumulators carved out of NaN buffers (contiguous views) so that writes past them show
     acc = fe.gqa_accumulator(h_k, d, cu_seqlens=cu_t, total_tokens=total, deterministic=True, device=DEV, arch=arch)
-    pads = []
-    for name in ("dk_accum", "dv_accum"):
-        t = getattr(acc, name)
-        buf = canary((t.numel() + 2048,), torch.float32)
-        view = buf[1024 : 1024 + t.numel()].view(t.shape).zero_()
-        pads.append((buf, view.view(-1), None))
-        acc = dataclasses.replace(acc, **{name: view})
-    if op == "gqa_accumulate":
+    pad_bufs = [canary((t.numel() + 2048,), torch.float32) for t in (acc.dk_accum, acc.dv_accum)]
+    views = [buf[1024:-1024].view(t.shape).zero_() for buf, t in zip(pad_bufs, (acc.dk_accum, acc.dv_accum))]
+    acc = dataclasses.replace(acc, dk_accum=views[0], dv_accum=views[1])
+    pads = [(buf, view.view(-1), None) for buf, view in zip(pad_bufs, views)]
+    if op == "gqa_accumulate" or not check_inputs:  # unchecked, the metadata under test fills the accumulator too
         fe.gqa_accumulate(p, p, acc, deterministic=True, **kw)
-        return pads
-    if not check_inputs:  # the metadata under test fills the accumulator too
-        fe.gqa_accumulate(p, p, acc, deterministic=True, cu_seqlens=cu_t, check_inputs=False)
     if op == "gqa_postprocess":
         fe.gqa_postprocess(acc, k, v, **kw)
         return pads + outs
-    dk_dense, _ = acc.to_dense(**kw)
-    torch.cuda.synchronize()
-    assert torch.equal(bits(dk_dense[:valid]), bits(want))
+    if op == "to_dense":
+        dk_dense, _ = acc.to_dense(**kw)
+        assert torch.equal(bits(dk_dense[:valid]), bits(want))
     return pads
 
 
 def bad_metadata_workload():
     """Every op of BAD_OPS with each of BAD_CU, content checks off, on both paths: canaries intact, the rows of the
-    sequences inside the tensor right, and the process healthy after (a later op works)."""
+    sequences inside the tensor right, and the process healthy after (a later op works). 32-bit sums of such entries
+    before the clamp would wrap: an illegal address, sticky (every later CUDA call fails)."""
     for cu, op, arch in itertools.product(BAD_CU, BAD_OPS, (0, 80)):
-        checks = bad_metadata_call(op, cu, arch, check_inputs=False)
-        torch.cuda.synchronize()
-        for buf, view, want in checks:
+        for buf, view, want in bad_metadata_call(op, cu, arch, check_inputs=False):
             if want is not None and len(want):
                 assert torch.equal(bits(view[: len(want)]), bits(want)), (op, cu, arch)
             got, fresh = buf.clone(), canary(buf.shape, buf.dtype)
@@ -223,14 +203,8 @@ def bad_metadata_workload():
     a = torch.ones(2, 64, 2, 128, device=DEV)
     dk = canary(a.shape)
     fe.store(a, a, dk, canary(a.shape))
-    torch.cuda.synchronize()
-    assert bool((dk == 1).all())
+    assert (dk == 1).all()
     print("OK")
-
-
-def test_unchecked_metadata_near_int32_limit():
-    # 32-bit sums of such entries before the clamp would wrap: an illegal address, sticky (every later CUDA call fails)
-    run_in_child(bad_metadata_workload)
 
 
 @pytest.mark.parametrize("cu", BAD_CU, ids=("past-the-end", "all-int32-max"))
@@ -250,62 +224,51 @@ def test_varlen_offsets_near_int32_limit(op, arch):
     # an fp32 input alone takes 64) are the least any op needs: store_zero's dk and dv, gqa_reduce's bf16 p and out
     need_gib(72)
     total, d, batch = 2**31 - 100, 8, 24
-    cu = torch.tensor([0, 1000] + [total - 2300 + 100 * k for k in range(batch - 2)] + [total], dtype=I32, device=DEV)
+    cu = int32(0, 1000, *[total - 2300 + 100 * k for k in range(batch - 2)], total)
     assert cu[-2].item() + (batch - 1) * 128 >= 2**31
-    used = torch.tensor([1000, 2**20] + [100 - 7 * (b % 3) for b in range(batch - 3)] + [2300 - 100 * (batch - 3)],
-                        dtype=I32, device=DEV)
-    outs = [canary((total, 1, d))]
+    used = int32(1000, 2**20, *[100 - 7 * (b % 3) for b in range(batch - 3)], 2300 - 100 * (batch - 3))
+    kw = {"cu_seqlens": cu, "seqused": used, "check_inputs": True, "_arch": arch}
+    bounds, outs = sequence_bounds(batch, total, cu, used), [canary((total, 1, d))]
     if op == "store_zero":
         outs.append(canary((total, 1, d)))
-        fe.store_zero(*outs, cu_seqlens=cu, seqused=used, row_start=3, check_inputs=True, _arch=arch)
-        bounds = [(s + 3, n - 3) for s, n in sequence_bounds(batch, total, cu, used)]
+        fe.store_zero(*outs, row_start=3, **kw)
+        bounds = [(s + 3, n - 3) for s, n in bounds]
         expected = lambda a, b: torch.zeros((b - a, 1, d), dtype=BF16, device=DEV)  # noqa: E731
     else:
         p = torch.randn((total, 1, d), dtype=BF16, device=DEV)
-        fe.gqa_reduce(p, num_heads_kv=1, out=outs[0], cu_seqlens=cu, seqused=used, scale_dk=0.5, check_inputs=True,
-                      _arch=arch)
-        bounds = sequence_bounds(batch, total, cu, used)
+        fe.gqa_reduce(p, num_heads_kv=1, out=outs[0], scale_dk=0.5, **kw)
         expected = lambda a, b: gqa_reduce_sequential_fp32(p[a:b], 1, 0.5).to(BF16)  # noqa: E731
-    torch.cuda.synchronize()
     mask = row_mask(total, bounds)
     assert mask[cu[-2].item() + 3 : cu[-2].item() + 6].all()  # rows of the last sequence, past the 32-bit wrap
     for name, out in zip(("dk", "dv"), outs):
         check_rows(name, out, expected, mask, 0)
 
 
-# 65535 heads: the one-CTA-per-tile grids hold them (the output tensor in gridDim.x, not in y)
-H_MAX = 65535
-
-
 @native_sm80
 @pytest.mark.parametrize("deterministic", (True, False), ids=("deterministic", "atomic"))
 def test_every_op_65535_heads(deterministic, arch):
-    # every op at d 128 and 64, 65535 query heads into 65535 KV heads (g = 1: 0 + p exactly, in either mode); the
-    # accumulate's mode follows the accumulator's
+    # the one-CTA-per-tile grids hold 65535 heads (the output tensor in gridDim.x, not in y): every op at d 128 and 64,
+    # 65535 query heads into 65535 KV heads (g = 1: 0 + p exactly in either mode, the accumulator's)
     need_gib(8)
     for d in (128, 64):
-        _, launches, check = every_op(d, generator(4), (2, 2), H_MAX, 1, arch, deterministic=deterministic)
+        _, launches, check = every_op(d, generator(4), (2, 2), 65535, 1, arch, deterministic=deterministic)
         for launch in launches:
             launch()
-        torch.cuda.synchronize()
         check(d)
 
 
 # concurrency: streams, a graph, host threads
-
-
 def every_op(d, gen, lead=(2, 300), h=4, g=2, arch=0, store_dtype=BF16, deterministic=True):
-    """Every op at head dim d on h KV heads of g query heads each, on gen's device (`arch`: the path; `store_dtype`:
-    the outputs of store, store_zero and the single-tensor gqa_reduce), as (acc, launches, check): the launches (one
-    function per op call, all but the bf16 gqa_reduce making no CUDA call before the op's own, repeat_kv's backward
-    on the autograd engine's device thread) accumulate into `acc` (reset it before running them again; atomic mode
-    is exact for g <= 2); check(*where) compares every output bitwise with its reference."""
+    """(acc, launches, check): every op at head dim d, h KV heads of g query heads each, on gen's device and path
+    `arch` (store_dtype: the outputs of store, store_zero, the one-tensor gqa_reduce). A launch is one op call (all but
+    the bf16 gqa_reduce make no CUDA call before the op's own; repeat_kv's backward runs on autograd's device thread),
+    accumulating into acc (reset it before a rerun; atomic is exact for g <= 2); check(*where) compares bitwise."""
     dev, (b, s) = gen.device, lead
     ak, av, pk, pv = (rand(lead + (n, d), gen) for n in (h, h, h * g, h * g))
     p16 = pk.to(BF16)
     x, grad = rand((b, h, s, d), gen, BF16).requires_grad_(), rand((b, h * g, s, d), gen, BF16)
     out = [canary(lead + (h, d), dt, dev) for dt in (store_dtype, store_dtype, BF16, BF16, store_dtype, BF16, BF16)]
-    sel = {"batch_idx": torch.tensor([1], dtype=I32, device=dev), "row_start": s // 2}  # a list: a CUDA copy first
+    sel = {"batch_idx": int32(1, device=dev), "row_start": s // 2}  # a list: a CUDA copy first
     acc = fe.gqa_accumulator(h, d, batch=b, seqlen=s, deterministic=deterministic, device=dev, arch=arch)
     got = {}
     launches = [lambda: fe.store(ak, av, out[0], out[1], _arch=arch),
@@ -348,8 +311,7 @@ def test_two_streams_then_a_graph():
     pk, pv = rand((b // 2, s, 4 * h, d), gen), rand((b // 2, s, 4 * h, d), gen)
     accs = [fe.gqa_accumulator(h, d, batch=b // 2, seqlen=s, device=DEV) for _ in range(2)]
     outs = [[canary((b, s, h, d)), canary((b, s, h, d)), canary((b, s // 2, h, d))] for _ in range(2)]
-    lens = [4000, 0, 5000, 7000]
-    cu, total = cu_seqlens(lens), sum(lens) + 11
+    cu, total = int32(0, 4000, 4000, 9000, 16000), 16011  # sequences of 4000, 0, 5000, 7000 tokens, 11 rows after
     chunks = [(rand((2, s, 16, d), gen), rand((2, s, 16, d), gen)) for _ in range(3)]
     chunks_c = [(rand((total, 16, 64), gen), rand((total, 16, 64), gen)) for _ in range(3)]
     det = [fe.gqa_accumulator(2, d, batch=2, seqlen=s, deterministic=True, device=DEV) for _ in range(2)]
@@ -360,12 +322,13 @@ def test_two_streams_then_a_graph():
         gqa_accumulate_reference(ck, cv, *ref, num_heads_kv=2)
         gqa_accumulate_reference(vk, vv, *ref_c, num_heads_kv=4, cu_seqlens=cu)
 
-    def step(acc, outs):
-        fe.store(ak, av, outs[0], outs[1])
-        fe.gqa_reduce(red, num_heads_kv=h, out=outs[2])
-        acc.reset()
-        fe.gqa_accumulate(pk, pv, acc)
-        return acc.to_dense()
+    def step(acc, outs, stream=None):  # None: the current stream
+        with torch.cuda.stream(stream):
+            fe.store(ak, av, outs[0], outs[1])
+            fe.gqa_reduce(red, num_heads_kv=h, out=outs[2])
+            acc.reset()
+            fe.gqa_accumulate(pk, pv, acc)
+            return acc.to_dense()
 
     def expected():  # of the current inputs: dk, dv, the reduced dk, the accumulators' dense dk and dv
         return [ak.to(BF16), av.to(BF16), gqa_reduce_reference(red, num_heads_kv=h, out_dtype=BF16, sequential=True),
@@ -378,15 +341,11 @@ def test_two_streams_then_a_graph():
     for _ in range(3):
         for st in streams:
             st.wait_stream(torch.cuda.current_stream())
-        dense = []
-        for st, acc, o in zip(streams, accs, outs):
-            with torch.cuda.stream(st):
-                dense.append(step(acc, o))
-        for acc, st, _, _ in jobs:
-            with torch.cuda.stream(st):
-                acc.reset()
+        dense = [step(acc, o, st) for st, acc, o in zip(streams, accs, outs)]
         for i, (acc, st, parts, kw) in itertools.product(range(3), jobs):
             with torch.cuda.stream(st):
+                if i == 0:
+                    acc.reset()
                 fe.gqa_accumulate(*parts[i], acc, **kw)
         for st in streams:
             torch.cuda.current_stream().wait_stream(st)
@@ -399,9 +358,8 @@ def test_two_streams_then_a_graph():
             assert all(same(x, w) for x, w in zip(acc.to_dense(**kw), r))
     graph, dense = cuda_graph(lambda: step(accs[0], outs[0]))
     for _ in range(3):
-        for t in (ak, av, pk, pv):
-            t.copy_(rand(t.shape, gen))
-        red.copy_(rand(red.shape, gen, dtype=BF16))
+        for t in (ak, av, pk, pv, red):
+            t.copy_(rand(t.shape, gen, dtype=t.dtype))
         graph.replay()
         assert all(same(got, w) for got, w in zip([*outs[0], *dense], expected()))
 
@@ -441,32 +399,28 @@ def test_host_threads_with_own_streams():
         with torch.cuda.stream(stream):
             acc, launches, check = every_op(d, generator(100 + d), lead=(2, 1000))
             barrier.wait()
-            for _ in range(10):
-                acc.reset()
-                for launch in launches:
-                    launch()
+            for launch in [acc.reset, *launches] * 10:
+                launch()
             stream.synchronize()
         return check
 
     with ThreadPoolExecutor(4) as pool:  # four threads: each task waits at the barrier for the others
-        checks = [f.result(timeout=120) for f in [pool.submit(worker, d) for d in (64, 96, 128, 256)]]
-    torch.cuda.synchronize()
-    for d, check in zip((64, 96, 128, 256), checks):
-        check(d)
+        for d, check in zip((64, 96, 128, 256), pool.map(worker, (64, 96, 128, 256), timeout=120)):
+            check(d)
 
 
-def fresh_thread_workload():  # every op from a host thread that made no CUDA call (no current CUDA context)
+def fresh_thread_workload():
+    """Every op from a host thread that made no CUDA call: without a current CUDA context (c10's device guard binds
+    none when the index already matches) the TMA descriptor encode failed and the process crashed."""
     _, launches, check = every_op(128, generator(7))
-    torch.cuda.synchronize()
-    for launch in launches:
+    for launch in launches:  # all on the default stream, in order
         with ThreadPoolExecutor(1) as pool:  # a new host thread for each op
             pool.submit(launch).result()
-    torch.cuda.synchronize()
     check()
     print("OK")
 
 
-def test_every_op_from_a_fresh_thread():
-    # a host thread without a current CUDA context (c10's device guard binds none when the index already matches)
-    # made the TMA descriptor encode fail and the process crash
-    run_in_child(fresh_thread_workload)
+@pytest.mark.parametrize("workload", (bad_metadata_workload, fresh_thread_workload),
+                         ids=("unchecked-metadata-near-int32-limit", "every-op-from-a-fresh-thread"))
+def test_in_a_fresh_process(workload):
+    run_in_child(workload)

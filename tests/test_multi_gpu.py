@@ -1,8 +1,7 @@
-"""Two GPUs (skipped unless two sm_90 devices): every op on both paths on cuda:1 tensors, cuda:0 current, gives the
-reference's results on device 1's *current* stream, a side stream that first sleeps, then copies the real inputs over
-zeroed ones (an op launched on any other stream would read the zeros); hdim 96 and 80 (the raised dynamic
-shared-memory limit, an attribute set per device) work on device 1 first in a fresh process.
-"""
+"""Two sm_90 GPUs: every op on both paths on cuda:1 tensors, cuda:0 current, gives the reference's results on device
+1's *current* stream, a side stream that first sleeps, then copies the real inputs over zeroed ones (an op launched on
+any other stream would read the zeros); hdim 96 and 80 (the raised dynamic shared-memory limit, an attribute set per
+device) work on device 1 first in a fresh process."""
 import itertools
 
 import pytest
@@ -10,12 +9,12 @@ import torch
 
 import conftest
 import flash_epilogue as fe
-from conftest import HAVE_SM90, arch_param, generator, same
+from conftest import HAVE_SM90, arch_param, generator, int32, same
 from flash_epilogue.reference import (gqa_accumulate_reference, gqa_reduce_reference, store_reference,
                                       store_zero_reference)
 from test_big_concurrent import every_op, run_in_child
 
-I32, BF16, F16 = torch.int32, torch.bfloat16, torch.float16
+BF16, F16 = torch.bfloat16, torch.float16
 SLEEP_CYCLES = 200_000_000  # ~100 ms at the H200's clock: far longer than enqueueing one op
 D0, D1 = torch.device("cuda", 0), torch.device("cuda", 1)
 _OK = HAVE_SM90 and torch.cuda.device_count() >= 2 and torch.cuda.get_device_capability(1) == (9, 0)
@@ -27,10 +26,9 @@ def rand(shape, seed, dtype=torch.float32):
 
 
 def run_on_device1(call, real, outputs=()):
-    """call(*inputs) with cuda:0 current while device 1's current stream is a side stream that first sleeps, then
-    copies `real` into `inputs` (zeroed cuda:1 tensors); returns call()'s result once that stream has finished. A
-    warm-up run with a short sleep first loads every kernel involved on device 1 (lazy module loading can wait for
-    work already running); inputs and `outputs` are restored after it."""
+    """call(*inputs) with cuda:0 current and device 1's current stream a side stream that first sleeps, then copies
+    `real` into `inputs` (zeroed cuda:1 tensors); returns its result once that stream finished. A warm-up run (short
+    sleep) first loads every kernel on device 1 (lazy loading can wait for running work); inputs, outputs restored."""
     inputs = [torch.zeros_like(r) for r in real]
     before = [o.clone() for o in outputs]
     for sleep in (1000, SLEEP_CYCLES):
@@ -66,7 +64,7 @@ def run_on_device1(call, real, outputs=()):
 
 @arch_param
 def test_store_and_store_zero_on_device1(arch):
-    ak, av, used = rand((2, 300, 3, 128), 1), rand((2, 300, 3, 64), 2), torch.tensor([300, 131], dtype=I32, device=D1)
+    ak, av, used = rand((2, 300, 3, 128), 1), rand((2, 300, 3, 64), 2), int32(300, 131, device=D1)
     dk = torch.zeros(2, 300, 3, 128, dtype=BF16, device=D1)
     dv = torch.zeros(2, 3, 300, 64, dtype=BF16, device=D1).transpose(1, 2)
     run_on_device1(lambda k, v: fe.store(k, v, dk, dv, seqused=used, _arch=arch), (ak, av), (dk, dv))
@@ -75,13 +73,12 @@ def test_store_and_store_zero_on_device1(arch):
     assert same(dk, want_k) and same(dv, want_v)
     # store_zero: the selection tensor is the staged input here (0 before the copy: another batch)
     run_on_device1(lambda idx: fe.store_zero(dk, dv, seqused=used, batch_idx=idx, row_start=100, _arch=arch),
-                   (torch.tensor([1], dtype=I32, device=D1),), (dk, dv))
+                   (int32(1, device=D1),), (dk, dv))
     store_zero_reference(want_k, want_v, seqused=used, batch_idx=[1], row_start=100)
     assert same(dk, want_k) and same(dv, want_v)
-    cu = torch.tensor([0, 129, 129, 400], dtype=I32, device=D1)
+    cu, heads = int32(0, 129, 129, 400, device=D1), int32(1, device=D1)  # heads: a list would be copied with a sync
     ak, av = rand((410, 2, 96), 3), rand((410, 2, 96), 4)
     vk, vv = torch.zeros(410, 2, 96, dtype=F16, device=D1), torch.zeros(410, 2, 96, dtype=F16, device=D1)
-    heads = torch.tensor([1], dtype=I32, device=D1)  # (a list would be copied to the device with a sync)
     run_on_device1(lambda k, v: (fe.store(k, v, vk, vv, cu_seqlens=cu, _arch=arch),
                                  fe.store_zero(vk, vv, cu_seqlens=cu, head_idx=heads, row_end=64, _arch=arch)),
                    (ak, av), (vk, vv))
@@ -96,9 +93,8 @@ def test_store_and_store_zero_on_device1(arch):
 def test_gqa_ops_and_repeat_kv_on_device1(arch, deterministic):
     hk, g, d, b, s = 2, 4, 128, 2, 300
     pk_real, pv_real = rand((b, s, hk * g, d), 5), rand((b, s, hk * g, d), 6)
-    used = torch.tensor([s, 150], dtype=I32, device=D1)
+    used = int32(s, 150, device=D1)
     acc = fe.gqa_accumulator(hk, d, batch=b, seqlen=s, deterministic=deterministic, device=D1, arch=arch)
-    assert acc.device == D1
     ok, ov = (torch.zeros(b, s, hk, d, dtype=BF16, device=D1) for _ in range(2))
     x_real, gy_real = rand((2, 2, 300, 128), 7, BF16), rand((2, 8, 300, 128), 8, BF16)
 
@@ -124,11 +120,9 @@ def test_gqa_ops_and_repeat_kv_on_device1(arch, deterministic):
         gqa_accumulate_reference(pk_real.abs(), pv_real.abs(), *mag, num_heads_kv=hk, seqused=used, sequential=False)
         for got, want, m in zip((dense_k, dense_v), ref, mag):
             assert ((got.double() - want.double()).abs() <= 2 * g * 2.0**-24 * m).all()
-    for got, p in ((rk, pk_real), (rv, pv_real)):
-        want = torch.zeros_like(got)
-        gqa_reduce_reference(p, num_heads_kv=hk, out=want, sequential=True)
-        assert got.device == D1 and same(got, want)
-    assert y.device == gx.device == D1
+    want = gqa_reduce_reference(pk_real, pv_real, num_heads_kv=hk, out_dtype=F16, sequential=True)
+    assert same(rk, want[0]) and same(rv, want[1])
+    assert acc.device == rk.device == rv.device == y.device == gx.device == D1
     assert same(y, x_real.repeat_interleave(4, dim=1))
     # repeat_kv's backward: the sequential fp32 group sum, rounded once
     want = gqa_reduce_reference(gy_real.transpose(1, 2), num_heads_kv=2, out_dtype=BF16, sequential=True)
@@ -136,8 +130,6 @@ def test_gqa_ops_and_repeat_kv_on_device1(arch, deterministic):
 
 
 def hdim_80_96_workload():
-    """Every op at hdim 96 and 80 on device 1 first (its shared-memory attributes set before device 0's), cuda:0
-    current throughout."""
     torch.cuda.set_device(0)
     for dev, arch, d in itertools.product((1, 0), (0, 80), (96, 80)):
         _, launches, check = every_op(d, generator(d + arch, torch.device("cuda", dev)), lead=(2, 200), h=2, g=3,
@@ -145,7 +137,6 @@ def hdim_80_96_workload():
         for launch in launches:
             launch()
         assert torch.cuda.current_device() == 0
-        torch.cuda.synchronize(dev)
         check(dev, arch, d)
     print("OK")
 
