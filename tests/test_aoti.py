@@ -40,7 +40,7 @@ def in_fresh_process(pkg, tmp_path, inputs="-"):
 
 
 def test_a_package_of_every_op_runs_as_eager(device, tmp_path):
-    t, acc = make_problem(device)
+    t, acc, _ = make_problem(device)
     pkg = package(every_op, problem_args(*clone_problem(t, acc)), tmp_path / "every_op.pt2")
     eager = problem_args(*clone_problem(t, acc))
     want = every_op(*eager)

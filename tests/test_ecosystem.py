@@ -100,17 +100,12 @@ def device(request):
 
 
 def make_problem(device, seed=0):
-    """The tensors of a small problem and its accumulator: batched and varlen store/store_zero, batched and varlen GQA
-    accumulator problems (the varlen accumulator: varlen_accumulator), varlen 16-bit gqa_reduce partials (dv != d), and
-    a repeat_kv input."""
+    """The tensors of a small problem, its batched and varlen accumulators (tile offsets from cu_seqlens): batched and
+    varlen store/store_zero and GQA accumulator problems, varlen 16-bit gqa_reduce partials (dv != d), a repeat_kv
+    input."""
     gen = torch.Generator(device=device).manual_seed(seed)
-
-    def rnd(*shape, dtype=torch.float32):
-        return rand(shape, gen, dtype, binades=6)
-
-    def zeros(*shape, dtype=BF16):
-        return torch.zeros(shape, dtype=dtype, device=device)
-
+    rnd = lambda *shape, dtype=torch.float32: rand(shape, gen, dtype, binades=6)  # noqa: E731
+    zeros = lambda *shape, dtype=BF16: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
     b, s, hk, g, d, dv = 2, 150, 2, 3, 64, 128
     lens = [100, 0, 37, 129]
     total = sum(lens) + 5
@@ -130,13 +125,7 @@ def make_problem(device, seed=0):
         "vpk": rnd(total, hk * g, d), "vok": zeros(total, hk, d, dtype=F16), "vov": zeros(total, hk, d, dtype=F16),
     }
     acc = fe.gqa_accumulator(hk, d, dv, batch=b, seqlen=s, deterministic=True, device=device)
-    return t, acc
-
-
-def varlen_accumulator(t):
-    """The varlen accumulator of make_problem's tensors (its tile offsets come from cu_seqlens)."""
-    return fe.gqa_accumulator(t["vpk"].shape[1] // 3, t["vpk"].shape[2], cu_seqlens=t["cu"],
-                              total_tokens=t["vpk"].shape[0], deterministic=True)
+    return t, acc, fe.gqa_accumulator(hk, d, cu_seqlens=t["cu"], total_tokens=total, deterministic=True)
 
 
 def clone_problem(*trees):
@@ -221,8 +210,7 @@ def test_compile_fullgraph_every_op(device, api):
     fn, args = COMPILED[api]
     compiled = torch.compile(fn, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")
     for seed in (0, 1):  # the second call reuses the compiled graph on new data
-        t, acc = make_problem(device, seed)
-        vacc = varlen_accumulator(t)
+        t, acc, vacc = make_problem(device, seed)
         t2, acc2, vacc2 = clone_problem(t, acc, vacc)
         assert_same((compiled(*args(t, acc, vacc)), t, acc, vacc), (fn(*args(t2, acc2, vacc2)), t2, acc2, vacc2))
         assert (bits(t["ok"]) != 0).any() and (bits(t["rk"]) != 0).any()
@@ -312,8 +300,7 @@ def test_cuda_graph_every_op():
     # every op captured once; each replay, on new contents of every static input (the sequence metadata and index
     # selections included) and canary-filled outputs, writes what an eager run of the same calls on copies does
     gen = generator(12)
-    t, acc = make_problem("cuda", 12)
-    vacc = varlen_accumulator(t)
+    t, acc, vacc = make_problem("cuda", 12)
     graph, out = cuda_graph(lambda: every_wrapper(t, acc, vacc))
     for trial in range(3):
         with torch.no_grad():
@@ -357,7 +344,7 @@ CALLS = {
 
 def autograd_problem(device):
     """make_problem's tensors, the accumulator's among them as acck/accv/sem."""
-    t, acc = make_problem(device)
+    t, acc, _ = make_problem(device)
     return t | {"acck": acc.dk_accum, "accv": acc.dv_accum, "sem": acc.semaphores}
 
 
