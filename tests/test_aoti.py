@@ -1,7 +1,6 @@
-"""AOTInductor: a package of every op (test_ecosystem.every_op, repeat_kv and repeat_kv_backward) gives bitwise
-eager's results (outputs and every tensor it writes) in this process and in a fresh one that imports flash_epilogue
-(which registers the ops) before loading it. On the CPU the stand-in kernels serve only this process's ops, so the
-fresh process only loads the package there.
+"""AOTInductor: a package of every op (test_ecosystem.every_op) gives bitwise eager's results (outputs and every tensor
+it writes) in this process and in a fresh one that imports flash_epilogue (which registers the ops) before loading it.
+On the CPU the stand-in kernels serve only this process's ops, so the fresh process only loads the package there.
 
 A package is first loaded in a fresh process: a broken one kills the loading process. Where a package of `a + 1` (no
 flash_epilogue op) fails to load too, the compiler AOTInductor used is at fault (docs/semantics.md: a C++ compiler that
@@ -10,14 +9,12 @@ links libstdc++ statically gives model libraries whose std::regex crashes beside
 import subprocess
 import sys
 import textwrap
-from types import SimpleNamespace
 
 import pytest
 import torch
 
-from conftest import same
 from test_ecosystem import cpu_kernels, device as device  # noqa: F401 (fixtures: the device, its CPU stand-in kernels)
-from test_ecosystem import OPS, assert_same_problem, clone_problem, every_op, make_problem
+from test_ecosystem import Module, assert_same, clone_problem, every_op, make_problem, problem_args
 
 LOAD = textwrap.dedent("""
     import sys
@@ -31,26 +28,9 @@ LOAD = textwrap.dedent("""
 """)
 
 
-class EveryOp(torch.nn.Module):
-    def __init__(self, d: int):
-        super().__init__()
-        self.d = d
-
-    def forward(self, t, dk_accum, dv_accum, semaphores):
-        dense, ok = every_op(t, dk_accum, dv_accum, semaphores, self.d)
-        y = OPS.repeat_kv(t["x"], 3, 1)
-        gx = OPS.repeat_kv_backward(y * 2, 3, 1, [0, 2, 1])
-        return dense, ok, y, gx
-
-
-class AddOne(torch.nn.Module):
-    def forward(self, a):
-        return a + 1
-
-
-def package(module, args, path) -> str:
+def package(fn, args, path) -> str:
     torch._dynamo.reset()
-    return torch._inductor.aoti_compile_and_package(torch.export.export(module, args), package_path=str(path))
+    return torch._inductor.aoti_compile_and_package(torch.export.export(Module(fn), args), package_path=str(path))
 
 
 def in_fresh_process(pkg, tmp_path, inputs="-"):
@@ -59,24 +39,19 @@ def in_fresh_process(pkg, tmp_path, inputs="-"):
                           capture_output=True, text=True, timeout=600)
 
 
-def problem_args(t, acc):
-    return t, acc.dk_accum, acc.dv_accum, acc.semaphores
-
-
 def test_a_package_of_every_op_runs_as_eager(device, tmp_path):
-    t, acc, sizes = make_problem(device)
-    module = EveryOp(sizes["d"])
-    pkg = package(module, problem_args(*clone_problem(t, acc)), tmp_path / "every_op.pt2")
-    t_eager, acc_eager = clone_problem(t, acc)
-    want = module(*problem_args(t_eager, acc_eager))
+    t, acc, _ = make_problem(device)
+    pkg = package(every_op, problem_args(*clone_problem(t, acc)), tmp_path / "every_op.pt2")
+    eager = problem_args(*clone_problem(t, acc))
+    want = every_op(*eager)
 
     inputs = str(tmp_path / "inputs.pt") if device == "cuda" else "-"
     if device == "cuda":
         torch.save(problem_args(*clone_problem(t, acc)), inputs)
     proc = in_fresh_process(pkg, tmp_path, inputs)
     if proc.returncode != 0:  # skip where a package of `a + 1` cannot load either (the environment's fault)
-        add_one = in_fresh_process(package(AddOne(), (torch.arange(4.0, device=device),), tmp_path / "add_one.pt2"),
-                                   tmp_path)
+        add_one = package(lambda a: a + 1, (torch.arange(4.0, device=device),), tmp_path / "add_one.pt2")
+        add_one = in_fresh_process(add_one, tmp_path)
         if add_one.returncode != 0:
             pytest.skip(f"AOTInductor cannot load a package of `a + 1` (no flash_epilogue op) on {device} here: exit "
                         f"code {add_one.returncode} with C++ compiler {torch._inductor.config.cpp.cxx[1]} "
@@ -85,6 +60,5 @@ def test_a_package_of_every_op_runs_as_eager(device, tmp_path):
     runs = [torch.load(tmp_path / "outputs.pt")] if device == "cuda" else []  # (outputs, the arguments after)
     args = problem_args(*clone_problem(t, acc))
     runs.append((torch._inductor.aoti_load_package(pkg)(*args), args))
-    for got, (t_got, dk_accum, dv_accum, _) in runs:
-        assert len(got) == len(want) and all(same(g, w) for g, w in zip(got, want))
-        assert_same_problem(t_got, SimpleNamespace(dk_accum=dk_accum, dv_accum=dv_accum), t_eager, acc_eager)
+    for got in runs:
+        assert_same(got, (want, eager))

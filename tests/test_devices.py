@@ -7,30 +7,11 @@ import pytest
 import torch
 
 import flash_epilogue as fe
-from conftest import HAVE_SM90, same
-from test_ecosystem import make_problem
+from conftest import HAVE_SM90
+from test_ecosystem import CALLS, assert_same, autograd_problem, clone_problem, op_call
 
 pytestmark = pytest.mark.skipif(not fe.kernels_available(), reason=f"no extension: {fe.UNAVAILABLE_REASON}")
-OPS = torch.ops.flash_epilogue
 DEVICE = "cuda" if HAVE_SM90 else "cpu"  # the problem's
-
-
-def calls(t, acc, sizes):
-    """(op, kwargs by schema name) of every op through torch.ops.flash_epilogue on test_ecosystem's problem: each
-    tensor argument of each schema given at least once."""
-    table = [
-        ("store", (t["ak"], t["av"], t["dk"], t["dv"]), {"seqused": t["used"]}),
-        ("store", (t["vak"], t["vav"], t["vdk"], t["vdv"]), {"cu_seqlens": t["cu"], "seqused": t["vused"]}),
-        ("store_zero", (t["vdk"], t["vdv"]), {"cu_seqlens": t["cu"], "seqused": t["vused"], "batch_idx": t["bidx"],
-                                              "head_idx": t["hidx"]}),
-        ("gqa_accumulate", (t["pk"], t["pv"], acc.dk_accum, acc.dv_accum, acc.semaphores),
-         {"seqused": t["used"], "deterministic": True}),
-        ("gqa_postprocess", (acc.dk_accum, acc.dv_accum, t["ok"], t["ov"]), {"seqused": t["used"]}),
-        ("gqa_accum_to_dense", (acc.dk_accum, t["dense"]), {"head_dim": max(sizes["d"], sizes["dv"])}),
-        ("gqa_reduce", (t["rpk"], t["rpv"], t["rk"], t["rv"]), {"cu_seqlens": t["cu"], "seqused": t["vused"]}),
-    ]
-    return [(op, dict(zip((a.name for a in getattr(OPS, op).default._schema.arguments), args)) | kwargs)
-            for op, args, kwargs in table]
 
 
 def on(device, t):
@@ -42,24 +23,23 @@ def on(device, t):
 def test_a_tensor_on_another_device_is_refused_naming_both(other):
     if DEVICE == other:
         pytest.skip("needs an sm_90 GPU: the problem is on the CPU here")
-    t, acc, sizes = make_problem(DEVICE)
-    everything = [*t.values(), acc.dk_accum, acc.dv_accum, acc.semaphores]
-    before = [x.clone() for x in everything]
-    for op, kwargs in calls(t, acc, sizes):
+    t = autograd_problem(DEVICE)
+    before = clone_problem(t)[0]
+    for case in CALLS:
+        op, kwargs, _, _ = op_call(case, t)
         tensors = [name for name, v in kwargs.items() if isinstance(v, torch.Tensor)]
         for name in tensors:
             ref = next(n for n in tensors if n != name)  # the expected device: the first other tensor's
-            want = rf"flash_epilogue\.{op}: {name}: device: expected {DEVICE}(:0)? \(the device of {ref}\), got {other}"
-            with pytest.raises(ValueError, match=want):
-                getattr(OPS, op)(**kwargs | {name: on(other, kwargs[name])})
+            want = rf"flash_epilogue\.{op.__name__}: {name}: device: expected {DEVICE}(:0)? \(the device of {ref}\)"
+            with pytest.raises(ValueError, match=f"{want}, got {other}"):
+                op(**kwargs | {name: on(other, kwargs[name])})
     if DEVICE == "cuda":
         torch.cuda.synchronize()
-    for x, y in zip(everything, before):
-        assert same(x, y)  # nothing written
+    assert_same(t, before)  # nothing written
 
 
 def test_the_wrappers_raise_the_package_error():
-    t, acc, _ = make_problem(DEVICE)
+    t = autograd_problem(DEVICE)
     with pytest.raises(fe.FlashEpilogueInputError, match=rf"flash_epilogue\.store: dv: device: expected {DEVICE}"
                        rf"(:0)? \(the device of dk_accum\), got meta"):
         fe.store(t["ak"], t["av"], t["dk"], on("meta", t["dv"]))
@@ -69,10 +49,10 @@ def test_the_wrappers_raise_the_package_error():
 
 
 def test_all_meta_calls_run_the_fake_kernels():
-    t, acc, sizes = make_problem("cpu")
-    for op, kwargs in calls(t, acc, sizes):
-        assert getattr(OPS, op)(**{k: on("meta", v) if isinstance(v, torch.Tensor) else v
-                                   for k, v in kwargs.items()}) is None
+    t = autograd_problem("cpu")
+    for case in CALLS:
+        op, kwargs, _, _ = op_call(case, t)
+        assert op(**{k: on("meta", v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}) is None
     x = torch.empty(2, 2, 8, 64, device="meta")
     assert fe.repeat_kv(x, 3).shape == (2, 6, 8, 64) and fe.repeat_kv(x, 3).device.type == "meta"
     assert fe.gqa_reduce(on("meta", t["rpk"]), num_heads_kv=2).device.type == "meta"

@@ -12,7 +12,7 @@ import torch
 import torch.utils._pytree as pytree
 
 import flash_epilogue as fe
-from conftest import CANARY_BITS, bits, cuda_graph, generator, int32, rand, same
+from conftest import CANARY_BITS, bits, cu_seqlens, cuda_graph, generator, int32, rand, same
 from flash_epilogue.reference import (
     gqa_accumulate_reference,
     gqa_reduce_reference,
@@ -100,17 +100,12 @@ def device(request):
 
 
 def make_problem(device, seed=0):
-    """The tensors of a small problem: batched and varlen store/store_zero, batched and varlen GQA accumulator
-    problems (the varlen accumulator: varlen_accumulator), varlen 16-bit gqa_reduce partials (dv != d), and a repeat_kv
+    """The tensors of a small problem, its batched and varlen accumulators (tile offsets from cu_seqlens): batched and
+    varlen store/store_zero and GQA accumulator problems, varlen 16-bit gqa_reduce partials (dv != d), a repeat_kv
     input."""
     gen = torch.Generator(device=device).manual_seed(seed)
-
-    def rnd(*shape, dtype=torch.float32):
-        return rand(shape, gen, dtype, binades=6)
-
-    def zeros(*shape, dtype=BF16):
-        return torch.zeros(shape, dtype=dtype, device=device)
-
+    rnd = lambda *shape, dtype=torch.float32: rand(shape, gen, dtype, binades=6)  # noqa: E731
+    zeros = lambda *shape, dtype=BF16: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
     b, s, hk, g, d, dv = 2, 150, 2, 3, 64, 128
     lens = [100, 0, 37, 129]
     total = sum(lens) + 5
@@ -119,7 +114,7 @@ def make_problem(device, seed=0):
         "used": int32(s, 77 - seed, device=device),
         "vak": rnd(total, hk, d), "vav": rnd(total, hk, d),
         "vdk": zeros(total, hk, d, dtype=F16), "vdv": zeros(hk, total, d, dtype=F16).transpose(0, 1),
-        "cu": torch.tensor([0] + lens, dtype=I32).cumsum(0, dtype=I32).to(device),
+        "cu": cu_seqlens(lens, device),
         "vused": int32(90, 0, 37, 100, device=device),
         "bidx": int32(0, 3, device=device), "hidx": int32(1, device=device),
         "pk": rnd(b, s, hk * g, d), "pv": rnd(b, s, hk * g, dv),
@@ -130,30 +125,49 @@ def make_problem(device, seed=0):
         "vpk": rnd(total, hk * g, d), "vok": zeros(total, hk, d, dtype=F16), "vov": zeros(total, hk, d, dtype=F16),
     }
     acc = fe.gqa_accumulator(hk, d, dv, batch=b, seqlen=s, deterministic=True, device=device)
-    return t, acc, {"hk": hk, "g": g, "d": d, "dv": dv}
+    return t, acc, fe.gqa_accumulator(hk, d, cu_seqlens=t["cu"], total_tokens=total, deterministic=True)
 
 
-def varlen_accumulator(t):
-    """The varlen accumulator of make_problem's tensors (its tile offsets come from cu_seqlens)."""
-    return fe.gqa_accumulator(t["vpk"].shape[1] // 3, t["vpk"].shape[2], cu_seqlens=t["cu"],
-                              total_tokens=t["vpk"].shape[0], deterministic=True)
+def clone_problem(*trees):
+    """Copies of problems, accumulators, outputs (clone keeps the strides of dense tensors)."""
+    return pytree.tree_map(torch.clone, trees)
 
 
-def clone_problem(t, *accs):
-    """Copies of t and of the accumulators (clone keeps the strides of dense tensors)."""
-    return pytree.tree_map(torch.clone, (t, *accs))
+def assert_same(got, want, *context):
+    """Every tensor of two pytrees (problems, accumulators, outputs) bitwise equal."""
+    got, want = pytree.tree_leaves_with_path(got), pytree.tree_leaves(want)
+    assert len(got) == len(want)
+    for (path, a), b in zip(got, want):
+        assert same(a, b), (pytree.keystr(path), *context)
+
+
+def problem_args(t, acc):
+    return t, acc.dk_accum, acc.dv_accum, acc.semaphores
+
+
+class Module(torch.nn.Module):
+    """fn as a module (torch.export takes modules)."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args):
+        return self.fn(*args)
 
 
 def stores(api, t):
-    """store batched and varlen, store_zero with selections and a row range, through `api` (the ops or fe)."""
+    """store batched and varlen, store_zero with selections and a row range, through `api` (the ops or fe); returns
+    sums of what they wrote."""
     api.store(t["ak"], t["av"], t["dk"], t["dv"], seqused=t["used"])
     api.store(t["vak"], t["vav"], t["vdk"], t["vdv"], cu_seqlens=t["cu"], seqused=t["vused"])
     api.store_zero(t["vdk"], t["vdv"], cu_seqlens=t["cu"], seqused=t["vused"], batch_idx=t["bidx"],
                    head_idx=t["hidx"], row_start=3, row_end=60)
     api.store_zero(t["dk"], t["dv"], seqused=t["used"], batch_idx=t["bidx"], row_start=140)
+    return t["dk"].float().sum(), t["vdk"].float().sum()
 
 
-def every_op(t, dk_accum, dv_accum, semaphores, d: int):
+def every_op(t, dk_accum, dv_accum, semaphores):
     """Every op through torch.ops.flash_epilogue.* (no Python wrapper)."""
     stores(OPS, t)
     dk_accum.zero_()
@@ -161,9 +175,11 @@ def every_op(t, dk_accum, dv_accum, semaphores, d: int):
     OPS.gqa_accumulate(t["pk"], t["pv"], dk_accum, dv_accum, semaphores, deterministic=True)
     OPS.gqa_accumulate(t["pk"] * 0.5, t["pv"], dk_accum, dv_accum, semaphores, seqused=t["used"], deterministic=True)
     OPS.gqa_postprocess(dk_accum, dv_accum, t["ok"], t["ov"], scale_dk=0.125, scale_dv=3.0)
-    OPS.gqa_accum_to_dense(dk_accum, t["dense"], head_dim=max(d, t["ov"].shape[-1]))
+    OPS.gqa_accum_to_dense(dk_accum, t["dense"], head_dim=max(t["ok"].shape[-1], t["ov"].shape[-1]))
     OPS.gqa_reduce(t["rpk"], t["rpv"], t["rk"], t["rv"], cu_seqlens=t["cu"], seqused=t["vused"], scale_dk=0.25)
-    return t["dense"] * 2, t["ok"].float()  # exact elementwise results (a reduction's order could differ)
+    y = OPS.repeat_kv(t["x"], 3, 1)
+    # exact elementwise results (a reduction's order could differ)
+    return t["dense"] * 2, t["ok"].float(), y, OPS.repeat_kv_backward(y * 2, 3, 1, [0, 2, 1])
 
 
 def every_wrapper(t, acc, vacc):
@@ -183,15 +199,9 @@ def every_wrapper(t, acc, vacc):
     return *acc.to_dense(), *acc.to_dense(seqused=t["used"]), single, fe.repeat_kv(t["x"], 3)
 
 
-def assert_same_problem(t1, acc1, t2, acc2):
-    for k in t1:
-        assert same(t1[k], t2[k]), k
-    assert same(acc1.dk_accum, acc2.dk_accum) and same(acc1.dv_accum, acc2.dv_accum)
-
-
 # ---- torch.compile
 
-COMPILED = {"ops": (every_op, lambda t, acc, vacc: (t, acc.dk_accum, acc.dv_accum, acc.semaphores, acc.head_dim)),
+COMPILED = {"ops": (every_op, lambda t, acc, vacc: problem_args(t, acc)),
             "wrappers": (every_wrapper, lambda t, acc, vacc: (t, acc, vacc))}
 
 
@@ -200,13 +210,9 @@ def test_compile_fullgraph_every_op(device, api):
     fn, args = COMPILED[api]
     compiled = torch.compile(fn, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")
     for seed in (0, 1):  # the second call reuses the compiled graph on new data
-        t, acc, _ = make_problem(device, seed)
-        vacc = varlen_accumulator(t)
+        t, acc, vacc = make_problem(device, seed)
         t2, acc2, vacc2 = clone_problem(t, acc, vacc)
-        for a, b in zip(compiled(*args(t, acc, vacc)), fn(*args(t2, acc2, vacc2))):
-            assert same(a, b)
-        assert_same_problem(t, acc, t2, acc2)
-        assert same(vacc.dk_accum, vacc2.dk_accum) and same(vacc.dv_accum, vacc2.dv_accum)
+        assert_same((compiled(*args(t, acc, vacc)), t, acc, vacc), (fn(*args(t2, acc2, vacc2)), t2, acc2, vacc2))
         assert (bits(t["ok"]) != 0).any() and (bits(t["rk"]) != 0).any()
 
 
@@ -225,85 +231,64 @@ def test_compile_fullgraph_store_zero_index_lists_on_meta():
 # ---- opcheck: store and store_zero
 
 
-def store_samples(device="cuda"):
-    """(args, kwargs) samples of store: batched, strided, dv != d, seqused, varlen, both paths."""
+def opcheck_samples(device="cuda"):
+    """{op: [(args, kwargs)]}: store batched, strided, dv != d, seqused, varlen, both paths; store_zero with index
+    selections and row ranges too."""
     gen = torch.Generator(device=device).manual_seed(3)
     rnd = lambda *shape: torch.randn(shape, generator=gen, device=device)  # noqa: E731
     out = lambda *shape, dtype=BF16: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
-    cu = int32(0, 100, 100, 230, device=device)
-    return [
+    ones = lambda *shape, dtype=BF16: torch.ones(shape, dtype=dtype, device=device)  # noqa: E731
+    idx = lambda *v: int32(*v, device=device)  # noqa: E731
+    cu = idx(0, 100, 100, 230)
+    return {"store": [
         ((rnd(2, 150, 3, 128), rnd(2, 150, 3, 128), out(2, 150, 3, 128), out(2, 150, 3, 128)), {}),
         ((rnd(2, 150, 3, 64), rnd(2, 150, 3, 64), out(2, 3, 150, 64, dtype=F16).transpose(1, 2),
-          out(2, 150, 3, 64, dtype=F16)), {"seqused": int32(150, 7, device=device)}),
+          out(2, 150, 3, 64, dtype=F16)), {"seqused": idx(150, 7)}),
         ((rnd(1, 300, 2, 192), rnd(1, 300, 2, 128), out(1, 300, 2, 192), out(1, 300, 2, 128)), {"_arch": 80}),
         ((rnd(240, 2, 96), rnd(240, 2, 96), out(240, 2, 96), out(2, 240, 96).transpose(0, 1)), {"cu_seqlens": cu}),
         ((rnd(240, 2, 80), rnd(240, 2, 256), out(240, 2, 80, dtype=F16), out(240, 2, 256, dtype=F16)),
-         {"cu_seqlens": cu, "seqused": int32(90, 0, 130, device=device)}),
-    ]
-
-
-def store_zero_samples(device="cuda"):
-    out = lambda *shape, dtype=BF16: torch.ones(shape, dtype=dtype, device=device)  # noqa: E731
-    idx = lambda *v: int32(*v, device=device)  # noqa: E731
-    cu = idx(0, 100, 100, 230)
-    return [
-        ((out(2, 150, 3, 128), out(2, 150, 3, 128)), {}),
-        ((out(2, 150, 3, 64), out(2, 3, 150, 64).transpose(1, 2)),
+         {"cu_seqlens": cu, "seqused": idx(90, 0, 130)}),
+    ], "store_zero": [
+        ((ones(2, 150, 3, 128), ones(2, 150, 3, 128)), {}),
+        ((ones(2, 150, 3, 64), ones(2, 3, 150, 64).transpose(1, 2)),
          {"seqused": idx(150, 7), "batch_idx": idx(1), "head_idx": idx(0, 2), "row_start": 5, "row_end": 140}),
-        ((out(2, 150, 3, 192, dtype=F16), out(2, 150, 3, 128, dtype=F16)),
+        ((ones(2, 150, 3, 192, dtype=F16), ones(2, 150, 3, 128, dtype=F16)),
          {"head_idx": idx(2, -1, 7), "row_start": 129, "_arch": 80}),
-        ((out(240, 2, 96), out(240, 2, 96)), {"cu_seqlens": cu, "row_end": 64}),
-        ((out(240, 2, 80, dtype=F16), out(2, 240, 256, dtype=F16).transpose(0, 1)),
+        ((ones(240, 2, 96), ones(240, 2, 96)), {"cu_seqlens": cu, "row_end": 64}),
+        ((ones(240, 2, 80, dtype=F16), ones(2, 240, 256, dtype=F16).transpose(0, 1)),
          {"cu_seqlens": cu, "seqused": idx(90, 0, 130), "batch_idx": idx(0, 2, 5), "row_start": 1}),
-        ((out(240, 2, 64), out(240, 2, 64)), {"cu_seqlens": cu, "batch_idx": idx()}),  # nothing selected
-    ]
-
-
-SAMPLES = {"store": store_samples, "store_zero": store_zero_samples}
+        ((ones(240, 2, 64), ones(240, 2, 64)), {"cu_seqlens": cu, "batch_idx": idx()}),  # nothing selected
+    ]}
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("op", list(SAMPLES))
+@pytest.mark.parametrize("op", ["store", "store_zero"])
 def test_opcheck(op):
-    for args, kwargs in SAMPLES[op]():
+    for args, kwargs in opcheck_samples()[op]:
         torch.library.opcheck(getattr(OPS, op).default, args, kwargs)
 
 
 def test_opcheck_samples_are_valid_for_the_wrappers(cpu_kernels):
     # every sample is a valid call (so opcheck exercises the kernels, not error paths): the ops' checks
     # accept it (test_accepted) and the CPU stand-ins (the reference) run it
-    for op, samples in SAMPLES.items():
-        for args, kwargs in samples("cpu"):
+    for op, samples in opcheck_samples("cpu").items():
+        for args, kwargs in samples:
             getattr(fe, op)(*args, **kwargs)
 
 
 # ---- torch.export
 
 
-class Stores(torch.nn.Module):
-    """stores() of make_problem's tensors, through fe or the ops."""
-
-    def __init__(self, api):
-        super().__init__()
-        self.api = api
-
-    def forward(self, t):
-        stores(self.api, t)
-        return t["dk"].float().sum(), t["vdk"].float().sum()
-
-
 @pytest.mark.parametrize("api,strict", [(fe, False), (OPS, True)], ids=["wrappers", "ops"])
 def test_export_store_and_store_zero(device, api, strict):
-    ep = torch.export.export(Stores(api), (make_problem(device)[0],), strict=strict)
+    module = Module(lambda t: stores(api, t))
+    ep = torch.export.export(module, (make_problem(device)[0],), strict=strict)
     code = ep.graph_module.code
     assert "flash_epilogue.store.default" in code and "flash_epilogue.store_zero.default" in code
     for seed in (1, 2):  # run the exported program on new data and metadata; it mutates its inputs as eager does
         got_in = make_problem(device, seed)[0]
         want_in = clone_problem(got_in)[0]
-        for a, b in zip(ep.module()(got_in), Stores(api)(want_in)):
-            assert same(a, b)
-        for k in got_in:
-            assert same(got_in[k], want_in[k]), k
+        assert_same((ep.module()(got_in), got_in), (module(want_in), want_in))
         assert (bits(got_in["dk"][0, :140]) != 0).any() and (bits(got_in["dk"][0, 140:]) == 0).all()
 
 
@@ -315,15 +300,14 @@ def test_cuda_graph_every_op():
     # every op captured once; each replay, on new contents of every static input (the sequence metadata and index
     # selections included) and canary-filled outputs, writes what an eager run of the same calls on copies does
     gen = generator(12)
-    t, acc, _ = make_problem("cuda", 12)
-    vacc = varlen_accumulator(t)
+    t, acc, vacc = make_problem("cuda", 12)
     graph, out = cuda_graph(lambda: every_wrapper(t, acc, vacc))
     for trial in range(3):
         with torch.no_grad():
             for k in ("ak", "av", "vak", "vav", "pk", "pv", "rpk", "rpv", "vpk"):
                 t[k].copy_(torch.randn(t[k].shape, device="cuda", generator=gen))
             lens = [[100, 0, 37, 129], [10, 200, 0, 56], [0, 0, 266, 0]][trial]
-            t["cu"].copy_(torch.tensor([0] + lens, dtype=I32).cumsum(0, dtype=I32))
+            t["cu"].copy_(cu_seqlens(lens))
             t["vused"].copy_(torch.tensor([max(0, n - 5 * trial) for n in lens], dtype=I32))
             t["used"].copy_(torch.tensor([150 - trial, 40 * trial], dtype=I32))
             t["bidx"].copy_(torch.tensor([[0, 3], [1, 1], [2, -1]][trial], dtype=I32))
@@ -334,48 +318,45 @@ def test_cuda_graph_every_op():
         want = every_wrapper(t_eager, acc_eager, vacc_eager)
         graph.replay()
         torch.cuda.synchronize()
-        assert_same_problem(t, acc, t_eager, acc_eager)
-        assert same(vacc.dk_accum, vacc_eager.dk_accum) and same(vacc.dv_accum, vacc_eager.dv_accum), trial
-        for a, b in zip(out, want):
-            assert same(a, b), trial
+        assert_same((out, t, acc, vacc), (want, t_eager, acc_eager, vacc_eager), trial)
 
 
 # ---- autograd: the in-place ops as torch's own (csrc/binding/ops.cpp; torch's in-place ops the reference)
 
-
-def op_calls(t):
-    """{case: (call(t), {key of t it writes: argument}, {key of its other float tensor arguments: argument})}: every
-    mutating op (t: make_problem's tensors and the accumulator's as acck/accv/sem)."""
-    acc = {"acck": "dk_accum", "accv": "dv_accum"}
-    partials = {"pk": "dk_partial", "pv": "dv_partial"}
-    return {
-        "store": (lambda t: OPS.store(t["ak"], t["av"], t["dk"], t["dv"], seqused=t["used"]),
-                  {"dk": "dk", "dv": "dv"}, {"ak": "dk_accum", "av": "dv_accum"}),
-        "store_zero": (lambda t: OPS.store_zero(t["vdk"], t["vdv"], cu_seqlens=t["cu"], seqused=t["vused"]),
-                       {"vdk": "dk", "vdv": "dv"}, {}),
-        "gqa_accumulate": (lambda t: OPS.gqa_accumulate(t["pk"], t["pv"], t["acck"], t["accv"], t["sem"],
-                                                        deterministic=True), {**acc, "sem": "semaphores"}, partials),
-        "gqa_accumulate-nondet": (lambda t: OPS.gqa_accumulate(t["pk"], t["pv"], t["acck"], t["accv"], None),
-                                  acc, partials),
-        "gqa_postprocess": (lambda t: OPS.gqa_postprocess(t["acck"], t["accv"], t["ok"], t["ov"], scale_dk=0.125),
-                            {"ok": "dk", "ov": "dv"}, acc),
-        "gqa_accum_to_dense": (lambda t: OPS.gqa_accum_to_dense(t["acck"], t["dense"], head_dim=128),
-                               {"dense": "out"}, {"acck": "accum"}),
-        "gqa_reduce": (lambda t: OPS.gqa_reduce(t["rpk"], t["rpv"], t["rk"], t["rv"], cu_seqlens=t["cu"],
-                                                seqused=t["vused"]),
-                       {"rk": "dk", "rv": "dv"}, {"rpk": "dk_partial", "rpv": "dv_partial"}),
-        "gqa_reduce-dk": (lambda t: OPS.gqa_reduce(t["rpk"], None, t["rk"], None, cu_seqlens=t["cu"]), {"rk": "dk"},
-                          {"rpk": "dk_partial"}),
-    }
+VARLEN = {"cu_seqlens": "cu", "seqused": "vused"}
+# {case: (positional, keyword arguments)}: every mutating op (the case up to "-") on autograd_problem's tensors (keys
+# of it) and values, each tensor argument of each schema given at least once
+CALLS = {
+    "store": (("ak", "av", "dk", "dv"), {"seqused": "used"}),
+    "store_zero": (("vdk", "vdv"), VARLEN),
+    "gqa_accumulate": (("pk", "pv", "acck", "accv", "sem"), {"deterministic": True}),
+    "gqa_accumulate-nondet": (("pk", "pv", "acck", "accv", None), {}),
+    "gqa_postprocess": (("acck", "accv", "ok", "ov"), {"scale_dk": 0.125}),
+    "gqa_accum_to_dense": (("acck", "dense"), {"head_dim": 128}),
+    "gqa_reduce": (("rpk", "rpv", "rk", "rv"), VARLEN),
+    "gqa_reduce-dk": (("rpk", None, "rk", None), {"cu_seqlens": "cu"}),
+    "store-varlen": (("vak", "vav", "vdk", "vdv"), VARLEN),
+    "store_zero-indices": (("vdk", "vdv"), {**VARLEN, "batch_idx": "bidx", "head_idx": "hidx"}),
+    "gqa_accumulate-seqused": (("pk", "pv", "acck", "accv", "sem"), {"seqused": "used", "deterministic": True}),
+    "gqa_postprocess-seqused": (("acck", "accv", "ok", "ov"), {"seqused": "used"}),
+}
 
 
 def autograd_problem(device):
+    """make_problem's tensors, the accumulator's among them as acck/accv/sem."""
     t, acc, _ = make_problem(device)
-    t.update(acck=acc.dk_accum, accv=acc.dv_accum, sem=acc.semaphores)
-    return t
+    return t | {"acck": acc.dk_accum, "accv": acc.dv_accum, "sem": acc.semaphores}
 
 
-CASES = list(op_calls(None))
+def op_call(case, t):
+    """CALLS[case] on t: the op, its arguments by name, and {key of t: argument} of those it writes (as its schema
+    marks them) and of its other float tensor arguments."""
+    op = getattr(OPS, case.split("-")[0])
+    schema = op.default._schema.arguments
+    names = dict(zip((a.name for a in schema), CALLS[case][0])) | CALLS[case][1]  # argument: key of t, or its value
+    written = {names[a.name]: a.name for a in schema if a.alias_info and a.alias_info.is_write and names.get(a.name)}
+    read = {k: a for a, k in names.items() if isinstance(k, str) and k not in written and t[k].is_floating_point()}
+    return op, {a: t[k] if isinstance(k, str) else k for a, k in names.items()}, written, read
 
 
 def test_inplace_ops_as_torch_s_own(device):
@@ -383,17 +364,18 @@ def test_inplace_ops_as_torch_s_own(device):
     # inference tensor outside InferenceMode: torch's own error, before the kernel writes; inside it the op runs
     t = autograd_problem(device)
     assert torch.zeros(3).copy_(torch.ones(3))._version == 1
-    for case, (call, written, _) in op_calls(t).items():
-        for k in written:
+    for case in CALLS:
+        op, args, written, _ = op_call(case, t)
+        for k, arg in written.items():
             with torch.inference_mode():
-                u = {**t, k: t[k].clone()}
-            want = u[k].clone()
-            for f in (lambda: call(u), lambda: u[k].add_(0)):  # the op, torch's own
+                x = t[k].clone()
+            want = x.clone()
+            for f in (lambda: op(**args | {arg: x}), lambda: x.add_(0)):  # the op, torch's own
                 with pytest.raises(RuntimeError, match="Inplace update to inference tensor outside InferenceMode"):
                     f()
-            assert same(u[k], want), (case, k)
+            assert same(x, want), (case, k)
         before = {k: v._version for k, v in t.items()}
-        call(t)
+        op(**args)
         bumps = {k: v._version - before[k] for k, v in t.items() if v._version != before[k]}
         assert bumps == dict.fromkeys(written, 1), case
     with torch.inference_mode():
@@ -427,39 +409,39 @@ def test_overwritten_saved_tensor_raises_in_backward(device, how):
 
 
 @pytest.mark.ops
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", CALLS)
 def test_arguments_requiring_grad_raise(case):
     # a write into a leaf requiring grad (or a view of one): torch's messages (its check_inplace), before the argument
     # checks. No derivative: a tensor argument requiring grad (grad mode on) or carrying a forward-mode tangent raises,
     # naming the op and the argument; gqa_reduce's partials point to repeat_kv, whose backward it is. With grad mode
     # off the call goes on to the kernel (the CPU registration: its device check).
     t = autograd_problem("cpu")
-    call, written, read = op_calls(t)[case]
-    op = case.split("-")[0]
+    op, args, written, read = op_call(case, t)
+    name = op.__name__
     written = {k: a for k, a in written.items() if t[k].is_floating_point()}
-    for k in written:
+    for k, arg in written.items():
         for view, what in ((False, "a leaf Variable"), (True, "a view of a leaf Variable")):
             leaf = t[k].clone().requires_grad_()
             want = what + " that requires grad is being used in an in-place operation."
-            u = {**t, k: leaf[:] if view else leaf}
-            for f in (lambda: u[k].copy_(t[k]), lambda: call(u)):  # torch's own, the op
+            x = leaf[:] if view else leaf
+            for f in (lambda: x.copy_(t[k]), lambda: op(**args | {arg: x})):  # torch's own, the op
                 with pytest.raises(RuntimeError, match=want):
                     f()
             with torch.no_grad(), pytest.raises(ValueError, match="expected a CUDA tensor"):
-                call(u)
+                op(**args | {arg: x})
     for k, arg in [*read.items(), *written.items()]:
-        u = {**t, k: t[k].clone().requires_grad_() * 1}  # not a leaf: past torch's leaf check
-        with pytest.raises(RuntimeError, match=rf"^flash_epilogue\.{op}: {arg}: requires grad, but {op} has no "
+        x = t[k].clone().requires_grad_() * 1  # not a leaf: past torch's leaf check
+        with pytest.raises(RuntimeError, match=rf"^flash_epilogue\.{name}: {arg}: requires grad, but {name} has no "
                            "derivative") as e:
-            call(u)
-        if op == "gqa_reduce" and k in read:
+            op(**args | {arg: x})
+        if name == "gqa_reduce" and k in read:
             assert "backward of repeat_kv" in str(e.value) and "flash_epilogue.repeat_kv" in str(e.value)
         with torch.no_grad(), pytest.raises(ValueError, match="expected a CUDA tensor"):
-            call(u)  # past the autograd kernel
+            op(**args | {arg: x})  # past the autograd kernel
         with torch.autograd.forward_ad.dual_level():
-            u[k] = torch.autograd.forward_ad.make_dual(t[k], torch.zeros_like(t[k]))
-            with torch.no_grad(), pytest.raises(RuntimeError, match=rf"{op}: {arg}: has a forward-mode tangent"):
-                call(u)
+            x = torch.autograd.forward_ad.make_dual(t[k], torch.zeros_like(t[k]))
+            with torch.no_grad(), pytest.raises(RuntimeError, match=rf"{name}: {arg}: has a forward-mode tangent"):
+                op(**args | {arg: x})
 
 
 def test_gqa_reduce_of_partials_requiring_grad(device):
