@@ -38,11 +38,11 @@ def accumulator(d, deterministic=True, varlen=False, h_k=H_K, hd=D, **kw):
     return fe.gqa_accumulator(h_k, hd, deterministic=deterministic, device=d, **{**layout, **kw})
 
 
-def dense(d, *names, varlen=False):
-    """The baseline's zeros: bf16 dk, dv; fp32 accumulators; fp32 partials of the H_Q query heads; cu_seqlens."""
+def dense(d, *names, varlen=False, **more):
+    """The baseline's zeros: bf16 dk, dv; fp32 accumulators; fp32 partials of the H_Q query heads; cu_seqlens; more."""
     lead = (TOTAL,) if varlen else (B, S)
     out = {n: z(d, *lead, H_Q if "part" in n else H_K, D, dtype=BF16 if n in DKV else F32) for n in names}
-    return out | ({"cu_seqlens": i32(d, 0, 30, TOTAL)} if varlen else {})
+    return out | ({"cu_seqlens": i32(d, 0, 30, TOTAL)} if varlen else {}) | more
 
 
 def accumulate_args(d, varlen=False, op=False):
@@ -66,29 +66,26 @@ OP = {
     "store_zero": Op(fe.store_zero, lambda d: dense(d, *DKV), "store_zero"),
     "store_zero_varlen": Op(fe.store_zero, lambda d: dense(d, *DKV, varlen=True), "store_zero"),
     "store_zero_op": Op(raw("store_zero"), lambda d: dense(d, *DKV), "store_zero"),
-    "gqa_accumulator": Op(fe.gqa_accumulator, lambda d: {"num_heads_kv": H_K, "head_dim": D, "batch": B, "seqlen": S,
-                                                         "device": d}, "gqa_accumulator", True),
+    "gqa_accumulator": Op(fe.gqa_accumulator, lambda d: dict(num_heads_kv=H_K, head_dim=D, batch=B, seqlen=S, device=d),
+                          "gqa_accumulator", True),
     "gqa_accumulate": Op(fe.gqa_accumulate, accumulate_args, "gqa_accumulate"),
     "gqa_accumulate_varlen": Op(fe.gqa_accumulate, lambda d: accumulate_args(d, True), "gqa_accumulate"),
     "gqa_accumulate_det": Op(deterministic_algorithms()(fe.gqa_accumulate), accumulate_args, "gqa_accumulate"),
     "gqa_accumulate_op": Op(raw("gqa_accumulate"), lambda d: accumulate_args(d, op=True), "gqa_accumulate"),
     "gqa_accumulate_varlen_op": Op(raw("gqa_accumulate"), lambda d: accumulate_args(d, True, True), "gqa_accumulate"),
-    "gqa_postprocess": Op(fe.gqa_postprocess, lambda d: dense(d, *DKV) | {"acc": accumulator(d, False)},
-                          "gqa_postprocess"),
+    "gqa_postprocess": Op(fe.gqa_postprocess, lambda d: dense(d, *DKV, acc=accumulator(d, False)), "gqa_postprocess"),
     "gqa_postprocess_op": Op(raw("gqa_postprocess"), lambda d: dense(d, *DKV) | {
         k: getattr(accumulator(d, False), k) for k in ("dk_accum", "dv_accum")}, "gqa_postprocess"),
     "to_dense": Op(lambda acc, **kw: acc.to_dense(**kw), lambda d: {"acc": accumulator(d, False)},
                    "gqa_accum_to_dense"),
     "to_dense_varlen": Op(lambda acc, **kw: acc.to_dense(**kw), lambda d: {"acc": accumulator(d, False, True),
                           "cu_seqlens": i32(d, 0, 30, TOTAL)}, "gqa_accum_to_dense"),
-    "gqa_accum_to_dense_op": Op(raw("gqa_accum_to_dense"), lambda d: {"accum": accumulator(d).dk_accum,
-                                                                   "out": z(d, B, S, H_K, D), "head_dim": D},
-                                "gqa_accum_to_dense"),
-    "gqa_reduce": Op(fe.gqa_reduce, lambda d: dense(d, *PARTIALS) | {"num_heads_kv": H_K}, "gqa_reduce"),
-    "gqa_reduce_varlen": Op(fe.gqa_reduce, lambda d: dense(d, *PARTIALS, varlen=True) | {"num_heads_kv": H_K},
-                            "gqa_reduce"),
-    "gqa_reduce_out": Op(fe.gqa_reduce, lambda d: dense(d, *PARTIALS) | {"num_heads_kv": H_K, "out": tuple(dense(
-        d, *DKV).values())}, "gqa_reduce"),
+    "gqa_accum_to_dense_op": Op(raw("gqa_accum_to_dense"), lambda d: dict(accum=accumulator(d).dk_accum, out=z(
+        d, B, S, H_K, D), head_dim=D), "gqa_accum_to_dense"),
+    "gqa_reduce": Op(fe.gqa_reduce, lambda d: dense(d, *PARTIALS, num_heads_kv=H_K), "gqa_reduce"),
+    "gqa_reduce_varlen": Op(fe.gqa_reduce, lambda d: dense(d, *PARTIALS, varlen=True, num_heads_kv=H_K), "gqa_reduce"),
+    "gqa_reduce_out": Op(fe.gqa_reduce, lambda d: dense(d, *PARTIALS, num_heads_kv=H_K, out=tuple(dense(
+        d, *DKV).values())), "gqa_reduce"),
     "gqa_reduce_op": Op(raw("gqa_reduce"), lambda d: dense(d, *PARTIALS, *DKV), "gqa_reduce"),
     "gqa_reduce_varlen_op": Op(raw("gqa_reduce"), lambda d: dense(d, *PARTIALS, *DKV, varlen=True), "gqa_reduce"),
     "repeat_kv": Op(fe.repeat_kv, lambda d: {"x": z(d, B, H_K, S, D, dtype=BF16), "n_rep": 2}, "repeat_kv", True),
@@ -101,9 +98,9 @@ OP = {
                                                                     "out_dtype": F16}, None, True),
     "gqa_reduce_sequential_fp32": Op(ref.gqa_reduce_sequential_fp32, lambda d: {"partial": z(d, 1, 2, 6, 8),
                                                                                 "num_heads_kv": 3}, None, True),
-    "gqa_accumulate_reference": Op(ref.gqa_accumulate_reference, lambda d: {
-        "dk_partial": z(d, 10, 6, 8), "dv_partial": None, "dk_dense": z(d, 10, 3, 8), "dv_dense": None,
-        "num_heads_kv": 3, "cu_seqlens": i32(d, 0, 10)}, None, True),
+    "gqa_accumulate_reference": Op(ref.gqa_accumulate_reference, lambda d: dict(
+        dk_partial=z(d, 10, 6, 8), dv_partial=None, dk_dense=z(d, 10, 3, 8), dv_dense=None, num_heads_kv=3,
+        cu_seqlens=i32(d, 0, 10)), None, True),
 }
 
 # changes of the arguments: a value, on(f) = f(the baseline's value), or a callable (args, device) giving the value
@@ -117,7 +114,6 @@ FIRST, UNSQUEEZED, CPU_T, CUDA1 = on(lambda t: t[0]), on(lambda t: t[None]), on(
 
 
 def cut(n, dim=-1):
-    """t's first n entries of dim."""
     return on(lambda t: t.narrow(dim, 0, n))
 
 
@@ -133,8 +129,8 @@ def misaligned(nbytes=8):
         : t.numel()].view(t.shape))
 
 
-def ints(*vals, dev=None):
-    return lambda a, d: i32(dev or d, *vals)
+def ints(*vals, dev=None, step=1):
+    return lambda a, d: i32(dev or d, *vals)[::step]
 
 
 def zs(*shape, dtype=F32):
@@ -142,7 +138,6 @@ def zs(*shape, dtype=F32):
 
 
 def alias(of, view=lambda t: t):
-    """`of`'s memory, seen through `view`."""
     return lambda a, d: view(a[of])
 
 
