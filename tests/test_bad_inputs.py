@@ -408,51 +408,44 @@ def test_bad_input(row, dev):
 
 KV_PACKED = {"_": lambda a, d: a.update(dk=(kv := z(d, B, S, H_K, 2, D, dtype=BF16))[:, :, :, 0], dv=kv[:, :, :, 1])}
 SPLIT_D = {"_": lambda a, d: a.update(dk=(both := z(d, B, S, H_K, 2 * D, dtype=BF16))[..., :D], dv=both[..., D:])}
-GOOD = [  # accepted: (op, changes[, True: runs on CPU tensors too]); FlashAttention's packed dkv shares no element
-    ("store", KV_PACKED),
-    ("store", SPLIT_D),
-    ("store", {"dk": lambda a, d: z(d, B, H_K, S, D, dtype=BF16).transpose(1, 2), "dk_accum": padded(4)}),
-    ("store", {"_": lambda a, d: a.update(zip(STORE4, (  # batch 1, heads 1, strides not multiples of 16 B: ignored
-        torch.zeros(16 * 64, dtype=t, device=d).as_strided((1, 16, 1, 64), s) for t, s in (
-            (F32, (3, 64, 9, 1)), (F32, (1, 64, 1, 1)), (BF16, (7, 64, 3, 1)), (BF16, (5, 64, 1, 1))))))}),
-    ("store", {k: zs(0, S, H_K, D, dtype=F32 if "accum" in k else BF16) for k in STORE4}),
-    ("store", {**{k: zs(0, H_K, D, dtype=F32 if "accum" in k else BF16) for k in STORE4}, "cu_seqlens": ints(0, 0)}),
-    ("store", {k: on(lambda t: t.to("meta")) for k in STORE4}, True),  # meta tensors: shape inference only
-    ("store", {"dk_accum": zs(B, S, H_K, 72), "dk": zs(B, S, H_K, 72, dtype=BF16), "dv_accum": zs(B, S, H_K, 40),
-               "dv": zs(B, S, H_K, 40, dtype=BF16)}),
-    ("store_varlen", {"seqused": ints(3, 50), "dv_accum": zs(TOTAL, H_K, 128), "dv": zs(TOTAL, H_K, 128, dtype=BF16)}),
-    ("store_zero", KV_PACKED),
-    ("store_zero", SPLIT_D),
-    ("store_zero", {"batch_idx": [0, 0, 7, -1], "head_idx": lambda a, d: i32(d), "row_start": 4, "row_end": 4}),
-    ("store_zero", {"batch_idx": (1,), "head_idx": range(2), "row_start": 2**31 - 1, "row_end": 2**31 - 1}),
-    ("store_zero", {"batch_idx": np.int64(1), "head_idx": np.array([1, 0])}),
-    ("gqa_accumulate_op", {"deterministic": False}),  # semaphores given, unused
-    ("gqa_accumulate_op", {"semaphores": lambda a, d: torch.zeros(19, dtype=I32, device=d)}),  # larger
-    ("gqa_accumulate_op", {"dk_partial": lambda a, d: z(d, B, H_Q, S, D).transpose(1, 2), "dv_partial": padded(4)}),
-    ("gqa_accumulate", {"acc": lambda a, d: accumulator(d, batch=0), "dk_partial": zs(0, S, H_Q, D),
-                        "dv_partial": zs(0, S, H_Q, D)}),
-    ("gqa_postprocess", {"dk": lambda a, d: z(d, B, H_K, S, D, dtype=BF16).transpose(1, 2), "dv": padded(8)}),
-    ("gqa_postprocess", {"scale_dk": float("inf"), "scale_dv": float("nan")}),  # inf and nan pass
-    ("gqa_postprocess", {"scale_dk": np.float32(0.5), "scale_dv": 3}),
-    ("gqa_reduce", {"dk_partial": on(torch.Tensor.bfloat16), "dv_partial": None}),
-    ("gqa_reduce", {"dk_partial": lambda a, d: z(d, B, H_Q, S, D).transpose(1, 2)}),
-    ("gqa_reduce", {"num_heads_kv": np.int64(2)}),  # integer-likes (operator.index)
-    ("gqa_reduce", {"num_heads_kv": torch.tensor(2)}),
-    ("gqa_reduce", {"scale_dk": float("inf")}),
-    ("gqa_accumulator", {"num_heads_kv": np.int32(2)}),
-    ("gqa_accumulator", {"num_heads_kv": torch.tensor(2), "head_dim": np.int64(64)}),
-    ("to_dense_varlen", {"seqused": ints(3, 4)}),
-    ("gqa_accum_to_dense_op", {"accum": lambda a, d: accumulator(d, h_k=1, hd=128, batch=1, seqlen=300,
-                                                                 arch=80).dk_accum,
-                               "out": zs(1, 300, 1, 128), "head_dim": 128, "_arch": 80}),
-    ("repeat_kv", {"dim": -3}),
-    ("repeat_kv", {"n_rep": np.int64(3), "dim": torch.tensor(2)}),
-]
+ON_META = {k: on(lambda t: t.to("meta")) for k in STORE4}  # meta tensors: shape inference only (runs on CPU too)
+GOOD = {  # the accepted changes of each op's baseline; FlashAttention's packed dkv shares no element
+    "store": [
+        KV_PACKED, SPLIT_D, {"dk": lambda a, d: z(d, B, H_K, S, D, dtype=BF16).transpose(1, 2), "dk_accum": padded(4)},
+        {"_": lambda a, d: a.update(zip(STORE4, (  # batch 1, heads 1, strides not multiples of 16 B: ignored
+            torch.zeros(16 * 64, dtype=t, device=d).as_strided((1, 16, 1, 64), s) for t, s in (
+                (F32, (3, 64, 9, 1)), (F32, (1, 64, 1, 1)), (BF16, (7, 64, 3, 1)), (BF16, (5, 64, 1, 1))))))},
+        {k: zs(0, S, H_K, D, dtype=F32 if "accum" in k else BF16) for k in STORE4},
+        {**{k: zs(0, H_K, D, dtype=F32 if "accum" in k else BF16) for k in STORE4}, "cu_seqlens": ints(0, 0)}, ON_META,
+        {"dk_accum": zs(B, S, H_K, 72), "dk": zs(B, S, H_K, 72, dtype=BF16), "dv_accum": zs(B, S, H_K, 40),
+         "dv": zs(B, S, H_K, 40, dtype=BF16)}],
+    "store_varlen": [{"seqused": ints(3, 50), "dv_accum": zs(TOTAL, H_K, 128), "dv": zs(TOTAL, H_K, 128, dtype=BF16)}],
+    "store_zero": [
+        KV_PACKED, SPLIT_D, {"batch_idx": [0, 0, 7, -1], "head_idx": lambda a, d: i32(d), "row_start": 4, "row_end": 4},
+        {"batch_idx": (1,), "head_idx": range(2), "row_start": 2**31 - 1, "row_end": 2**31 - 1},
+        {"batch_idx": np.int64(1), "head_idx": np.array([1, 0])}],
+    "gqa_accumulate_op": [  # semaphores given but unused; more semaphores than needed; strided partials
+        {"deterministic": False}, {"semaphores": zs(19, dtype=I32)},
+        {"dk_partial": lambda a, d: z(d, B, H_Q, S, D).transpose(1, 2), "dv_partial": padded(4)}],
+    "gqa_accumulate": [{"acc": lambda a, d: accumulator(d, batch=0), **dict.fromkeys(PARTIALS, zs(0, S, H_Q, D))}],
+    "gqa_postprocess": [  # inf and nan scales pass
+        {"dk": lambda a, d: z(d, B, H_K, S, D, dtype=BF16).transpose(1, 2), "dv": padded(8)},
+        {"scale_dk": float("inf"), "scale_dv": float("nan")}, {"scale_dk": np.float32(0.5), "scale_dv": 3}],
+    "gqa_reduce": [  # integer-likes (operator.index)
+        {"dk_partial": on(torch.Tensor.bfloat16), "dv_partial": None},
+        {"dk_partial": lambda a, d: z(d, B, H_Q, S, D).transpose(1, 2)},
+        {"num_heads_kv": np.int64(2)}, {"num_heads_kv": torch.tensor(2)}, {"scale_dk": float("inf")}],
+    "gqa_accumulator": [{"num_heads_kv": np.int32(2)}, {"num_heads_kv": torch.tensor(2), "head_dim": np.int64(64)}],
+    "to_dense_varlen": [{"seqused": ints(3, 4)}],
+    "gqa_accum_to_dense_op": [{"out": zs(1, 300, 1, 128), "head_dim": 128, "_arch": 80, "accum": lambda a, d: (
+        accumulator(d, h_k=1, hd=128, batch=1, seqlen=300, arch=80).dk_accum)}],
+    "repeat_kv": [{"dim": -3}, {"n_rep": np.int64(3), "dim": torch.tensor(2)}],
+}
 
 
-@pytest.mark.parametrize("op,changes,runs,dev", [
-    pytest.param(*g[:2], len(g) > 2, dev, id=f"{dev}-{g[0]}-{i}", marks=[pytest.mark.gpu] * (dev == "cuda") +
-                 [pytest.mark.ops] * (g[0] != "repeat_kv"))
-    for i, g in enumerate(GOOD) for dev in ("cpu", "cuda")])
-def test_accepted(op, changes, runs, dev):
-    check_accepted(OP[op], dev, changes, runs)
+@pytest.mark.parametrize("op,changes,dev", [
+    pytest.param(op, changes, dev, id=f"{dev}-{op}-{i}", marks=[pytest.mark.gpu] * (dev == "cuda") +
+                 [pytest.mark.ops] * (op != "repeat_kv"))
+    for i, (op, changes) in enumerate((op, c) for op, cs in GOOD.items() for c in cs) for dev in ("cpu", "cuda")])
+def test_accepted(op, changes, dev):
+    check_accepted(OP[op], dev, changes, runs=changes is ON_META)
