@@ -26,9 +26,8 @@ RANK_B, RANK_V, RANK_A = (
     r"rank: expected 3 dims \(total_tokens, heads, headdim\) because cu_seqlens is given, got 4 dims, shape ",
     r"rank: expected 4 dims \(batch_extent, heads_kv, num_tiles, tile_elems\), got ")
 B_S_H_D, WIDE = sh(2, 40, 2, 64), sh(10240, 256, 128, 2)  # the baseline shape, the strides of WIDENED of it
-DKS = r"shape: expected \(2, 40, 2, '\*'\) \(dk's shape but the last dim\), got "
-ALL_NONE = r"expected torch\.Tensor arguments, got None for all of them"  # the dispatcher has no device
-# strides, alignment, memory, devices
+BUT = r"shape: expected \({}\) \({}'s shape but the {}\), got "
+DKS = BUT.format(r"2, 40, 2, '\*'", "dk", "last dim")
 LAST = r"stride\(-1\): expected 1 \(last dim contiguous\), got 2 \(strides {}\)"
 PITCH = r"stride\({}\): expected a non-negative multiple of {} elements \(16 bytes\), got {} \(shape {}, strides {}\)"
 ALIGN, CONTIG = (r"data_ptr: expected a 16-byte aligned address, got 0x[0-9a-f]+ \(address % 16 = {}\)",
@@ -39,13 +38,11 @@ CONTIGUOUS_OR_SELF = r"(strides: expected \(.*\) \(contiguous\), got \(.*\)|" + 
 OVER, CPU = r"memory: expected no overlap with {}, got bytes", r"device: expected a CUDA tensor, got a tensor on cpu"
 DEV0 = r"device: expected cuda:0 \(the device of {}\), got {}"  # a tensor on another device than the first
 DEV1 = DEV0.format("{}", "cuda:1")
-# the GQA accumulator
 HEADS = (r"heads: expected a positive multiple of the {} KV heads \({}\): every KV head serves h_q / h_k query heads, "
          r"got {} query heads \(dk_partial\.shape\[-2\]\)")
 SEMS = (r"acc\.semaphores: expected an int32 workspace because {}: allocate .*, got None \(allocated with "
         r"deterministic=False\)")
-NOT_ACC = r"acc: expected a flash_epilogue\.GQAAccumulator \(from flash_epilogue\.gqa_accumulator\), got "
-# scalars and selections
+NOT_ACC = r"expected a flash_epilogue\.GQAAccumulator \(from flash_epilogue\.gqa_accumulator\), got "
 DIM, ARCH = (r"dim: expected 1 \(or -3\) or 2 \(or -2\): the KV-head dim of a 4-D tensor, got ",
              r"_arch: expected 0 \(the device's path\), 80 or 90, got ")
 ROW_END = r"row_end: expected None or an int in \[row_start = {}, 2147483647\], got {}"
@@ -109,7 +106,8 @@ ROWS = [
         **CHECKED) for op in ("store_varlen", "gqa_reduce_varlen")],
     *[R(op, r"seqused\[1\]: expected <= 50 \(the length of segment 1, cu_seqlens\[2\] - cu_seqlens\[1\]\), got 51",
         seqused=ints(30, 51), **CHECKED) for op in ("store_varlen", "gqa_accumulate_varlen")],
-    R("store", ALL_NONE, TYPE, **dict.fromkeys(STORE4)),
+    *[R(op, r"expected torch\.Tensor arguments, got None for all of them", TYPE, **dict.fromkeys(args))  # no device
+      for op, args in (("store", STORE4), ("gqa_reduce", PARTIALS + ("cu_seqlens", "seqused")))],
     R("store", "dk: " + DT.format(HALF, "int8"), TYPE, dk=on(lambda t: t.to(torch.int8)), dv=on(lambda t: t.char())),
     R("store", "dk_accum: " + RANK_B + sh(40, 2, 64), **dict.fromkeys(STORE4, FIRST)),
     R("store_varlen", "dk_accum: " + RANK_V + sh(1, 80, 2, 64), **dict.fromkeys(STORE4, UNSQUEEZED)),
@@ -202,8 +200,8 @@ ROWS = [
     R("gqa_accumulator", "cu_seqlens: " + DT.format("int32", "int64"), PY, seqlen=None, batch=None,
       total_tokens=TOTAL, cu_seqlens=lambda a, d: torch.tensor([0, 30, TOTAL], device=d)),
     # ---- gqa_accumulate: the wrapper (the accumulator object, Python types)
-    R("gqa_accumulate", NOT_ACC + "Tensor", PY, acc=on(lambda acc: acc.dk_accum)),
-    R("gqa_accumulate", NOT_ACC + "tuple", PY, acc=on(lambda acc: (acc.dk_accum, acc.dv_accum))),
+    *each("gqa_accumulate:acc gqa_postprocess:acc", NOT_ACC + "Tensor", on(lambda acc: acc.dk_accum), PY),
+    R("gqa_accumulate", "acc: " + NOT_ACC + "tuple", PY, acc=on(lambda acc: (acc.dk_accum, acc.dv_accum))),
     *each("gqa_accumulate:dk_partial,dv_partial", TENSOR + "list", [0.0], TYPE),
     *[R("gqa_accumulate", rf"{k}: {TENSOR}list", TYPE, acc=replace_acc(**{k: [0.0]}))
       for k in ("dk_accum", "dv_accum", "semaphores")],
@@ -233,8 +231,12 @@ ROWS = [
     R("gqa_accumulate_op", "dk_partial: " + RANK_B + sh(40, 4, 64), dk_partial=FIRST),
     R("gqa_accumulate_varlen_op", "dv_partial: " + RANK_V + sh(1, 80, 4, 64), dv_partial=UNSQUEEZED),
     R("gqa_accumulate_op", "dv_accum: " + RANK_A + r"3 dims, shape \(2, 1, 8192\)", dv_accum=FIRST),
-    R("gqa_accumulate_op", r"dv_partial: shape: expected \(2, 40, 4, '\*'\) \(dk_partial's shape but the last dim\), "
-      r"got \(2, 40, 2, 64\)", dv_partial=cut(2, 2)),
+    *[R(op, f"{k}: " + BUT.format(want, of, what) + rf"\({got}\)", **{k: change})
+      for op, k, want, of, what, got, change in (
+          ("gqa_accumulate_op", "dv_partial", r"2, 40, 4, '\*'", "dk_partial", "last dim", "2, 40, 2, 64", cut(2, 2)),
+          ("gqa_reduce_op", "dk", r"2, 40, '\*', 64", "dk_partial", "heads dim", "2, 39, 2, 64", cut(39, 1)),
+          ("gqa_reduce_op", "dv", r"2, 40, '\*', 64", "dv_partial", "heads dim", "2, 40, 2, 32", cut(32)),
+          ("gqa_reduce_op", "dv_partial", r"2, 40, 4, '\*'", "dk_partial", "last dim", "2, 40, 3, 64", cut(3, 2)))],
     R("gqa_accumulate_op", "dv_partial: " + HD + "264", dv_partial=zs(B, S, H_Q, 264)),
     R("gqa_accumulate_op", "dk_partial: " + HEADS.format(2, r"dk_accum\.shape\[1\]", 3),
       **dict.fromkeys(PARTIALS, cut(3, 2))),
@@ -245,8 +247,7 @@ ROWS = [
       _arch=80, **dict.fromkeys(PARTIALS, zs(B, S, H_Q, 256)), dk_accum=lambda a, d: accumulator(d, hd=256).dk_accum,
       dv_accum=lambda a, d: accumulator(d, hd=256).dv_accum),
     R("gqa_accumulate_varlen_op", "dk_accum: " + acc_shape((1, 2, 2, 8192), (1, 2, 3, 8192),
-                                                          of="3 sequences of 80 total tokens"),
-      cu_seqlens=ints(0, 30, 50, 80)),
+      of="3 sequences of 80 total tokens"), cu_seqlens=ints(0, 30, 50, 80)),
     R("gqa_accumulate_op", "dv_partial: " + LAST.format(sh(20480, 512, 128, 2)), dv_partial=WIDENED),
     *each("gqa_accumulate_op:dk_partial", PITCH.format(2, 4, 66, sh(2, 40, 4, 64), sh(10560, 264, 66, 1)), padded(2)),
     *each("gqa_accumulate_op:dk_accum", CONTIG.format(sh(16384, 8192, 8192, 1), sh(32768, 16384, 16384, 2)), WIDENED),
@@ -276,9 +277,8 @@ ROWS = [
     *[R("gqa_postprocess", rf"{k}: expected a float, got {t}", PY, **{k: v})
       for k, v, t in (("scale_dk", "0.5", "str"), ("scale_dv", True, "bool"),
                       ("scale_dk", torch.tensor(1.0), "Tensor"))],
-    R("gqa_postprocess", "scale_dv: " + FP32_RANGE + "1" + "0" * 400 + "$", PY, scale_dv=10**400),
+    *each("gqa_postprocess:scale_dv gqa_reduce:scale_dk", FP32_RANGE + "1" + "0" * 400 + "$", 10**400, PY),
     R("gqa_postprocess_op", "scale_dv: " + FP32_RANGE + r"-1e\+300", scale_dv=-1e300),
-    R("gqa_postprocess", NOT_ACC + "Tensor", PY, acc=on(lambda acc: acc.dk_accum)),
     R("gqa_postprocess", r"acc\.head_dim_v: expected 64 \(dv\.shape\[-1\]\), got 56", acc=replace_acc(head_dim_v=56)),
     *[R("gqa_postprocess", rf"{k}: device: expected cuda:1 \(the device of dk_accum\), got cuda:0", gpus=2,
         acc=lambda a, d: accumulator("cuda:1", False), **more) for k, more in (("dk", {}), ("dv", {"dk": CUDA1}))],
@@ -311,8 +311,6 @@ ROWS = [
     R("gqa_reduce", r"out_dtype: expected None, torch\.float16 or torch\.bfloat16, got torch\.float32", out_dtype=F32),
     R("gqa_reduce", rf"dk_partial: {TENSOR}list", TYPE, dk_partial=[1.0], dv_partial=None),
     R("gqa_reduce", r"scale_dv: expected a float, got NoneType", PY, scale_dv=None),
-    R("gqa_reduce", ALL_NONE, TYPE, **dict.fromkeys(PARTIALS + ("cu_seqlens", "seqused"))),
-    R("gqa_reduce", "scale_dk: " + FP32_RANGE + "1" + "0" * 400 + "$", PY, scale_dk=10**400),
     R("gqa_reduce", "dk_partial: " + RANK_V + sh(2, 40, 4, 64), cu_seqlens=ints(0, S)),
     R("gqa_reduce_out", r"out: expected a \(dk, dv\) pair because dv_partial is given, got a torch\.Tensor", PY,
       out=on(lambda o: o[0])),
@@ -328,12 +326,6 @@ ROWS = [
     R("gqa_reduce_out", "dk: " + DEV1.format("dk_partial"), gpus=2, out=on(lambda o: (CUDA1.fn(o[0]), o[1]))),
     R("gqa_reduce", "seqused: " + DEV1.format("dk_partial"), gpus=2, seqused=ints(1, 2, dev="cuda:1")),
     R("gqa_reduce_op", r"dv: expected a torch\.Tensor because dv_partial is given, got NoneType", dv=None),
-    R("gqa_reduce_op", r"dk: shape: expected \(2, 40, '\*', 64\) \(dk_partial's shape but the heads dim\), got "
-      r"\(2, 39, 2, 64\)", dk=cut(39, 1)),
-    R("gqa_reduce_op", r"dv: shape: expected \(2, 40, '\*', 64\) \(dv_partial's shape but the heads dim\), got "
-      r"\(2, 40, 2, 32\)", dv=cut(32)),
-    R("gqa_reduce_op", r"dv_partial: shape: expected \(2, 40, 4, '\*'\) \(dk_partial's shape but the last dim\), got "
-      r"\(2, 40, 3, 64\)", dv_partial=cut(3, 2)),
     R("gqa_reduce_op", "dk_partial: " + HEADS.format(3, r"dk\.shape\[-2\]", 4), dv_partial=None, dv=None,
       dk=zs(B, S, 3, D, dtype=BF16)),
     R("gqa_reduce_op", "dk: " + HD + "20", dv_partial=None, dv=None, dk_partial=cut(20), dk=cut(20)),
@@ -348,11 +340,11 @@ ROWS = [
     *[R("repeat_kv", rf"n_rep: expected a positive int, got {v}", n_rep=v) for v in (0, -2)],
     *[R("repeat_kv", rf"n_rep: expected a positive int, got {t}", PY, n_rep=v) for v, t in ((True, "bool"),
                                                                                              (2.0, "float"))],
-    *[R("repeat_kv", DIM + str(v), dim=v) for v in (0, 3)],
+    *[R(op, DIM + f"{v}{end}", dim=v) for op, v, end in (("repeat_kv", 0, ""), ("repeat_kv", 3, ""),
+                                                         ("repeat_kv_op", 0, "$"), ("repeat_kv_backward_op", 3, "$"))],
     R("repeat_kv", r"dim: expected .*, got float", PY, dim=1.0),
     R("repeat_kv_op", r"x: rank: expected 4 dims: .*, got 3 dims, shape \(2, 40, 64\)$", x=FIRST),
     R("repeat_kv_op", r"n_rep: expected a positive int, got -1$", n_rep=-1),
-    R("repeat_kv_op", DIM + "0$", dim=0),
     R("repeat_kv_backward_op", r"grad: heads: expected a multiple of n_rep = 3 in dim 1, got 4 \(shape \(1, 4, 2, "
       r"8\)\)$", n_rep=3),
     *[R("repeat_kv_backward_op", rf"layout: expected a permutation of \[0, 1, 2\], got {re.escape(str(v))}$", layout=v)
@@ -360,7 +352,6 @@ ROWS = [
     R("repeat_kv_backward_op", r"grad: rank: expected 4 dims: \(batch, heads, seqlen, head_dim\) for dim=1, \(batch, "
       r"seqlen, heads, head_dim\) for dim=2, got 3 dims, shape \(4, 2, 8\)$", grad=FIRST),
     R("repeat_kv_backward_op", r"n_rep: expected a positive int, got 0$", n_rep=0),
-    R("repeat_kv_backward_op", DIM + "3$", dim=3),
     # ---- the references (CPU or GPU tensors; messages of their own)
     R("store_reference", r"accumulator shapes \(2, 40, 2, 64\)/\(2, 40, 2, 64\) differ from dk/dv \(2, 41, 2, 64\)",
       dk=zs(B, S + 1, H_K, D, dtype=BF16)),
