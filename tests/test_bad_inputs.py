@@ -1,9 +1,8 @@
-"""The bad-input table: each (op, argument, condition) of the public API raises its error class with a message naming
-the op, the argument, what was expected and what was given; and the accepted inputs next to them. Each row: the op's
-baseline call is accepted, then the row's change is rejected. The wrappers re-raise an op's ValueError as
-fe.FlashEpilogueInputError, its TypeError (a dtype, None, a wrong Python type) as fe.FlashEpilogueTypeError; ..._op rows
-call torch.ops.flash_epilogue. The ops check all metadata on CPU tensors too, then refuse the device: such rows run on
-the CPU (CI) too. On an sm_90 GPU every row runs on CUDA tensors and the process must be healthy afterwards.
+"""The bad-input table: each (op, argument, condition) of the public API raises its error class, its message naming the
+op, the argument, what was expected and what was given; the accepted inputs below. A row's baseline call is accepted,
+its change rejected. Wrappers re-raise an op's ValueError as FlashEpilogueInputError, its TypeError (a dtype, None, a
+wrong Python type) as FlashEpilogueTypeError; ..._op rows call torch.ops.flash_epilogue. The ops check all metadata,
+then the device: such rows run on CPU (CI) too; on an sm_90 GPU every row runs on CUDA and leaves the process healthy.
 """
 import collections
 import re
@@ -13,7 +12,7 @@ import pytest
 import torch
 
 from test_bad_inputs_calls import (
-    B, BF16, CPU_T, CUDA1, D, DKV, EXPANDED, F16, F32, FIRST, H_K, H_Q, I32, OP, OVERLAPPING, PARTIALS, PY, RAW,
+    B, BF16, CPU_T, CUDA1, D, DKV, EXPANDED, F16, F32, FIRST, H_K, H_Q, I32, INPUT, OP, OVERLAPPING, PARTIALS, PY, RAW,
     S, STORE4, TOTAL, TYPE, UNSQUEEZED, WIDENED, R, acc_shape, accumulator, alias, assert_healthy, call, check_accepted,
     cut, each, i32, ints, like, misaligned, on, padded, replace_acc, sh, z, zs)
 
@@ -100,6 +99,12 @@ ROWS = [
         (r"dk_partial\.shape\[0\]", (("gqa_accumulate_op", (1, 2, 3)), ("gqa_reduce_op", (1, 2, 3)))),
         (r"cu_seqlens\.numel\(\) - 1", (("store_varlen", (3,)), ("store_zero_varlen", (1, 2, 3)),
                                        ("gqa_accumulate_varlen_op", (1,))))) for op, v in cells],
+    *[R(op, rf"{k}: expected a positive int, got {t}", PY if type(v) in (bool, float) else INPUT, **{k: v})
+      for op, k, vts in (("gqa_accumulator", "num_heads_kv", [(True, "(True|bool)")]),
+                         ("gqa_reduce", "num_heads_kv", [(0, "0"), (2.0, r"2\.0"), (True, "(True|bool)")]),
+                         ("repeat_kv", "n_rep", [(0, "0"), (-2, "-2"), (True, "bool"), (2.0, "float")]),
+                         ("repeat_kv_op", "n_rep", [(-1, "-1$")]), ("repeat_kv_backward_op", "n_rep", [(0, "0$")]))
+      for v, t in vts],
     *[R(op, r"cu_seqlens\[2\]: expected >= cu_seqlens\[1\] = 50 \(non-decreasing\), got 30", cu_seqlens=ints(0, 50, 30),
         **CHECKED) for op in ("store_varlen", "store_zero_varlen", "gqa_accumulate_varlen")],
     *[R(op, r"cu_seqlens\[2\]: expected <= 80 \(the tensors' token count\), got 81", cu_seqlens=ints(0, 30, 81),
@@ -181,7 +186,6 @@ ROWS = [
     # ---- gqa_accumulator (allocation; runs on any device)
     R("gqa_accumulator", r"num_heads_kv: expected (a positive int|an int in \[1, 65535\]), got 0", num_heads_kv=0),
     R("gqa_accumulator", r"num_heads_kv: expected an int in \[1, 65535\], got 65536", num_heads_kv=65536),
-    R("gqa_accumulator", r"num_heads_kv: expected a positive int, got (True|bool)", PY, num_heads_kv=True),
     R("gqa_accumulator", r"head_dim: (head dim: )?expected a multiple of 8 in \[8, 256\], got 260", head_dim=260),
     R("gqa_accumulator", r"head_dim_v: (head dim: )?expected a multiple of 8 in \[8, 256\], got 60", head_dim_v=60),
     R("gqa_accumulator", r"arch: expected 0 \(the device's path\), 80 or 90, got 86", arch=86),
@@ -305,9 +309,6 @@ ROWS = [
     R("gqa_accum_to_dense_op", "out: " + OVER.format("accum"), out=like("accum", F32, (B, S, H_K, D))),
     R("gqa_accum_to_dense_op", "accum: " + acc_shape((2, 2, 1, 8192), (2, 2, 1, 16384), c=128), head_dim=128),
     *each("gqa_reduce:num_heads_kv", r"expected a divisor of the 4 query heads \(dk_partial\.shape\[-2\]\), got 3", 3),
-    R("gqa_reduce", r"num_heads_kv: expected a positive int, got 0", num_heads_kv=0),
-    *[R("gqa_reduce", rf"num_heads_kv: expected a positive int, got {t}", PY, num_heads_kv=v)
-      for v, t in ((2.0, r"2\.0"), (True, "(True|bool)"))],
     R("gqa_reduce", r"out_dtype: expected None, torch\.float16 or torch\.bfloat16, got torch\.float32", out_dtype=F32),
     R("gqa_reduce", rf"dk_partial: {TENSOR}list", TYPE, dk_partial=[1.0], dv_partial=None),
     R("gqa_reduce", r"scale_dv: expected a float, got NoneType", PY, scale_dv=None),
@@ -337,21 +338,16 @@ ROWS = [
     R("repeat_kv", r"x: rank: expected 4 dims: \(batch, kv_heads, seqlen, head_dim\) for dim=1, \(batch, seqlen, "
       r"kv_heads, head_dim\) for dim=2, got 3 dims, shape \(2, 40, 64\)", x=FIRST),
     R("repeat_kv", rf"x: {TENSOR}list", PY, x=[1.0]),
-    *[R("repeat_kv", rf"n_rep: expected a positive int, got {v}", n_rep=v) for v in (0, -2)],
-    *[R("repeat_kv", rf"n_rep: expected a positive int, got {t}", PY, n_rep=v) for v, t in ((True, "bool"),
-                                                                                             (2.0, "float"))],
     *[R(op, DIM + f"{v}{end}", dim=v) for op, v, end in (("repeat_kv", 0, ""), ("repeat_kv", 3, ""),
                                                          ("repeat_kv_op", 0, "$"), ("repeat_kv_backward_op", 3, "$"))],
     R("repeat_kv", r"dim: expected .*, got float", PY, dim=1.0),
     R("repeat_kv_op", r"x: rank: expected 4 dims: .*, got 3 dims, shape \(2, 40, 64\)$", x=FIRST),
-    R("repeat_kv_op", r"n_rep: expected a positive int, got -1$", n_rep=-1),
     R("repeat_kv_backward_op", r"grad: heads: expected a multiple of n_rep = 3 in dim 1, got 4 \(shape \(1, 4, 2, "
       r"8\)\)$", n_rep=3),
     *[R("repeat_kv_backward_op", rf"layout: expected a permutation of \[0, 1, 2\], got {re.escape(str(v))}$", layout=v)
       for v in ([0, 1, 1], [0, 1])],
     R("repeat_kv_backward_op", r"grad: rank: expected 4 dims: \(batch, heads, seqlen, head_dim\) for dim=1, \(batch, "
       r"seqlen, heads, head_dim\) for dim=2, got 3 dims, shape \(4, 2, 8\)$", grad=FIRST),
-    R("repeat_kv_backward_op", r"n_rep: expected a positive int, got 0$", n_rep=0),
     # ---- the references (CPU or GPU tensors; messages of their own)
     R("store_reference", r"accumulator shapes \(2, 40, 2, 64\)/\(2, 40, 2, 64\) differ from dk/dv \(2, 41, 2, 64\)",
       dk=zs(B, S + 1, H_K, D, dtype=BF16)),

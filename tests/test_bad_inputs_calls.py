@@ -23,6 +23,7 @@ OPS, DKV, STORE4, PARTIALS = torch.ops.flash_epilogue, ("dk", "dv"), ("dk_accum"
 INPUT, TYPE = fe.FlashEpilogueInputError, fe.FlashEpilogueTypeError  # a ValueError (and not a TypeError); a TypeError
 PY = (INPUT,)  # a wrong Python scalar type seen by the wrapper: INPUT or its subclass TYPE
 RAW = (RuntimeError,)  # the dispatcher's own schema error (an op called directly): not our message format
+Row = collections.namedtuple("Row", "op match cls cpu gpus changes")  # a row of the table (R below)
 
 
 def z(d, *shape, dtype=F32):
@@ -52,8 +53,7 @@ def accumulate_args(d, varlen=False, op=False):
 
 
 def raw(op):
-    """torch.ops.flash_epilogue.<op>, looked up when called (a build without the ops still collects)."""
-    return lambda **kw: getattr(OPS, op)(**kw)
+    return lambda **kw: getattr(OPS, op)(**kw)  # looked up when called: a build without the ops still collects
 
 
 # fn(**build(device)) is a valid call; name: the op named in messages (None: a reference function, messages of
@@ -105,10 +105,9 @@ OP = {
 
 # changes of the arguments: a value, on(f) = f(the baseline's value), or a callable (args, device) giving the value
 on = collections.namedtuple("on", "fn")
-WIDENED = on(lambda t: torch.zeros(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype, device=t.device)[..., ::2])
+WIDENED = on(lambda t: t.new_zeros(*t.shape[:-1], 2 * t.shape[-1])[..., ::2])
 EXPANDED = on(lambda t: t[:1].expand(t.shape))  # stride 0 on the first dim
-OVERLAPPING = on(lambda t: torch.zeros(t.numel(), dtype=t.dtype, device=t.device).as_strided(  # dim 1 steps d / 2
-    t.shape, (t.stride(0), t.shape[-1] // 2, t.stride(2), 1)))
+OVERLAPPING = on(lambda t: t.new_zeros(t.numel()).as_strided(t.shape, (t.stride(0), t.shape[-1] // 2, t.stride(2), 1)))
 FIRST, UNSQUEEZED, CPU_T, CUDA1 = on(lambda t: t[0]), on(lambda t: t[None]), on(torch.Tensor.cpu), on(
     lambda t: t.to("cuda:1"))
 
@@ -119,14 +118,12 @@ def cut(n, dim=-1):
 
 def padded(extra):
     """t in a view whose row pitch (stride(-2)) is t.shape[-1] + extra elements."""
-    return on(lambda t: torch.zeros(*t.shape[:-1], t.shape[-1] + extra, dtype=t.dtype, device=t.device)[
-        ..., : t.shape[-1]])
+    return on(lambda t: t.new_zeros(*t.shape[:-1], t.shape[-1] + extra)[..., : t.shape[-1]])
 
 
 def misaligned(nbytes=8):
     """t in a new tensor whose data starts `nbytes` past a 16-byte boundary."""
-    return on(lambda t: torch.zeros(t.numel() + 16, dtype=t.dtype, device=t.device)[nbytes // t.element_size():][
-        : t.numel()].view(t.shape))
+    return on(lambda t: t.new_zeros(t.numel() + 16)[nbytes // t.element_size():][: t.numel()].view(t.shape))
 
 
 def ints(*vals, dev=None, step=1):
@@ -150,9 +147,6 @@ def replace_acc(**fields):
     return on(lambda acc: dataclasses.replace(acc, **fields))
 
 
-Row = collections.namedtuple("Row", "op match cls cpu gpus changes")
-
-
 def R(op, match, cls=INPUT, cpu=True, gpus=1, **changes):
     """match: a regex, searched after "flash_epilogue.<op>: "; cpu: the error comes before the device check."""
     if op.endswith(("_op", "reference", "fp32")):  # the op itself, a reference: a plain ValueError / TypeError
@@ -167,7 +161,6 @@ def each(where, match, change, cls=INPUT, **more):
 
 
 def sh(*dims):
-    """A shape as the messages print it, as a regex."""
     return re.escape(str(tuple(dims)))
 
 
