@@ -80,12 +80,12 @@ OP = {
                    "gqa_accum_to_dense"),
     "to_dense_varlen": Op(lambda acc, **kw: acc.to_dense(**kw), lambda d: {"acc": accumulator(d, False, True),
                           "cu_seqlens": i32(d, 0, 30, TOTAL)}, "gqa_accum_to_dense"),
-    "gqa_accum_to_dense_op": Op(raw("gqa_accum_to_dense"), lambda d: dict(accum=accumulator(d).dk_accum, out=z(
-        d, B, S, H_K, D), head_dim=D), "gqa_accum_to_dense"),
+    "gqa_accum_to_dense_op": Op(raw("gqa_accum_to_dense"), lambda d: dict(
+        accum=accumulator(d).dk_accum, out=z(d, B, S, H_K, D), head_dim=D), "gqa_accum_to_dense"),
     "gqa_reduce": Op(fe.gqa_reduce, lambda d: dense(d, *PARTIALS, num_heads_kv=H_K), "gqa_reduce"),
     "gqa_reduce_varlen": Op(fe.gqa_reduce, lambda d: dense(d, *PARTIALS, varlen=True, num_heads_kv=H_K), "gqa_reduce"),
-    "gqa_reduce_out": Op(fe.gqa_reduce, lambda d: dense(d, *PARTIALS, num_heads_kv=H_K, out=tuple(dense(
-        d, *DKV).values())), "gqa_reduce"),
+    "gqa_reduce_out": Op(fe.gqa_reduce, lambda d: dense(d, *PARTIALS, num_heads_kv=H_K, out=tuple(
+        dense(d, *DKV).values())), "gqa_reduce"),
     "gqa_reduce_op": Op(raw("gqa_reduce"), lambda d: dense(d, *PARTIALS, *DKV), "gqa_reduce"),
     "gqa_reduce_varlen_op": Op(raw("gqa_reduce"), lambda d: dense(d, *PARTIALS, *DKV, varlen=True), "gqa_reduce"),
     "repeat_kv": Op(fe.repeat_kv, lambda d: {"x": z(d, B, H_K, S, D, dtype=BF16), "n_rep": 2}, "repeat_kv", True),
