@@ -23,6 +23,7 @@ OPS, DKV, STORE4, PARTIALS = torch.ops.flash_epilogue, ("dk", "dv"), ("dk_accum"
 INPUT, TYPE = fe.FlashEpilogueInputError, fe.FlashEpilogueTypeError  # a ValueError (and not a TypeError); a TypeError
 PY = (INPUT,)  # a wrong Python scalar type seen by the wrapper: INPUT or its subclass TYPE
 RAW = (RuntimeError,)  # the dispatcher's own schema error (an op called directly): not our message format
+Row = collections.namedtuple("Row", "op match cls cpu gpus changes")  # a row of the table (R below)
 
 
 def z(d, *shape, dtype=F32):
@@ -38,11 +39,11 @@ def accumulator(d, deterministic=True, varlen=False, h_k=H_K, hd=D, **kw):
     return fe.gqa_accumulator(h_k, hd, deterministic=deterministic, device=d, **{**layout, **kw})
 
 
-def dense(d, *names, varlen=False):
-    """The baseline's zeros: bf16 dk, dv; fp32 accumulators; fp32 partials of the H_Q query heads; cu_seqlens."""
+def dense(d, *names, varlen=False, **more):
+    """The baseline's zeros: bf16 dk, dv; fp32 accumulators; fp32 partials of the H_Q query heads; cu_seqlens; more."""
     lead = (TOTAL,) if varlen else (B, S)
     out = {n: z(d, *lead, H_Q if "part" in n else H_K, D, dtype=BF16 if n in DKV else F32) for n in names}
-    return out | ({"cu_seqlens": i32(d, 0, 30, TOTAL)} if varlen else {})
+    return out | ({"cu_seqlens": i32(d, 0, 30, TOTAL)} if varlen else {}) | more
 
 
 def accumulate_args(d, varlen=False, op=False):
@@ -52,8 +53,7 @@ def accumulate_args(d, varlen=False, op=False):
 
 
 def raw(op):
-    """torch.ops.flash_epilogue.<op>, looked up when called (a build without the ops still collects)."""
-    return lambda **kw: getattr(OPS, op)(**kw)
+    return lambda **kw: getattr(OPS, op)(**kw)  # looked up when called: a build without the ops still collects
 
 
 # fn(**build(device)) is a valid call; name: the op named in messages (None: a reference function, messages of
@@ -66,29 +66,26 @@ OP = {
     "store_zero": Op(fe.store_zero, lambda d: dense(d, *DKV), "store_zero"),
     "store_zero_varlen": Op(fe.store_zero, lambda d: dense(d, *DKV, varlen=True), "store_zero"),
     "store_zero_op": Op(raw("store_zero"), lambda d: dense(d, *DKV), "store_zero"),
-    "gqa_accumulator": Op(fe.gqa_accumulator, lambda d: {"num_heads_kv": H_K, "head_dim": D, "batch": B, "seqlen": S,
-                                                         "device": d}, "gqa_accumulator", True),
+    "gqa_accumulator": Op(fe.gqa_accumulator, lambda d: dict(num_heads_kv=H_K, head_dim=D, batch=B, seqlen=S, device=d),
+                          "gqa_accumulator", True),
     "gqa_accumulate": Op(fe.gqa_accumulate, accumulate_args, "gqa_accumulate"),
     "gqa_accumulate_varlen": Op(fe.gqa_accumulate, lambda d: accumulate_args(d, True), "gqa_accumulate"),
     "gqa_accumulate_det": Op(deterministic_algorithms()(fe.gqa_accumulate), accumulate_args, "gqa_accumulate"),
     "gqa_accumulate_op": Op(raw("gqa_accumulate"), lambda d: accumulate_args(d, op=True), "gqa_accumulate"),
     "gqa_accumulate_varlen_op": Op(raw("gqa_accumulate"), lambda d: accumulate_args(d, True, True), "gqa_accumulate"),
-    "gqa_postprocess": Op(fe.gqa_postprocess, lambda d: dense(d, *DKV) | {"acc": accumulator(d, False)},
-                          "gqa_postprocess"),
+    "gqa_postprocess": Op(fe.gqa_postprocess, lambda d: dense(d, *DKV, acc=accumulator(d, False)), "gqa_postprocess"),
     "gqa_postprocess_op": Op(raw("gqa_postprocess"), lambda d: dense(d, *DKV) | {
         k: getattr(accumulator(d, False), k) for k in ("dk_accum", "dv_accum")}, "gqa_postprocess"),
     "to_dense": Op(lambda acc, **kw: acc.to_dense(**kw), lambda d: {"acc": accumulator(d, False)},
                    "gqa_accum_to_dense"),
     "to_dense_varlen": Op(lambda acc, **kw: acc.to_dense(**kw), lambda d: {"acc": accumulator(d, False, True),
                           "cu_seqlens": i32(d, 0, 30, TOTAL)}, "gqa_accum_to_dense"),
-    "gqa_accum_to_dense_op": Op(raw("gqa_accum_to_dense"), lambda d: {"accum": accumulator(d).dk_accum,
-                                                                   "out": z(d, B, S, H_K, D), "head_dim": D},
-                                "gqa_accum_to_dense"),
-    "gqa_reduce": Op(fe.gqa_reduce, lambda d: dense(d, *PARTIALS) | {"num_heads_kv": H_K}, "gqa_reduce"),
-    "gqa_reduce_varlen": Op(fe.gqa_reduce, lambda d: dense(d, *PARTIALS, varlen=True) | {"num_heads_kv": H_K},
-                            "gqa_reduce"),
-    "gqa_reduce_out": Op(fe.gqa_reduce, lambda d: dense(d, *PARTIALS) | {"num_heads_kv": H_K, "out": tuple(dense(
-        d, *DKV).values())}, "gqa_reduce"),
+    "gqa_accum_to_dense_op": Op(raw("gqa_accum_to_dense"), lambda d: dict(
+        accum=accumulator(d).dk_accum, out=z(d, B, S, H_K, D), head_dim=D), "gqa_accum_to_dense"),
+    "gqa_reduce": Op(fe.gqa_reduce, lambda d: dense(d, *PARTIALS, num_heads_kv=H_K), "gqa_reduce"),
+    "gqa_reduce_varlen": Op(fe.gqa_reduce, lambda d: dense(d, *PARTIALS, varlen=True, num_heads_kv=H_K), "gqa_reduce"),
+    "gqa_reduce_out": Op(fe.gqa_reduce, lambda d: dense(d, *PARTIALS, num_heads_kv=H_K, out=tuple(
+        dense(d, *DKV).values())), "gqa_reduce"),
     "gqa_reduce_op": Op(raw("gqa_reduce"), lambda d: dense(d, *PARTIALS, *DKV), "gqa_reduce"),
     "gqa_reduce_varlen_op": Op(raw("gqa_reduce"), lambda d: dense(d, *PARTIALS, *DKV, varlen=True), "gqa_reduce"),
     "repeat_kv": Op(fe.repeat_kv, lambda d: {"x": z(d, B, H_K, S, D, dtype=BF16), "n_rep": 2}, "repeat_kv", True),
@@ -101,40 +98,36 @@ OP = {
                                                                     "out_dtype": F16}, None, True),
     "gqa_reduce_sequential_fp32": Op(ref.gqa_reduce_sequential_fp32, lambda d: {"partial": z(d, 1, 2, 6, 8),
                                                                                 "num_heads_kv": 3}, None, True),
-    "gqa_accumulate_reference": Op(ref.gqa_accumulate_reference, lambda d: {
-        "dk_partial": z(d, 10, 6, 8), "dv_partial": None, "dk_dense": z(d, 10, 3, 8), "dv_dense": None,
-        "num_heads_kv": 3, "cu_seqlens": i32(d, 0, 10)}, None, True),
+    "gqa_accumulate_reference": Op(ref.gqa_accumulate_reference, lambda d: dict(
+        dk_partial=z(d, 10, 6, 8), dv_partial=None, dk_dense=z(d, 10, 3, 8), dv_dense=None, num_heads_kv=3,
+        cu_seqlens=i32(d, 0, 10)), None, True),
 }
 
 # changes of the arguments: a value, on(f) = f(the baseline's value), or a callable (args, device) giving the value
 on = collections.namedtuple("on", "fn")
-WIDENED = on(lambda t: torch.zeros(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype, device=t.device)[..., ::2])
+WIDENED = on(lambda t: t.new_zeros(*t.shape[:-1], 2 * t.shape[-1])[..., ::2])
 EXPANDED = on(lambda t: t[:1].expand(t.shape))  # stride 0 on the first dim
-OVERLAPPING = on(lambda t: torch.zeros(t.numel(), dtype=t.dtype, device=t.device).as_strided(  # dim 1 steps d / 2
-    t.shape, (t.stride(0), t.shape[-1] // 2, t.stride(2), 1)))
+OVERLAPPING = on(lambda t: t.new_zeros(t.numel()).as_strided(t.shape, (t.stride(0), t.shape[-1] // 2, t.stride(2), 1)))
 FIRST, UNSQUEEZED, CPU_T, CUDA1 = on(lambda t: t[0]), on(lambda t: t[None]), on(torch.Tensor.cpu), on(
     lambda t: t.to("cuda:1"))
 
 
 def cut(n, dim=-1):
-    """t's first n entries of dim."""
     return on(lambda t: t.narrow(dim, 0, n))
 
 
 def padded(extra):
     """t in a view whose row pitch (stride(-2)) is t.shape[-1] + extra elements."""
-    return on(lambda t: torch.zeros(*t.shape[:-1], t.shape[-1] + extra, dtype=t.dtype, device=t.device)[
-        ..., : t.shape[-1]])
+    return on(lambda t: t.new_zeros(*t.shape[:-1], t.shape[-1] + extra)[..., : t.shape[-1]])
 
 
 def misaligned(nbytes=8):
     """t in a new tensor whose data starts `nbytes` past a 16-byte boundary."""
-    return on(lambda t: torch.zeros(t.numel() + 16, dtype=t.dtype, device=t.device)[nbytes // t.element_size():][
-        : t.numel()].view(t.shape))
+    return on(lambda t: t.new_zeros(t.numel() + 16)[nbytes // t.element_size():][: t.numel()].view(t.shape))
 
 
-def ints(*vals, dev=None):
-    return lambda a, d: i32(dev or d, *vals)
+def ints(*vals, dev=None, step=1):
+    return lambda a, d: i32(dev or d, *vals)[::step]
 
 
 def zs(*shape, dtype=F32):
@@ -142,7 +135,6 @@ def zs(*shape, dtype=F32):
 
 
 def alias(of, view=lambda t: t):
-    """`of`'s memory, seen through `view`."""
     return lambda a, d: view(a[of])
 
 
@@ -153,9 +145,6 @@ def like(of, dtype, shape=None):
 
 def replace_acc(**fields):
     return on(lambda acc: dataclasses.replace(acc, **fields))
-
-
-Row = collections.namedtuple("Row", "op match cls cpu gpus changes")
 
 
 def R(op, match, cls=INPUT, cpu=True, gpus=1, **changes):
@@ -172,7 +161,6 @@ def each(where, match, change, cls=INPUT, **more):
 
 
 def sh(*dims):
-    """A shape as the messages print it, as a regex."""
     return re.escape(str(tuple(dims)))
 
 
@@ -278,12 +266,8 @@ def run(code, cwd=Path(__file__).resolve().parent.parent, **env):
 def test_without_the_extension_every_op_names_the_reason():
     # every op raises FlashEpilogueBuildError naming the reason; the references and repeat_kv (plain torch) work
     out = run("""
-import importlib.abc, sys
-class Blocked(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name == "flash_epilogue._C":
-            raise ImportError("blocked by the test")
-sys.meta_path.insert(0, Blocked())
+import sys
+sys.modules["flash_epilogue._C"] = None  # importing it raises ImportError
 import torch, flash_epilogue as fe
 assert not fe.kernels_available() and fe.UNAVAILABLE_REASON
 a, o, p = torch.zeros(1, 8, 2, 64), torch.zeros(1, 8, 2, 64, dtype=torch.bfloat16), torch.zeros(1, 8, 4, 64)
