@@ -1,8 +1,8 @@
 """CPU tests of the package surface: the tile table (as _C, fe.tile_config and the instantiation generator see it),
 the GQA accumulator's geometry, the fake kernels, `python -m flash_epilogue`, the environment switches, and the docs'
 performance table against the results file it cites."""
-import importlib.util
 import json
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -22,14 +22,6 @@ OP_NAMES = ("store", "store_zero", "gqa_accumulate", "gqa_postprocess", "gqa_acc
             "repeat_kv", "repeat_kv_backward")
 
 
-def _load(name, relative_path):
-    spec = importlib.util.spec_from_file_location(name, ROOT / relative_path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
 @needs_C
 def test_tile_table_is_the_extension_s():
     rows = C.tile_configs()
@@ -44,7 +36,7 @@ def test_tile_table_is_the_extension_s():
     assert fe.tile_config(80).head_dim == 96 and fe.tile_config(72, 136).head_dim == 192
     # the instantiation generator's head dims: every tile head dim of the C++ switch; a build of them all has a tile
     # config of each
-    head_dims = tuple(_load("generate_instantiations", "scripts/generate_instantiations.py").HEAD_DIMS)
+    head_dims = tuple(runpy.run_path(str(ROOT / "scripts/generate_instantiations.py"))["HEAD_DIMS"])
     build = C.build_info()
     assert head_dims == tuple(build["tile_head_dims"])
     if build["compiled_head_dims"] == build["tile_head_dims"]:
@@ -54,8 +46,8 @@ def test_tile_table_is_the_extension_s():
 def test_generated_text_is_up_to_date():
     # docs/performance.md's table is `bench_ops.py --from-json benchmarks/results/h200.json --readme-table`, so the
     # figures and the results file the docs cite cannot drift apart; csrc/instantiations is the generator's output
-    common = _load("bench_common", "benchmarks/common.py")
-    table = common.readme_table(json.loads((ROOT / "benchmarks/results/h200.json").read_text()))
+    readme_table = runpy.run_path(str(ROOT / "benchmarks/common.py"))["readme_table"]
+    table = readme_table(json.loads((ROOT / "benchmarks/results/h200.json").read_text()))
     assert table in (ROOT / "docs/performance.md").read_text(), "regenerate the docs' performance table:\n" + table
     out = subprocess.run([sys.executable, "scripts/generate_instantiations.py", "--check"], cwd=ROOT,
                          capture_output=True, text=True)

@@ -2,6 +2,8 @@
 reference writes them: the valid rows of the selected sequences and heads, within [row_start, row_end)); nothing else
 in the canary buffers changes. Layout cases run on both code paths (`arch`: sm_90, and the sm_80 path on the same GPU)
 with row edges at the path's kBlockN; the sm_90 driver's cases on sm_90 alone."""
+from functools import partial
+
 import pytest
 import torch
 
@@ -17,10 +19,7 @@ DV_PAIRS = [(192, 128), (64, 128), (128, 64), (256, 128), (72, 200), (64, 256), 
 FORMS = ("none", "list", "tensor", "int")
 INT32_MAX = 2**31 - 1  # row_start/row_end are int32s (larger values are rejected)
 dtype_param = pytest.mark.parametrize("dtype", DTYPES, ids=str)
-
-
-def accum(shape):
-    return rand(shape, binades=20)
+accum = partial(rand, binades=20)
 
 
 def check(dk_buf, dv_buf, dk, dv, arch=90, acc=None, **kw):
@@ -34,7 +33,6 @@ def check(dk_buf, dv_buf, dk, dv, arch=90, acc=None, **kw):
     else:
         store_reference(*acc, same_view(expect_k, dk), same_view(expect_v, dv), **kw)
         fe.store(*acc, dk, dv, _arch=arch, **kw)
-    torch.cuda.synchronize()
     assert_bits(dk_buf, expect_k, "dk")
     assert_bits(dv_buf, expect_v, "dv")
     return int((bits(expect_k) == 0).sum())
@@ -53,16 +51,6 @@ def varlen_meta(n, long=2, tail=37):
     lens = [0, 1, n - 1, n, n + 1, long * n + 7, 0, tail]
     cu = cu_seqlens(lens)
     return len(lens), cu, int32(*[max(0, x - (i % 3) * 5) for i, x in enumerate(lens)]), int(cu[-1]) + 9
-
-
-@arch_param
-@dtype_param
-@pytest.mark.parametrize("d", HEAD_DIMS)
-@pytest.mark.parametrize("seq_idx", range(7))
-@pytest.mark.parametrize("batch,heads", [(1, 1), (2, 3)])
-def test_store_batched(dtype, d, seq_idx, batch, heads, arch):
-    n = block_n(d, arch=arch)
-    check_carved((batch, (0, 1, n - 1, n, n + 1, 1000, 4096)[seq_idx], heads, d), dtype, arch=arch, acc=True)
 
 
 @arch_param
@@ -89,8 +77,7 @@ def test_store_views(dtype, d, arch):
     acc = accum((2, 1000, 4, d))
     outs = torch.empty_like(acc, dtype=dtype), torch.empty_like(acc, dtype=dtype)
     torch.ops.flash_epilogue.store(acc, acc, *outs, _arch=arch)
-    for out in outs:
-        assert torch.equal(bits(out), bits(acc.to(dtype)))
+    assert all(torch.equal(bits(out), bits(acc.to(dtype))) for out in outs)
 
 
 def many_tiles_heads(tiles_per_head, waves=20):
@@ -162,18 +149,11 @@ def test_store_bad_metadata_unchecked_stays_inside_the_tensor(cu, used, arch):
     acc = accum((total, h, d))
     fe.store(acc, acc, dk, dv, **seq, check_inputs=False, _arch=arch)
     fe.store_zero(dk, dv, **seq, check_inputs=False, _arch=arch)
-    torch.cuda.synchronize()
     for buf, before in ((buf_k, before_k), (buf_v, before_v)):
         assert_bits(buf[:32], before[:32])
         assert_bits(buf[32 + total :], before[32 + total :])
     with pytest.raises(fe.FlashEpilogueInputError, match="cu_seqlens|seqused"):
         fe.store(acc, acc, dk, dv, **seq, check_inputs=True)
-
-
-def row_ranges(n):
-    """[row_start, row_end) pairs with edges at kBlockN - 1, kBlockN, kBlockN + 1 (and beyond)."""
-    return [(0, None), (0, n - 1), (0, n), (0, n + 1), (n - 1, None), (n, None), (n + 1, None), (n - 1, n + 1),
-            (n + 1, 2 * n - 1), (1, 2 * n + 1), (n, n), (2 * n + 3, None), (3, INT32_MAX), (5 * n, None)]
 
 
 def selection(n, gen, form):
@@ -191,21 +171,24 @@ def selection(n, gen, form):
 @pytest.mark.parametrize("varlen", (False, True), ids=("batched", "varlen"))
 def test_store_and_store_zero_seqused_varlen_rows_and_selections(dtype, d, arch, varlen):
     n = block_n(d, d, arch)
+    gen = torch.Generator().manual_seed(d * (11 if varlen else 7) + arch + (dtype == torch.float16))
     if varlen:  # store: the last case has every sequence empty, nothing written
         _, cu, used, total = varlen_meta(n, 3, 500 if arch == 90 else 50)
         for seq in ({"cu_seqlens": cu}, {"cu_seqlens": cu, "seqused": used}, {"cu_seqlens": int32(0, 0, 0, 0, 0)}):
             check_carved((total, 2, d), dtype, arch=arch, acc=True, **seq)
-    else:
-        check_carved((4, 400, 2, d), dtype, arch=arch, acc=True, seqused=int32(0, 1, n + 1, 400))
-        check_carved((0, 128, 4, d), dtype, arch=arch, acc=True)
-    gen = torch.Generator().manual_seed(d * (11 if varlen else 7) + arch + (dtype == torch.float16))
-    if varlen:
         batch, cu, used, total = varlen_meta(n)
         shape, seqs = (total, 2, d), ({"cu_seqlens": cu}, {"cu_seqlens": cu, "seqused": used})
         ranges = [(0, None), (n - 1, n + 1), (n, None), (n + 1, 2 * n), (1, n - 1), (3, 3), (0, INT32_MAX)]
-    else:
+    else:  # store: seqlens at the tile edges, seqused, no batch
+        for s in (0, 1, n - 1, n, n + 1, 1000, 4096):
+            for batch, heads in ((1, 1), (2, 3)):
+                check_carved((batch, s, heads, d), dtype, arch=arch, acc=True)
+        check_carved((4, 400, 2, d), dtype, arch=arch, acc=True, seqused=int32(0, 1, n + 1, 400))
+        check_carved((0, 128, 4, d), dtype, arch=arch, acc=True)
         batch, s = 3, 2 * n + 3
-        shape, seqs, ranges = (batch, s, 3, d), ({}, {"seqused": int32(s, n + 1, 0)}), row_ranges(n)
+        shape, seqs = (batch, s, 3, d), ({}, {"seqused": int32(s, n + 1, 0)})
+        ranges = [(0, None), (0, n - 1), (0, n), (0, n + 1), (n - 1, None), (n, None), (n + 1, None), (n - 1, n + 1),
+                  (n + 1, 2 * n - 1), (1, 2 * n + 1), (n, n), (2 * n + 3, None), (3, INT32_MAX), (5 * n, None)]
     zeroed = 0
     for i, (r0, r1) in enumerate(ranges):
         for seq in seqs:
@@ -260,7 +243,6 @@ def test_store_zero_selection_edges(dtype, arch):
     dk, dv = canary((b, s, h, d), dtype), canary((b, s, h, d), dtype)
     with pytest.raises(fe.FlashEpilogueInputError, match=r"batch_idx\[1\]: expected a value in \[0, 3\)"):
         fe.store_zero(dk, dv, batch_idx=[0, 3], check_inputs=True, _arch=arch)
-    torch.cuda.synchronize()
     assert (bits(dk) == CANARY_BITS).all() and (bits(dv) == CANARY_BITS).all()
     # every one of these writes nothing: the buffers keep their canary bit for bit
     d, b, s, h = 64, 2, 40, 2
@@ -280,7 +262,6 @@ def test_store_zero_selection_edges(dtype, arch):
     shape = (2, 300, 3, 96)
     dk, dv = canary(shape, dtype), canary(shape[:-1] + (32,), dtype)
     fe.store_zero(dk, dv, _arch=arch)
-    torch.cuda.synchronize()
     assert (bits(dk) == 0).all() and (bits(dv) == 0).all()
     # an int, a tuple and a range select like the equivalent tensors
     for batch_idx, head_idx in ((1, 2), ((0,), range(1, 3)), (range(2), (2, 0))):
@@ -306,7 +287,6 @@ def test_store_zero_cuda_graph(arch):
         expect_k, expect_v = dk_buf.clone(), dv_buf.clone()
         store_zero_reference(expect_k, expect_v, **kw)
         graph.replay()
-        torch.cuda.synchronize()
         assert (bits(expect_k) == 0).any()
         assert_bits(dk_buf, expect_k, "dk")
         assert_bits(dv_buf, expect_v, "dv")
