@@ -129,8 +129,7 @@ def test_accumulator_allocation():
     assert acc.config == fe.tile_config(128) and acc.device.type == "meta" and acc.dense_shape(128) == (3, 300, 2, 128)
     assert "GQAAccumulator(dk_accum=float32[3, 2, 3, 16384], dv_accum=float32[3, 2, 3, 16384], semaphores=None" \
         in repr(acc)
-    # dv's own head dim: one tile serves max(d, dv); an uncompiled head dim: the next tile
-    # (their shapes: test_accumulator_shape_batched)
+    # dv's own head dim: one tile serves max(d, dv); an uncompiled one: the next tile (test_accumulator_shape_batched)
     acc = fe.gqa_accumulator(4, 192, 128, batch=2, seqlen=200, deterministic=True, device="cpu")
     assert acc.dv_accum.shape == (2, 4, 3, 12288) and "semaphores=int32[49]" in repr(acc)
     assert acc.deterministic and all((t == 0).all() for t in (acc.semaphores, acc.dk_accum, acc.dv_accum))
@@ -183,8 +182,7 @@ def test_fake_kernels(varlen):
         seq = {"cu_seqlens": cs} if varlen else {}
         ops = torch.ops.flash_epilogue
         acc32 = torch.empty(lead + (4, 128), device=device)
-        dk = torch.empty(lead + (2, 128), dtype=BF16, device=device)
-        dv = torch.empty(lead + (2, 64), dtype=BF16, device=device)
+        dk, dv = (torch.empty(lead + (2, w), dtype=BF16, device=device) for w in (128, 64))
         idx = torch.tensor([1], dtype=I32, device=device)
         assert ops.store(acc32, acc32, dk.new_empty(lead + (4, 128)), dk.new_empty(lead + (4, 128)), **seq) is None
         assert ops.store_zero(dk, dv, batch_idx=idx, head_idx=idx, row_start=3, row_end=9, **seq) is None

@@ -198,6 +198,11 @@ def test_gqa_sequential_order_is_left_to_right_from_zero():
     assert torch.equal(gqa_reduce_sequential_fp32(p, 1)[:, :, 0], (p[:, :, 0] + p[:, :, 1]) + p[:, :, 2])
     out = gqa_reduce_sequential_fp32(torch.full((1, 2, 8), -0.0), 1)
     assert not torch.signbit(out).any()  # 0 + (-0) + (-0) = +0, as on a zeroed accumulator
+    # the reference's sequential=True: each group's left fold from zero (q head j -> kv head j // 4), times fp32(scale)
+    p = torch.randn(2, 7, 8, 16, generator=torch.Generator().manual_seed(0)) * 100
+    fold = sum(p.unflatten(2, (2, 4)).unbind(3), torch.zeros(2, 7, 2, 16))
+    seq = gqa_reduce_reference(p, num_heads_kv=2, out_dtype=BF16, scale_dk=0.3, sequential=True)
+    assert torch.equal(seq, (fold * torch.tensor(0.3, dtype=torch.float32)).to(BF16))
 
 
 def test_gqa_reduce_masked_rows_and_out():
@@ -241,11 +246,3 @@ def test_accumulate_reference_orders_and_rows():
     gqa_accumulate_reference(pv, None, dense, None, num_heads_kv=3, cu_seqlens=i32(0, 4, 9))
     assert torch.equal(dense[:9], (torch.zeros(9, 3, 8) + pv[:9, 0::2]) + pv[:9, 1::2])
     assert (dense[9] == 0).all()
-
-
-def test_reduce_reference_sequential():
-    # the left fold from zero of each group (q head j -> kv head j // 4) in fp32, times the fp32 scale, rounded
-    p = torch.randn(2, 7, 8, 16, generator=torch.Generator().manual_seed(0)) * 100
-    fold = sum(p.unflatten(2, (2, 4)).unbind(3), torch.zeros(2, 7, 2, 16))
-    seq = gqa_reduce_reference(p, num_heads_kv=2, out_dtype=BF16, scale_dk=0.3, sequential=True)
-    assert torch.equal(seq, (fold * torch.tensor(0.3, dtype=torch.float32)).to(BF16))

@@ -80,19 +80,14 @@ def test_store_views(dtype, d, arch):
     assert all(torch.equal(bits(out), bits(acc.to(dtype))) for out in outs)
 
 
-def many_tiles_heads(tiles_per_head, waves=20):
-    """Heads for at least `waves` tiles per SM: the sm_90 driver's persistent CTAs then walk many tiles each and
-    their ring of input stages wraps several times."""
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    return max(2, -(-waves * sms // (2 * tiles_per_head)))
-
-
 @dtype_param
 @pytest.mark.parametrize("d", (64, 96, 128, 192, 256))
 def test_store_sm90_tiling(dtype, d):
-    n = block_n(d)
-    b, s = 2, 8 * n + 5  # a partial last tile per sequence
-    h = many_tiles_heads(b * 9)
+    # heads for 20 tiles (dK's and dV's) per SM at least: the persistent CTAs walk many tiles each and their ring of
+    # input stages wraps several times
+    n, sms = block_n(d), torch.cuda.get_device_properties(0).multi_processor_count
+    b, s = 2, 8 * n + 5  # a partial last tile per sequence: 9 tiles each
+    h = max(2, -(-20 * sms // (2 * b * 9)))
     dk_buf, dv_buf = canary((b, s + 3, h, d), dtype), canary((b, s + 3, h, d), dtype)
     check(dk_buf, dv_buf, dk_buf[:, 1 : s + 1], dv_buf[:, 2 : s + 2], acc=True)
     # varlen: random lengths (zeros too) and a seqused emptying some tiles: the CTAs skip those in the order of
@@ -102,7 +97,7 @@ def test_store_sm90_tiling(dtype, d):
     lens[::7] = 0
     cu = cu_seqlens(lens.tolist())
     used = (lens - torch.randint(0, 2 * n, (48,), generator=gen)).clamp(min=0).to(torch.int32).cuda()
-    h = many_tiles_heads(int(lens.sum()) // n + 48)
+    h = max(2, -(-20 * sms // (2 * (int(lens.sum()) // n + 48))))
     for seq in ({"cu_seqlens": cu}, {"cu_seqlens": cu, "seqused": used}):
         check_carved((int(cu[-1]) + 11, h, d), dtype, acc=True, **seq)
     # a varlen tile goes by TMA when all its rows lie inside the sequence (and seqused), by predicated stores
@@ -113,22 +108,16 @@ def test_store_sm90_tiling(dtype, d):
     for seq in ({"cu_seqlens": cu}, {"cu_seqlens": cu, "seqused": int32(2 * n, n, 2 * n, 1, 3 * n - 1)}):
         dk_buf, dv_buf = canary((total + 5, h, d + 16), dtype), canary((total + 5, h + 1, d), dtype)
         check(dk_buf, dv_buf, dk_buf[2 : 2 + total, :, :d], dv_buf[3 : 3 + total, 1:], acc=True, **seq)
-
-
-@dtype_param
-@pytest.mark.parametrize("d", (128, 192, 256))
-@pytest.mark.parametrize("extra_heads", (0, 1))
-@pytest.mark.parametrize("metadata", ("none", "cu_seqlens", "seqused"))
-def test_store_at_the_small_problem_threshold(dtype, d, extra_heads, metadata):
-    # sm_90 small problems take other kernels: at hdim 128 up to one tile per SM (dK's and dV's) streams 64-row tiles
-    # with two CTAs per SM, at hdim 192/256 up to two take one CTA per tile; one tile more: the streaming kernel. Both
-    # sides of each switch, a partial tile per head: batched, as one varlen sequence (same tiles), with seqused.
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    s, h = block_n(d) - 3, (sms // 2 if d == 128 else sms) + extra_heads
-    lead = (s + 2,) if metadata == "cu_seqlens" else (1, s + 2)
-    dk_buf, dv_buf = canary((*lead, h, d), dtype), canary((*lead, h, d), dtype)
-    seq = {"none": {}, "cu_seqlens": {"cu_seqlens": int32(0, s)}, "seqused": {"seqused": int32(s - 5)}}[metadata]
-    check(dk_buf, dv_buf, dk_buf[..., 1 : s + 1, :, :], dv_buf[..., 1 : s + 1, :, :], acc=True, **seq)
+    # small problems take other kernels: at hdim 128 up to one tile per SM (dK's and dV's) streams 64-row tiles with
+    # two CTAs per SM, at hdim 192/256 up to two take one CTA per tile; one tile more: the streaming kernel. Both sides
+    # of each switch, a partial tile per head: batched, as one varlen sequence (same tiles), with seqused.
+    s = n - 3
+    for extra_heads in (0, 1) if d >= 128 else ():
+        h = (sms // 2 if d == 128 else sms) + extra_heads
+        for lead, seq in (((1, s + 2), {}), ((s + 2,), {"cu_seqlens": int32(0, s)}),
+                          ((1, s + 2), {"seqused": int32(s - 5)})):
+            dk_buf, dv_buf = canary((*lead, h, d), dtype), canary((*lead, h, d), dtype)
+            check(dk_buf, dv_buf, dk_buf[..., 1 : s + 1, :, :], dv_buf[..., 1 : s + 1, :, :], acc=True, **seq)
 
 
 @arch_param
