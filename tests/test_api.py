@@ -1,8 +1,8 @@
 """CPU tests of the package surface: the tile table (as _C, fe.tile_config and the instantiation generator see it),
 the GQA accumulator's geometry, the fake kernels, `python -m flash_epilogue`, the environment switches, and the docs'
 performance table against the results file it cites."""
-import importlib.util
 import json
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -22,14 +22,6 @@ OP_NAMES = ("store", "store_zero", "gqa_accumulate", "gqa_postprocess", "gqa_acc
             "repeat_kv", "repeat_kv_backward")
 
 
-def _load(name, relative_path):
-    spec = importlib.util.spec_from_file_location(name, ROOT / relative_path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
 @needs_C
 def test_tile_table_is_the_extension_s():
     rows = C.tile_configs()
@@ -44,7 +36,7 @@ def test_tile_table_is_the_extension_s():
     assert fe.tile_config(80).head_dim == 96 and fe.tile_config(72, 136).head_dim == 192
     # the instantiation generator's head dims: every tile head dim of the C++ switch; a build of them all has a tile
     # config of each
-    head_dims = tuple(_load("generate_instantiations", "scripts/generate_instantiations.py").HEAD_DIMS)
+    head_dims = tuple(runpy.run_path(str(ROOT / "scripts/generate_instantiations.py"))["HEAD_DIMS"])
     build = C.build_info()
     assert head_dims == tuple(build["tile_head_dims"])
     if build["compiled_head_dims"] == build["tile_head_dims"]:
@@ -54,8 +46,8 @@ def test_tile_table_is_the_extension_s():
 def test_generated_text_is_up_to_date():
     # docs/performance.md's table is `bench_ops.py --from-json benchmarks/results/h200.json --readme-table`, so the
     # figures and the results file the docs cite cannot drift apart; csrc/instantiations is the generator's output
-    common = _load("bench_common", "benchmarks/common.py")
-    table = common.readme_table(json.loads((ROOT / "benchmarks/results/h200.json").read_text()))
+    readme_table = runpy.run_path(str(ROOT / "benchmarks/common.py"))["readme_table"]
+    table = readme_table(json.loads((ROOT / "benchmarks/results/h200.json").read_text()))
     assert table in (ROOT / "docs/performance.md").read_text(), "regenerate the docs' performance table:\n" + table
     out = subprocess.run([sys.executable, "scripts/generate_instantiations.py", "--check"], cwd=ROOT,
                          capture_output=True, text=True)
@@ -137,8 +129,7 @@ def test_accumulator_allocation():
     assert acc.config == fe.tile_config(128) and acc.device.type == "meta" and acc.dense_shape(128) == (3, 300, 2, 128)
     assert "GQAAccumulator(dk_accum=float32[3, 2, 3, 16384], dv_accum=float32[3, 2, 3, 16384], semaphores=None" \
         in repr(acc)
-    # dv's own head dim: one tile serves max(d, dv); an uncompiled head dim: the next tile
-    # (their shapes: test_accumulator_shape_batched)
+    # dv's own head dim: one tile serves max(d, dv); an uncompiled one: the next tile (test_accumulator_shape_batched)
     acc = fe.gqa_accumulator(4, 192, 128, batch=2, seqlen=200, deterministic=True, device="cpu")
     assert acc.dv_accum.shape == (2, 4, 3, 12288) and "semaphores=int32[49]" in repr(acc)
     assert acc.deterministic and all((t == 0).all() for t in (acc.semaphores, acc.dk_accum, acc.dv_accum))
@@ -191,8 +182,7 @@ def test_fake_kernels(varlen):
         seq = {"cu_seqlens": cs} if varlen else {}
         ops = torch.ops.flash_epilogue
         acc32 = torch.empty(lead + (4, 128), device=device)
-        dk = torch.empty(lead + (2, 128), dtype=BF16, device=device)
-        dv = torch.empty(lead + (2, 64), dtype=BF16, device=device)
+        dk, dv = (torch.empty(lead + (2, w), dtype=BF16, device=device) for w in (128, 64))
         idx = torch.tensor([1], dtype=I32, device=device)
         assert ops.store(acc32, acc32, dk.new_empty(lead + (4, 128)), dk.new_empty(lead + (4, 128)), **seq) is None
         assert ops.store_zero(dk, dv, batch_idx=idx, head_idx=idx, row_start=3, row_end=9, **seq) is None

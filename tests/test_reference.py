@@ -1,12 +1,15 @@
 """CPU tests of the pure-PyTorch reference semantics (flash_epilogue/reference.py)."""
+from functools import partial
+
 import pytest
 import torch
 
-from conftest import CANARY_BITS, bits, canary, same
+from conftest import CANARY_BITS, bits, canary, int32, same
 from flash_epilogue.reference import (gqa_accumulate_reference, gqa_reduce_reference, gqa_reduce_sequential_fp32,
                                       sequence_bounds, store_reference, store_zero_reference)
 
 F16, BF16 = torch.float16, torch.bfloat16
+i32 = partial(int32, device="cpu")
 
 
 def _canary(shape, dtype, heads_major=False):
@@ -16,29 +19,8 @@ def _canary(shape, dtype, heads_major=False):
     return canary(shape, dtype, "cpu")
 
 
-def i32(*vals):
-    return torch.tensor(vals, dtype=torch.int32)
-
-
 def is_canary(t):
     return bool((bits(t) == CANARY_BITS).all())
-
-
-def _check_store(dk_accum, dv_accum, dk, dv, cu_seqlens=None, seqused=None):
-    """store_reference writes acc.to(dtype) on the valid rows (sequence_bounds, returned), canary elsewhere."""
-    varlen = cu_seqlens is not None
-    before = dk.clone(), dv.clone()
-    store_reference(dk_accum, dv_accum, dk, dv, cu_seqlens=cu_seqlens, seqused=seqused)
-    bounds = sequence_bounds(cu_seqlens.numel() - 1 if varlen else dk.shape[0], dk.shape[0 if varlen else 1],
-                             cu_seqlens, seqused)
-    for acc, out, old in zip((dk_accum, dv_accum), (dk, dv), before):
-        mask = torch.zeros(out.shape[:1 if varlen else 2], dtype=torch.bool)
-        for b, (start, length) in enumerate(bounds):
-            mask[(slice(start, start + length),) if varlen else (b, slice(start, start + length))] = True
-        mask = mask[..., None, None].expand(out.shape)
-        assert torch.equal(bits(out), bits(torch.where(mask, acc.to(out.dtype), old)))
-        assert is_canary(out[~mask])
-    return bounds
 
 
 def test_sequence_bounds():
@@ -74,13 +56,22 @@ def test_sequence_bounds():
         "all-empty", "no-rows"])
 @pytest.mark.parametrize("heads_major", [False, True], ids=["rows-major", "heads-major"])
 def test_store(shape_k, shape_v, dtype, seed, seq, bounds, heads_major):
-    """Random accumulators into canary outputs: acc.to(dtype) on the rows of `bounds`, the canary on the others;
-    heads_major: the outputs and dk_accum in (.., heads, rows, d) storage."""
+    # random accumulators into canary outputs (heads_major: they and dk_accum in (.., heads, rows, d) storage):
+    # acc.to(dtype) on the rows of `bounds`, sequence_bounds' valid rows, and the canary bits on the others
     torch.manual_seed(seed)
     accs = torch.randn(shape_k), torch.randn(shape_v)
     if heads_major:
         accs = accs[0].transpose(-3, -2).contiguous().transpose(-3, -2), accs[1]
-    assert _check_store(*accs, *(_canary(s, dtype, heads_major) for s in (shape_k, shape_v)), **seq) == bounds
+    outs = [_canary(s, dtype, heads_major) for s in (shape_k, shape_v)]
+    store_reference(*accs, *outs, **seq)
+    varlen = "cu_seqlens" in seq
+    assert sequence_bounds(len(bounds), shape_k[0 if varlen else 1], **seq) == bounds
+    for acc, out in zip(accs, outs):
+        mask = torch.zeros(out.shape[:1 if varlen else 2], dtype=torch.bool)
+        for b, (start, length) in enumerate(bounds):
+            mask[(slice(start, start + length),) if varlen else (b, slice(start, start + length))] = True
+        want = torch.where(mask[..., None, None], acc.to(dtype), canary(out.shape, dtype, "cpu"))
+        assert torch.equal(bits(out), bits(want))
 
 
 def test_store_rounds_to_nearest_even():
@@ -137,11 +128,8 @@ def test_store_zero_varlen_and_strided():
     dv = torch.randn(total, 2, 64).half()
     bounds = sequence_bounds(3, total, cu, su)
     assert bounds == [(0, 3), (4, 0), (4, 5)]
+    # rows 1, 2, 5 to 8 zeroed; the others (seqused tails, padding tokens) untouched
     _check_zero(dk, dv, bounds, True, [0, 1, 2], [0, 1], 1, None, cu_seqlens=cu, seqused=su)
-    # rows outside the valid ranges (seqused tail, padding tokens) untouched
-    zero_rows = [1, 2, 5, 6, 7, 8]
-    assert (dk[zero_rows] == 0).all()
-    assert (dk[[r for r in range(total) if r not in zero_rows]] != 0).all()
     # the batch is cu_seqlens.numel() - 1 (2 here), not dk.shape[0]: batch index 2 is out of range
     cu = i32(0, 2, 5)
     _check_zero(torch.ones(6, 1, 8).bfloat16(), torch.ones(6, 1, 8).bfloat16(), sequence_bounds(2, 6, cu), True, [1],
@@ -210,6 +198,11 @@ def test_gqa_sequential_order_is_left_to_right_from_zero():
     assert torch.equal(gqa_reduce_sequential_fp32(p, 1)[:, :, 0], (p[:, :, 0] + p[:, :, 1]) + p[:, :, 2])
     out = gqa_reduce_sequential_fp32(torch.full((1, 2, 8), -0.0), 1)
     assert not torch.signbit(out).any()  # 0 + (-0) + (-0) = +0, as on a zeroed accumulator
+    # the reference's sequential=True: each group's left fold from zero (q head j -> kv head j // 4), times fp32(scale)
+    p = torch.randn(2, 7, 8, 16, generator=torch.Generator().manual_seed(0)) * 100
+    fold = sum(p.unflatten(2, (2, 4)).unbind(3), torch.zeros(2, 7, 2, 16))
+    seq = gqa_reduce_reference(p, num_heads_kv=2, out_dtype=BF16, scale_dk=0.3, sequential=True)
+    assert torch.equal(seq, (fold * torch.tensor(0.3, dtype=torch.float32)).to(BF16))
 
 
 def test_gqa_reduce_masked_rows_and_out():
@@ -253,11 +246,3 @@ def test_accumulate_reference_orders_and_rows():
     gqa_accumulate_reference(pv, None, dense, None, num_heads_kv=3, cu_seqlens=i32(0, 4, 9))
     assert torch.equal(dense[:9], (torch.zeros(9, 3, 8) + pv[:9, 0::2]) + pv[:9, 1::2])
     assert (dense[9] == 0).all()
-
-
-def test_reduce_reference_sequential():
-    # the left fold from zero of each group (q head j -> kv head j // 4) in fp32, times the fp32 scale, rounded
-    p = torch.randn(2, 7, 8, 16, generator=torch.Generator().manual_seed(0)) * 100
-    fold = sum(p.unflatten(2, (2, 4)).unbind(3), torch.zeros(2, 7, 2, 16))
-    seq = gqa_reduce_reference(p, num_heads_kv=2, out_dtype=BF16, scale_dk=0.3, sequential=True)
-    assert torch.equal(seq, (fold * torch.tensor(0.3, dtype=torch.float32)).to(BF16))

@@ -2,6 +2,8 @@
 reference writes them: the valid rows of the selected sequences and heads, within [row_start, row_end)); nothing else
 in the canary buffers changes. Layout cases run on both code paths (`arch`: sm_90, and the sm_80 path on the same GPU)
 with row edges at the path's kBlockN; the sm_90 driver's cases on sm_90 alone."""
+from functools import partial
+
 import pytest
 import torch
 
@@ -17,10 +19,7 @@ DV_PAIRS = [(192, 128), (64, 128), (128, 64), (256, 128), (72, 200), (64, 256), 
 FORMS = ("none", "list", "tensor", "int")
 INT32_MAX = 2**31 - 1  # row_start/row_end are int32s (larger values are rejected)
 dtype_param = pytest.mark.parametrize("dtype", DTYPES, ids=str)
-
-
-def accum(shape):
-    return rand(shape, binades=20)
+accum = partial(rand, binades=20)
 
 
 def check(dk_buf, dv_buf, dk, dv, arch=90, acc=None, **kw):
@@ -34,7 +33,6 @@ def check(dk_buf, dv_buf, dk, dv, arch=90, acc=None, **kw):
     else:
         store_reference(*acc, same_view(expect_k, dk), same_view(expect_v, dv), **kw)
         fe.store(*acc, dk, dv, _arch=arch, **kw)
-    torch.cuda.synchronize()
     assert_bits(dk_buf, expect_k, "dk")
     assert_bits(dv_buf, expect_v, "dv")
     return int((bits(expect_k) == 0).sum())
@@ -53,16 +51,6 @@ def varlen_meta(n, long=2, tail=37):
     lens = [0, 1, n - 1, n, n + 1, long * n + 7, 0, tail]
     cu = cu_seqlens(lens)
     return len(lens), cu, int32(*[max(0, x - (i % 3) * 5) for i, x in enumerate(lens)]), int(cu[-1]) + 9
-
-
-@arch_param
-@dtype_param
-@pytest.mark.parametrize("d", HEAD_DIMS)
-@pytest.mark.parametrize("seq_idx", range(7))
-@pytest.mark.parametrize("batch,heads", [(1, 1), (2, 3)])
-def test_store_batched(dtype, d, seq_idx, batch, heads, arch):
-    n = block_n(d, arch=arch)
-    check_carved((batch, (0, 1, n - 1, n, n + 1, 1000, 4096)[seq_idx], heads, d), dtype, arch=arch, acc=True)
 
 
 @arch_param
@@ -89,23 +77,17 @@ def test_store_views(dtype, d, arch):
     acc = accum((2, 1000, 4, d))
     outs = torch.empty_like(acc, dtype=dtype), torch.empty_like(acc, dtype=dtype)
     torch.ops.flash_epilogue.store(acc, acc, *outs, _arch=arch)
-    for out in outs:
-        assert torch.equal(bits(out), bits(acc.to(dtype)))
-
-
-def many_tiles_heads(tiles_per_head, waves=20):
-    """Heads for at least `waves` tiles per SM: the sm_90 driver's persistent CTAs then walk many tiles each and
-    their ring of input stages wraps several times."""
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    return max(2, -(-waves * sms // (2 * tiles_per_head)))
+    assert all(torch.equal(bits(out), bits(acc.to(dtype))) for out in outs)
 
 
 @dtype_param
 @pytest.mark.parametrize("d", (64, 96, 128, 192, 256))
 def test_store_sm90_tiling(dtype, d):
-    n = block_n(d)
-    b, s = 2, 8 * n + 5  # a partial last tile per sequence
-    h = many_tiles_heads(b * 9)
+    # heads for 20 tiles (dK's and dV's) per SM at least: the persistent CTAs walk many tiles each and their ring of
+    # input stages wraps several times
+    n, sms = block_n(d), torch.cuda.get_device_properties(0).multi_processor_count
+    b, s = 2, 8 * n + 5  # a partial last tile per sequence: 9 tiles each
+    h = max(2, -(-20 * sms // (2 * b * 9)))
     dk_buf, dv_buf = canary((b, s + 3, h, d), dtype), canary((b, s + 3, h, d), dtype)
     check(dk_buf, dv_buf, dk_buf[:, 1 : s + 1], dv_buf[:, 2 : s + 2], acc=True)
     # varlen: random lengths (zeros too) and a seqused emptying some tiles: the CTAs skip those in the order of
@@ -115,7 +97,7 @@ def test_store_sm90_tiling(dtype, d):
     lens[::7] = 0
     cu = cu_seqlens(lens.tolist())
     used = (lens - torch.randint(0, 2 * n, (48,), generator=gen)).clamp(min=0).to(torch.int32).cuda()
-    h = many_tiles_heads(int(lens.sum()) // n + 48)
+    h = max(2, -(-20 * sms // (2 * (int(lens.sum()) // n + 48))))
     for seq in ({"cu_seqlens": cu}, {"cu_seqlens": cu, "seqused": used}):
         check_carved((int(cu[-1]) + 11, h, d), dtype, acc=True, **seq)
     # a varlen tile goes by TMA when all its rows lie inside the sequence (and seqused), by predicated stores
@@ -126,22 +108,16 @@ def test_store_sm90_tiling(dtype, d):
     for seq in ({"cu_seqlens": cu}, {"cu_seqlens": cu, "seqused": int32(2 * n, n, 2 * n, 1, 3 * n - 1)}):
         dk_buf, dv_buf = canary((total + 5, h, d + 16), dtype), canary((total + 5, h + 1, d), dtype)
         check(dk_buf, dv_buf, dk_buf[2 : 2 + total, :, :d], dv_buf[3 : 3 + total, 1:], acc=True, **seq)
-
-
-@dtype_param
-@pytest.mark.parametrize("d", (128, 192, 256))
-@pytest.mark.parametrize("extra_heads", (0, 1))
-@pytest.mark.parametrize("metadata", ("none", "cu_seqlens", "seqused"))
-def test_store_at_the_small_problem_threshold(dtype, d, extra_heads, metadata):
-    # sm_90 small problems take other kernels: at hdim 128 up to one tile per SM (dK's and dV's) streams 64-row tiles
-    # with two CTAs per SM, at hdim 192/256 up to two take one CTA per tile; one tile more: the streaming kernel. Both
-    # sides of each switch, a partial tile per head: batched, as one varlen sequence (same tiles), with seqused.
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    s, h = block_n(d) - 3, (sms // 2 if d == 128 else sms) + extra_heads
-    lead = (s + 2,) if metadata == "cu_seqlens" else (1, s + 2)
-    dk_buf, dv_buf = canary((*lead, h, d), dtype), canary((*lead, h, d), dtype)
-    seq = {"none": {}, "cu_seqlens": {"cu_seqlens": int32(0, s)}, "seqused": {"seqused": int32(s - 5)}}[metadata]
-    check(dk_buf, dv_buf, dk_buf[..., 1 : s + 1, :, :], dv_buf[..., 1 : s + 1, :, :], acc=True, **seq)
+    # small problems take other kernels: at hdim 128 up to one tile per SM (dK's and dV's) streams 64-row tiles with
+    # two CTAs per SM, at hdim 192/256 up to two take one CTA per tile; one tile more: the streaming kernel. Both sides
+    # of each switch, a partial tile per head: batched, as one varlen sequence (same tiles), with seqused.
+    s = n - 3
+    for extra_heads in (0, 1) if d >= 128 else ():
+        h = (sms // 2 if d == 128 else sms) + extra_heads
+        for lead, seq in (((1, s + 2), {}), ((s + 2,), {"cu_seqlens": int32(0, s)}),
+                          ((1, s + 2), {"seqused": int32(s - 5)})):
+            dk_buf, dv_buf = canary((*lead, h, d), dtype), canary((*lead, h, d), dtype)
+            check(dk_buf, dv_buf, dk_buf[..., 1 : s + 1, :, :], dv_buf[..., 1 : s + 1, :, :], acc=True, **seq)
 
 
 @arch_param
@@ -162,18 +138,11 @@ def test_store_bad_metadata_unchecked_stays_inside_the_tensor(cu, used, arch):
     acc = accum((total, h, d))
     fe.store(acc, acc, dk, dv, **seq, check_inputs=False, _arch=arch)
     fe.store_zero(dk, dv, **seq, check_inputs=False, _arch=arch)
-    torch.cuda.synchronize()
     for buf, before in ((buf_k, before_k), (buf_v, before_v)):
         assert_bits(buf[:32], before[:32])
         assert_bits(buf[32 + total :], before[32 + total :])
     with pytest.raises(fe.FlashEpilogueInputError, match="cu_seqlens|seqused"):
         fe.store(acc, acc, dk, dv, **seq, check_inputs=True)
-
-
-def row_ranges(n):
-    """[row_start, row_end) pairs with edges at kBlockN - 1, kBlockN, kBlockN + 1 (and beyond)."""
-    return [(0, None), (0, n - 1), (0, n), (0, n + 1), (n - 1, None), (n, None), (n + 1, None), (n - 1, n + 1),
-            (n + 1, 2 * n - 1), (1, 2 * n + 1), (n, n), (2 * n + 3, None), (3, INT32_MAX), (5 * n, None)]
 
 
 def selection(n, gen, form):
@@ -191,21 +160,24 @@ def selection(n, gen, form):
 @pytest.mark.parametrize("varlen", (False, True), ids=("batched", "varlen"))
 def test_store_and_store_zero_seqused_varlen_rows_and_selections(dtype, d, arch, varlen):
     n = block_n(d, d, arch)
+    gen = torch.Generator().manual_seed(d * (11 if varlen else 7) + arch + (dtype == torch.float16))
     if varlen:  # store: the last case has every sequence empty, nothing written
         _, cu, used, total = varlen_meta(n, 3, 500 if arch == 90 else 50)
         for seq in ({"cu_seqlens": cu}, {"cu_seqlens": cu, "seqused": used}, {"cu_seqlens": int32(0, 0, 0, 0, 0)}):
             check_carved((total, 2, d), dtype, arch=arch, acc=True, **seq)
-    else:
-        check_carved((4, 400, 2, d), dtype, arch=arch, acc=True, seqused=int32(0, 1, n + 1, 400))
-        check_carved((0, 128, 4, d), dtype, arch=arch, acc=True)
-    gen = torch.Generator().manual_seed(d * (11 if varlen else 7) + arch + (dtype == torch.float16))
-    if varlen:
         batch, cu, used, total = varlen_meta(n)
         shape, seqs = (total, 2, d), ({"cu_seqlens": cu}, {"cu_seqlens": cu, "seqused": used})
         ranges = [(0, None), (n - 1, n + 1), (n, None), (n + 1, 2 * n), (1, n - 1), (3, 3), (0, INT32_MAX)]
-    else:
+    else:  # store: seqlens at the tile edges, seqused, no batch
+        for s in (0, 1, n - 1, n, n + 1, 1000, 4096):
+            for batch, heads in ((1, 1), (2, 3)):
+                check_carved((batch, s, heads, d), dtype, arch=arch, acc=True)
+        check_carved((4, 400, 2, d), dtype, arch=arch, acc=True, seqused=int32(0, 1, n + 1, 400))
+        check_carved((0, 128, 4, d), dtype, arch=arch, acc=True)
         batch, s = 3, 2 * n + 3
-        shape, seqs, ranges = (batch, s, 3, d), ({}, {"seqused": int32(s, n + 1, 0)}), row_ranges(n)
+        shape, seqs = (batch, s, 3, d), ({}, {"seqused": int32(s, n + 1, 0)})
+        ranges = [(0, None), (0, n - 1), (0, n), (0, n + 1), (n - 1, None), (n, None), (n + 1, None), (n - 1, n + 1),
+                  (n + 1, 2 * n - 1), (1, 2 * n + 1), (n, n), (2 * n + 3, None), (3, INT32_MAX), (5 * n, None)]
     zeroed = 0
     for i, (r0, r1) in enumerate(ranges):
         for seq in seqs:
@@ -260,7 +232,6 @@ def test_store_zero_selection_edges(dtype, arch):
     dk, dv = canary((b, s, h, d), dtype), canary((b, s, h, d), dtype)
     with pytest.raises(fe.FlashEpilogueInputError, match=r"batch_idx\[1\]: expected a value in \[0, 3\)"):
         fe.store_zero(dk, dv, batch_idx=[0, 3], check_inputs=True, _arch=arch)
-    torch.cuda.synchronize()
     assert (bits(dk) == CANARY_BITS).all() and (bits(dv) == CANARY_BITS).all()
     # every one of these writes nothing: the buffers keep their canary bit for bit
     d, b, s, h = 64, 2, 40, 2
@@ -280,7 +251,6 @@ def test_store_zero_selection_edges(dtype, arch):
     shape = (2, 300, 3, 96)
     dk, dv = canary(shape, dtype), canary(shape[:-1] + (32,), dtype)
     fe.store_zero(dk, dv, _arch=arch)
-    torch.cuda.synchronize()
     assert (bits(dk) == 0).all() and (bits(dv) == 0).all()
     # an int, a tuple and a range select like the equivalent tensors
     for batch_idx, head_idx in ((1, 2), ((0,), range(1, 3)), (range(2), (2, 0))):
@@ -306,7 +276,6 @@ def test_store_zero_cuda_graph(arch):
         expect_k, expect_v = dk_buf.clone(), dv_buf.clone()
         store_zero_reference(expect_k, expect_v, **kw)
         graph.replay()
-        torch.cuda.synchronize()
         assert (bits(expect_k) == 0).any()
         assert_bits(dk_buf, expect_k, "dk")
         assert_bits(dv_buf, expect_v, "dv")
