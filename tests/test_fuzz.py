@@ -1,7 +1,7 @@
 """Property-based fuzzing (hypothesis) of every op against the reference, with test_gqa.py's checks (canary buffers
 compared whole). Drawn: dtypes, head dims (multiples of 8 up to 256; dv != d), batch (0 too), sequence lengths at the
 tile edges or up to 3 kBlockN, varlen with slack rows, seqused, strides (conftest.carve's layouts), GQA groups 1 to 16,
-deterministic on/off, several accumulate calls, the sm_80 path; test_fuzz_unchecked_metadata: inconsistent cu_seqlens
+deterministic on/off, several accumulate calls, the sm_80 path; the unchecked_metadata cases: inconsistent cu_seqlens
 / seqused near the int32 limits, content checks off, every buffer around the written tensors intact.
 
 Derandomized unless FLASH_EPILOGUE_FUZZ_SEED=<int>; FLASH_EPILOGUE_FUZZ_SCALE=<float> scales the number of cases
@@ -33,6 +33,7 @@ SEEDS = st.integers(0, 2**31 - 1)
 
 _SCALE = float(os.environ.get("FLASH_EPILOGUE_FUZZ_SCALE", "1"))
 _SEED = os.environ.get("FLASH_EPILOGUE_FUZZ_SEED")
+seeded = hypothesis.seed(int(_SEED)) if _SEED is not None else (lambda f: f)
 
 
 # ---- strategies: plain dicts of ints/strings/lists, so that a case prints as a python call
@@ -157,16 +158,15 @@ def unchecked_metadata_cases(draw):
 
 
 # ---- checks: one case each; module-level so that a replay line can call them
-def store_problem(dtype, d, dv, heads, batch, seqlen, lens, slack, used, layouts, seed, dev):
+def store_problem(dtype, d, dv, heads, layouts, seed, dev, batch, seqlen, lens, slack, used):
     """(generator, leading shape, seq kwargs, (buffer, view) of dk and of dv carved per layouts[:2])."""
     _, lead, _, seq = problem(dev, batch, seqlen, lens, slack, used)
     outs = [carve(lead + (heads, w), DTYPES[dtype], layout, dev) for w, layout in zip((d, dv), layouts)]
     return torch.Generator(device=dev).manual_seed(seed), lead, seq, outs
 
 
-def check_store(dtype, d, dv, arch, heads, batch, seqlen, lens, slack, used, layouts, seed, dev="cuda"):
-    gen, lead, seq, ((buf_k, dk), (buf_v, dv_out)) = store_problem(dtype, d, dv, heads, batch, seqlen, lens, slack,
-                                                                   used, layouts, seed, dev)
+def check_store(dtype, d, dv, arch, heads, layouts, seed, dev="cuda", **geometry):
+    gen, lead, seq, ((buf_k, dk), (buf_v, dv_out)) = store_problem(dtype, d, dv, heads, layouts, seed, dev, **geometry)
     # binades=20: the rounding of large and tiny magnitudes
     acc_k, acc_v = (input_view(lead + (heads, w), layout, gen, binades=20) for w, layout in zip((d, dv), layouts[2:]))
     expect_k, expect_v = buf_k.clone(), buf_v.clone()
@@ -175,10 +175,9 @@ def check_store(dtype, d, dv, arch, heads, batch, seqlen, lens, slack, used, lay
     assert_written(dev, ("dk", buf_k, expect_k), ("dv", buf_v, expect_v))
 
 
-def check_store_zero(dtype, d, dv, arch, heads, batch, seqlen, lens, slack, used, batch_idx, head_idx, row_start,
-                     row_end, layouts, seed, dev="cuda"):
-    gen, lead, seq, ((buf_k, dk), (buf_v, dv_out)) = store_problem(dtype, d, dv, heads, batch, seqlen, lens, slack,
-                                                                   used, layouts, seed, dev)
+def check_store_zero(dtype, d, dv, arch, heads, batch_idx, head_idx, row_start, row_end, layouts, seed, dev="cuda",
+                     **geometry):
+    gen, lead, seq, ((buf_k, dk), (buf_v, dv_out)) = store_problem(dtype, d, dv, heads, layouts, seed, dev, **geometry)
     dk.copy_(rand(dk.shape, gen, dk.dtype))  # nonzero contents in the view, canary around it
     dv_out.copy_(rand(dv_out.shape, gen, dv_out.dtype))
     sel = {k: torch.tensor(v["tensor"], dtype=torch.int32, device=dev) if isinstance(v, dict) else v
@@ -266,13 +265,19 @@ def fuzz_settings(n):
                                                             HealthCheck.large_base_example])
 
 
-def seeded(f):
-    return hypothesis.seed(int(_SEED))(f) if _SEED is not None else f
+CASES = {"store": (check_store, store_cases, 160), "store_zero": (check_store_zero, store_zero_cases, 100),
+         "gqa_accumulate_postprocess": (check_accumulate, accumulate_cases, 140),
+         "gqa_reduce": (check_reduce, reduce_cases, 120),
+         "unchecked_metadata": (check_unchecked_metadata, unchecked_metadata_cases, 100)}
 
 
-def fuzz_test(check, cases, n):
-    """A GPU test of n drawn cases of `check`. The derandomized cases follow the source of `test` (decorators
-    included): keep it as it is."""
+@pytest.mark.parametrize("dev", [pytest.param("cuda", marks=pytest.mark.gpu),
+                                 pytest.param("cpu", marks=pytest.mark.ops)])
+@pytest.mark.parametrize("check,cases,n", CASES.values(), ids=CASES)
+def test_fuzz(check, cases, n, dev):
+    # on the GPU: n drawn cases, derandomized ones following the source of `test` (decorators and indentation
+    # included: keep it as it is); no GPU (CI): a few cases each get through every check but the device one, and the
+    # references accept them
     @pytest.mark.gpu
     @seeded
     @fuzz_settings(n)
@@ -280,25 +285,10 @@ def fuzz_test(check, cases, n):
     def test(p):
         run_case(check, p)
 
-    return test
-
-
-CASES = {"store": (check_store, store_cases, 160), "store_zero": (check_store_zero, store_zero_cases, 100),
-         "gqa_accumulate_postprocess": (check_accumulate, accumulate_cases, 140),
-         "gqa_reduce": (check_reduce, reduce_cases, 120),
-         "unchecked_metadata": (check_unchecked_metadata, unchecked_metadata_cases, 100)}
-globals().update({f"test_fuzz_{name}": fuzz_test(*case) for name, case in CASES.items()})
-
-
-@pytest.mark.parametrize("check,cases,_", CASES.values(), ids=CASES)
-@pytest.mark.ops
-def test_fuzz_cases_validate_on_cpu(check, cases, _):
-    # no GPU: the drawn arguments get through every check but the device one and the references accept them; a
-    # few cases each, for CI
     @settings(max_examples=10, deadline=None, database=None, derandomize=True,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(p=cases())
     def run(p):
         run_case(check, p, dev="cpu")
 
-    run()
+    (test if dev == "cuda" else run)()

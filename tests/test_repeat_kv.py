@@ -5,7 +5,7 @@ fp32 sum (group_sum) and within the bound below, the GPU's kernel path seen by t
 mode (forward AD, torch.func's transforms and their compositions, double backward, forward-over-reverse, fp64
 gradcheck), torch.compile and CUDA graphs. Errors: test_bad_inputs.py.
 
-Bound (u: the gradient dtype's unit roundoff; u32 = 2^-24, the fp32 accumulator's, 2^-53 for fp64; M = sum_j |g_j|
+Bound (u: the gradient dtype's unit roundoff; u32 = 2^-24, the fp32 accumulator's; M = sum_j |g_j|
 over a group of n query-head gradients g_j): the backward computes rnd(fl(0 + g_0 + ... + g_{n-1})); the n - 1
 additions after the exact first each err by <= u32 * M, the rounding by <= u * |result| (+ smallest_normal * u):
 
@@ -28,7 +28,7 @@ from conftest import bits, cuda_graph, generator, same
 from flash_epilogue.reference import gqa_reduce_reference
 
 F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
-UNIT_ROUNDOFF = {BF16: 2.0**-8, F16: 2.0**-11, F32: 2.0**-24, F64: 2.0**-53}
+UNIT_ROUNDOFF = {BF16: 2.0**-8, F16: 2.0**-11, F32: 2.0**-24}
 FLASH_KERNELS = ("TileStreamKernel", "GqaReduceKernel")
 
 
@@ -48,15 +48,6 @@ def assert_within(a, b, bound, name=""):
     err = (a.double() - b.double()).abs()
     bad = err > bound
     assert not bad.any(), f"{name}: {int(bad.sum())} elements off, worst excess {(err - bound).max().item():.3e}"
-
-
-def assert_within_exact_bound(got, grad, n_rep, dim):
-    """got within the module docstring's bound of the fp64 group sums of `grad` (heads in dim)."""
-    g64 = grad.double().unflatten(dim, (-1, n_rep))
-    exact = g64.sum(dim + 1)
-    u, u_acc = UNIT_ROUNDOFF[got.dtype], 2.0**-53 if got.dtype == F64 else 2.0**-24
-    assert_within(got, exact, u * exact.abs() + 2 * n_rep * u_acc * g64.abs().sum(dim + 1)
-                  + torch.finfo(got.dtype).smallest_normal * u)
 
 
 def group_sum(grad, n_rep, dim=1):
@@ -90,7 +81,6 @@ def profiler_sees_kernels():
 
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def device(request):
-    """The device a test runs on; on the GPU launches must see the kernels."""
     if request.param == "cuda":
         request.getfixturevalue("profiler_sees_kernels")
     return request.param
@@ -98,14 +88,6 @@ def device(request):
 
 def grad_of(x, y, g, **kw):
     return torch.autograd.grad(y, x, g, **kw)[0]
-
-
-def same_layout(a, b):
-    """Equal strides on every dim longer than 1 (a size-1 dim's stride is arbitrary)."""
-    return a.shape == b.shape and all(sa == sb for n, sa, sb in zip(a.shape, a.stride(), b.stride()) if n > 1)
-
-
-# ---- forward
 
 
 @pytest.mark.parametrize("dim", [1, 2])
@@ -135,9 +117,6 @@ def test_forward_matches_the_original(device, dtype, dim):
             assert same(x, before)
 
 
-# ---- backward
-
-
 @pytest.mark.parametrize("dtype", [BF16, F16, F32], ids=str)
 @pytest.mark.parametrize("d", [16, 64, 80, 96, 128, 192, 256])
 def test_backward_is_the_sequential_fp32_sum(device, d, dtype):
@@ -165,16 +144,19 @@ def test_backward_is_the_sequential_fp32_sum(device, d, dtype):
         assert launched is None or (launched == 0 if dtype == F32 else launched >= 2)
         for gy, gx in zip(grads, gxs):
             case = (b, hk, n_rep, s, dim, order)
-            assert gx.dtype == dtype and same_layout(gx, layout), case
-            assert gx.untyped_storage().nbytes() == gx.numel() * gx.element_size(), case
+            # x's layout (equal strides on every dim longer than 1: a size-1 dim's stride is arbitrary), own storage
+            assert gx.dtype == dtype and gx.untyped_storage().nbytes() == gx.numel() * gx.element_size(), case
+            assert all(sa == sb for n, sa, sb in zip(gx.shape, gx.stride(), layout.stride()) if n > 1), case
             # the kernel's arithmetic through reference.py (heads in dim 2 of a (b, s, h, d) view)
             view = gy.transpose(1, 2) if dim == 1 else gy
             ref = gqa_reduce_reference(view, num_heads_kv=hk, out_dtype=dtype, sequential=True)
             assert torch.equal(bits(gx), bits(ref.transpose(1, 2) if dim == 1 else ref)), case
             assert torch.equal(bits(gx), bits(group_sum(gy, n_rep, dim))), case
-            assert_within_exact_bound(gx, gy, n_rep, dim)
-        # the original's backward: the same sum up to the order of fp32 additions
-        assert_within_exact_bound(grad_of(x, original_repeat_kv(x, n_rep, dim), g), g, n_rep, dim)
+        # the original's backward: the same sum up to the order of fp32 additions, within the module docstring's bound
+        got, g64 = grad_of(x, original_repeat_kv(x, n_rep, dim), g), g.double().unflatten(dim, (-1, n_rep))
+        exact, u = g64.sum(dim + 1), UNIT_ROUNDOFF[dtype]
+        assert_within(got, exact, u * exact.abs() + 2 * n_rep * 2.0**-24 * g64.abs().sum(dim + 1)
+                      + torch.finfo(dtype).smallest_normal * u)
 
 
 def test_backward_sign_of_zero_and_specials():
@@ -187,15 +169,34 @@ def test_backward_sign_of_zero_and_specials():
 
 
 @pytest.mark.ops
-def test_opcheck():
-    for dim, shape in ((1, (2, 3, 5, 8)), (2, (2, 5, 3, 8)), (1, (1, 1, 4, 16))):
-        x = torch.randn(shape, requires_grad=True)
+@pytest.mark.parametrize("dim", [1, 2])
+def test_opcheck_and_backward_output_strides(dim):
+    for shape in ((2, 3, 5, 8), (1, 1, 4, 16)):
+        x = torch.randn(kv_shape(shape, dim), requires_grad=True)
         opcheck(torch.ops.flash_epilogue.repeat_kv.default, (x, 2, dim))
         opcheck(torch.ops.flash_epilogue.repeat_kv.default, (x.detach().bfloat16(), 3, dim))
         g = torch.randn(fe.repeat_kv(x, 2, dim=dim).shape, requires_grad=True)
         for layout in ([0, 1, 2], [0, 2, 1], [2, 0, 1]):
             opcheck(torch.ops.flash_epilogue.repeat_kv_backward.default, (g, 2, dim, layout))
         opcheck(torch.ops.flash_epilogue.repeat_kv_backward.default, (g.detach().half(), 2, dim, [0, 1, 2]))
+    # the backward op allocates x's gradient itself: the same strides as its fake kernel's, size-0 and size-1 dims
+    # included
+    for shape in ((2, 6, 5, 8), (1, 2, 1, 8), (0, 4, 3, 8), (2, 4, 0, 8), (3, 2, 1, 1)):
+        g = torch.randn(kv_shape(shape, dim))
+        for layout in ([0, 1, 2], [0, 2, 1], [1, 0, 2], [1, 2, 0], [2, 0, 1], [2, 1, 0]):
+            got = torch.ops.flash_epilogue.repeat_kv_backward(g, 2, dim, layout)
+            with FakeTensorMode() as mode:
+                want = torch.ops.flash_epilogue.repeat_kv_backward(mode.from_tensor(g), 2, dim, layout)
+            assert got.shape == want.shape and got.stride() == want.stride(), (shape, layout)
+            assert torch.equal(got, group_sum(g, 2, dim))
+    # negative dims name the same dims
+    x = torch.randn(2, 2, 4, 8)
+    assert torch.equal(torch.ops.flash_epilogue.repeat_kv_backward(x, 2, -2, [0, 1, 2]), group_sum(x, 2, 2))
+    assert torch.equal(torch.ops.flash_epilogue.repeat_kv(x, 2, -3), fe.repeat_kv(x, 2, dim=1))
+    assert torch.equal(fe.repeat_kv(x, 2, dim=-2), fe.repeat_kv(x, 2, dim=2))
+    # 0 KV heads divide by any n_rep (no loop of n_rep steps over empty slices)
+    assert torch.ops.flash_epilogue.repeat_kv_backward(torch.empty(2, 0, 3, 8), 2**40, 1, [0, 1, 2]).shape == \
+        (2, 0, 3, 8)
 
 
 @pytest.mark.parametrize("dynamic", [False, True])
@@ -242,54 +243,26 @@ def test_compile_fullgraph(device, dynamic):
                 assert_within_layer_bound(name, a, b, g, 4, dim)
 
 
-@pytest.mark.ops
-@pytest.mark.parametrize("dim", [1, 2])
-def test_backward_output_strides_are_the_fakes(dim):
-    # the op allocates x's gradient itself: the same strides as its fake kernel's, size-0 and size-1 dims
-    # included
-    for shape in ((2, 6, 5, 8), (1, 2, 1, 8), (0, 4, 3, 8), (2, 4, 0, 8), (3, 2, 1, 1)):
-        g = torch.randn(kv_shape(shape, dim))
-        for layout in ([0, 1, 2], [0, 2, 1], [1, 0, 2], [1, 2, 0], [2, 0, 1], [2, 1, 0]):
-            got = torch.ops.flash_epilogue.repeat_kv_backward(g, 2, dim, layout)
-            with FakeTensorMode() as mode:
-                want = torch.ops.flash_epilogue.repeat_kv_backward(mode.from_tensor(g), 2, dim, layout)
-            assert got.shape == want.shape and got.stride() == want.stride(), (shape, layout)
-            assert torch.equal(got, group_sum(g, 2, dim))
-    # negative dims name the same dims
-    x = torch.randn(2, 2, 4, 8)
-    assert torch.equal(torch.ops.flash_epilogue.repeat_kv_backward(x, 2, -2, [0, 1, 2]), group_sum(x, 2, 2))
-    assert torch.equal(torch.ops.flash_epilogue.repeat_kv(x, 2, -3), fe.repeat_kv(x, 2, dim=1))
-    assert torch.equal(fe.repeat_kv(x, 2, dim=-2), fe.repeat_kv(x, 2, dim=2))
-    # 0 KV heads divide by any n_rep (no loop of n_rep steps over empty slices)
-    assert torch.ops.flash_epilogue.repeat_kv_backward(torch.empty(2, 0, 3, 8), 2**40, 1, [0, 1, 2]).shape == \
-        (2, 0, 3, 8)
-
-
 # ---- autograd modes
-
-
 N_REP = 3
 
 
 def inputs(device, dim, dtype=torch.float32, batch=()):
-    """x of `batch` + (2, 2, 40, 64), its heads in dim (of each example), a tangent of x and a cotangent of
-    repeat_kv(x)."""
+    """x of `batch` + (2, 2, 40, 64) (heads in dim of each example), a tangent of x, a cotangent of repeat_kv(x)."""
     gen = torch.Generator(device=device).manual_seed(0)
-    shape = (*batch, *kv_shape((2, 2, 40, 64), dim))
-    out_shape = list(shape)
-    out_shape[len(batch) + dim] *= N_REP
+    shape, out_shape = ((*batch, *kv_shape((2, h, 40, 64), dim)) for h in (2, 2 * N_REP))
     return [torch.randn(s, generator=gen, device=device).to(dtype) for s in (shape, shape, out_shape)]
 
 
 @pytest.mark.parametrize("dim", [1, 2])
-def test_forward_and_reverse_mode(device, dim):
+def test_forward_reverse_and_vmap(device, dim):
     # forward mode (forward_ad, torch.func.jvp, jvp of the raw op): the repeated tangent; reverse mode (torch.func's
-    # vjp and grad): the head-order sum, within rounding of transformers' (the same fp32 sum in torch's order)
+    # vjp and grad): the head-order sum, within rounding of transformers' (the same fp32 sum in torch's order); both
+    # per sample under vmap over a batch of inputs
     x, t, g = inputs(device, dim, torch.bfloat16)
     f = functools.partial(fe.repeat_kv, n_rep=N_REP, dim=dim)
     with fwAD.dual_level():
         primal, tangent = fwAD.unpack_dual(f(fwAD.make_dual(x, t)))
-    assert tangent is not None, "the tangent was dropped"
     raw = [lambda a: torch.ops.flash_epilogue.repeat_kv(a, N_REP, dim)] if fe.kernels_available() else []
     for primal, tangent in [(primal, tangent)] + [jvp(h, (x,), (t,)) for h in [f, *raw]]:
         assert same(primal, original_repeat_kv(x, N_REP, dim)) and same(tangent, original_repeat_kv(t, N_REP, dim))
@@ -298,17 +271,11 @@ def test_forward_and_reverse_mode(device, dim):
     gx = grad(lambda a: (f(a).float() * g.float()).sum())(x)
     assert same(gx, group_sum(g, N_REP, dim))
     torch.testing.assert_close(gx, vjp(lambda a: original_repeat_kv(a, N_REP, dim), x)[1](g)[0])
-
-
-@pytest.mark.parametrize("dim", [1, 2])
-def test_vmap_over_a_batch_of_inputs(device, dim):
     xs, ts, gs = inputs(device, dim, torch.bfloat16, batch=(4,))
-    f = functools.partial(fe.repeat_kv, n_rep=N_REP, dim=dim)
     ys = vmap(f)(xs)
     assert same(ys, torch.stack([original_repeat_kv(x, N_REP, dim) for x in xs]))
     for in_dim in (1, 3):  # the vmapped dim elsewhere than in front
         assert same(vmap(f, in_dims=in_dim)(xs.movedim(0, in_dim)), ys)
-    # per-sample vjp and jvp under vmap
     gxs = vmap(lambda a, g: vjp(f, a)[1](g)[0])(xs, gs)
     assert same(gxs, torch.stack([group_sum(g, N_REP, dim) for g in gs]))
     tangents = vmap(lambda a, t: jvp(f, (a,), (t,))[1])(xs, ts)
@@ -316,11 +283,10 @@ def test_vmap_over_a_batch_of_inputs(device, dim):
 
 
 @pytest.mark.parametrize("dim", [1, 2])
-def test_fp64_jacobians_hessian_and_gradcheck(device, dim):
-    # jacrev, jacfwd and the hessian bitwise transformers'; gradcheck and gradgradcheck
+def test_higher_order(device, dim):
+    # fp64: jacrev, jacfwd and the hessian bitwise transformers'; gradcheck and gradgradcheck
     mine, theirs = functools.partial(fe.repeat_kv, n_rep=2, dim=dim), (lambda a: original_repeat_kv(a, 2, dim))
-    x = torch.randn(kv_shape((1, 2, 3, 8), dim), dtype=F64, device=device)
-    w = torch.randn(kv_shape((1, 4, 3, 8), dim), dtype=F64, device=device)
+    x, w = (torch.randn(kv_shape((1, h, 3, 8), dim), dtype=F64, device=device) for h in (2, 4))
     for jac in (jacrev, jacfwd):
         assert torch.equal(jac(mine)(x), jac(theirs)(x))
     assert torch.equal(hessian(lambda a: (mine(a) ** 2 * w).sum())(x), hessian(lambda a: (theirs(a) ** 2 * w).sum())(x))
@@ -328,13 +294,9 @@ def test_fp64_jacobians_hessian_and_gradcheck(device, dim):
         x = torch.randn(kv_shape(shape, dim), dtype=F64, device=device, requires_grad=True)
         f = functools.partial(fe.repeat_kv, n_rep=3, dim=dim)
         assert torch.autograd.gradcheck(f, (x,)) and torch.autograd.gradgradcheck(f, (x,))
-
-
-@pytest.mark.parametrize("dim", [1, 2])
-def test_double_backward_and_forward_over_reverse(device, dim):
+    # double backward
     x, t, g = inputs(device, dim)
-    x.requires_grad_()
-    g.requires_grad_()
+    x, g = x.requires_grad_(), g.requires_grad_()
     y = fe.repeat_kv(x, N_REP, dim=dim)
     (gx,) = torch.autograd.grad(y, x, g, create_graph=True)
     if fe.kernels_available():  # the extension's nodes
@@ -355,10 +317,7 @@ def test_double_backward_and_forward_over_reverse(device, dim):
     torch.testing.assert_close(hvp, group_sum(2 * w * original_repeat_kv(t, N_REP, dim), N_REP, dim))
 
 
-
 # ---- GPU
-
-
 def backward_path(gy, n_rep=4, dim=1):
     """(the gradient of x, the number of flash_epilogue kernels its backward launched) for repeat_kv's output
     gradient `gy` (x: a leaf of gy's dtype, KV heads in `dim`), the gradient checked bitwise."""
@@ -387,9 +346,9 @@ def test_gpu_backward_path(profiler_sees_kernels):
     # plain PyTorch, no flash_epilogue kernel, no error: fp64 gradients (the kernel writes 16-bit only; fp32: as in
     # test_backward_is_the_sequential_fp32_sum), head dims without a tile, empty ones, and past the launchers' grid
     # limits (batch or heads >= 65536)
-    cases = [torch.randn(2, 8, 9, 64, dtype=F64), torch.randn(2, 8, 9, 12).bfloat16(),
-             torch.randn(2, 8, 9, 264).bfloat16(), torch.randn(2, 8, 0, 64).bfloat16(), torch.randn(0, 8, 9, 64).half()]
-    for gy in cases:
+    for gy in (torch.randn(2, 8, 9, 64, dtype=F64), torch.randn(2, 8, 9, 12).bfloat16(),
+               torch.randn(2, 8, 9, 264).bfloat16(), torch.randn(2, 8, 0, 64).bfloat16(),
+               torch.randn(0, 8, 9, 64).half()):
         assert backward_path(gy.cuda())[1] == 0, (gy.dtype, gy.shape)
     for shape, dim in (((65536, 2, 1, 8), 1), ((1, 1, 65536, 8), 2)):
         assert backward_path(torch.ones((), dtype=BF16, device="cuda").expand(shape), n_rep=2, dim=dim)[1] == 0
@@ -422,16 +381,13 @@ def _sdpa_gqa_case(backend, dim, dtype, seed, b=2, hk=2, n_rep=4, s=256, d=128):
     dout = torch.randn(b, hq, s, d, device="cuda", generator=gen).to(dtype)
     heads_major = (lambda t: t) if dim == 1 else (lambda t: t.transpose(1, 2))
     sdpa = torch.nn.functional.scaled_dot_product_attention
-
     qa, ka, va = (t.clone().requires_grad_() for t in (q, k, v))
     kr, vr = fe.repeat_kv(ka, n_rep, dim=dim), fe.repeat_kv(va, n_rep, dim=dim)
     for t in (kr, vr):
         t.retain_grad()
-    with sdpa_kernel(backend):
-        sdpa(heads_major(qa), heads_major(kr), heads_major(vr), is_causal=True).backward(dout)
-
     qb, kb, vb = (t.clone().requires_grad_() for t in (q, k, v))
     with sdpa_kernel(backend):
+        sdpa(heads_major(qa), heads_major(kr), heads_major(vr), is_causal=True).backward(dout)
         try:
             out = sdpa(heads_major(qb), heads_major(kb), heads_major(vb), is_causal=True, enable_gqa=True)
         except RuntimeError as e:
@@ -447,7 +403,8 @@ def _sdpa_gqa_case(backend, dim, dtype, seed, b=2, hk=2, n_rep=4, s=256, d=128):
 def test_gpu_sdpa_layer_matches_enable_gqa(backend, dim, dtype, profiler_sees_kernels):
     # dK/dV over repeat_kv'd K and V against SDPA's own GQA (enable_gqa=True), within assert_within_layer_bound's
     # bound (FLASH_ATTENTION: the per-head values coincide, so typically bitwise, at most one ulp apart where the two
-    # fp32 summation orders round apart)
+    # fp32 summation orders round apart); on FLASH_ATTENTION, whose per-head dK/dV are deterministic, the same layer 10
+    # times: dK and dV bitwise identical each time (the group reduce adds in a fixed order)
     n_rep = 4
     (ours, theirs, per_head), launched = launches(lambda: _sdpa_gqa_case(backend, dim, dtype, 7 + dim, n_rep=n_rep))
     assert launched >= 2
@@ -456,18 +413,12 @@ def test_gpu_sdpa_layer_matches_enable_gqa(backend, dim, dtype, profiler_sees_ke
         # our gradient is exactly the sequential sum of the per-head gradients
         assert torch.equal(bits(a), bits(group_sum(g, n_rep, dim))), name
         assert_within_layer_bound(name, a, b, g, n_rep, dim)
-
-
-@pytest.mark.gpu
-def test_gpu_sdpa_layer_gradients_are_repeatable():
-    # the same layer 10 times: dK and dV bitwise identical each time (SDPA's per-head dK/dV are
-    # deterministic on FLASH_ATTENTION; the group reduce adds in a fixed order)
-    (first, _, first_per_head), *runs = [_sdpa_gqa_case("FLASH_ATTENTION", 1, BF16, seed=11) for _ in range(10)]
-    for ours, _, per_head in runs:
-        assert all(map(same, per_head, first_per_head)), "SDPA's own per-head gradients differ between runs"
-        assert all(map(same, ours, first))
+    for _ in range(9 if backend == "FLASH_ATTENTION" else 0):
+        again, _, again_per_head = _sdpa_gqa_case(backend, dim, dtype, 7 + dim, n_rep=n_rep)
+        assert all(map(same, again_per_head, per_head)), "SDPA's own per-head gradients differ between runs"
+        assert all(map(same, again, ours))
     for _ in range(50):  # the reduce alone, on one fixed per-head gradient: bitwise group_sum each time
-        backward_path(first_per_head[0])
+        backward_path(per_head[0], n_rep, dim)
 
 
 @pytest.mark.gpu
@@ -478,7 +429,6 @@ def test_gpu_cuda_graph(debug, monkeypatch, profiler_sees_kernels):
     if debug:
         monkeypatch.setenv("FLASH_EPILOGUE_DEBUG", "1")
         fe.refresh_env_flags()
-        assert fe._extension._C._debug_sync()
     gen = generator(6)
     x = torch.randn(2, 2, 300, 128, device="cuda", generator=gen).bfloat16().requires_grad_()
     gy = torch.randn(2, 8, 300, 128, device="cuda", generator=gen).bfloat16()
