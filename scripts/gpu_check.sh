@@ -15,7 +15,7 @@
 # GPU_CHECK_DEADLINE_S: the seconds the whole script may take; test, bench_ops and sanitize shrink to fit.
 set -uo pipefail
 STAGES=${1:-build,test}
-COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo "${FLASH_EPILOGUE_COMMIT:-unknown}")
+COMMIT=${FLASH_EPILOGUE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 OUT=${OUT:-/tmp/flash_epilogue_out}
 mkdir -p "$OUT"
 export FLASH_EPILOGUE_COMMIT=$COMMIT PYTHONUNBUFFERED=1

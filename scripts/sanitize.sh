@@ -30,7 +30,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-${OUT:-/tmp/flash_epilogue_out}}
-COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo "${FLASH_EPILOGUE_COMMIT:-unknown}")
+COMMIT=${FLASH_EPILOGUE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 TOOLS=${SANITIZE_TOOLS:-memcheck,synccheck,racecheck,initcheck}
 BUDGET=${SANITIZE_BUDGET_S:-290}
 mkdir -p "$OUT"
