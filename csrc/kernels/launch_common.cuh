@@ -211,7 +211,8 @@ char const* launch_tile_stream(StreamedTensor const* tensors, int num_tensors, i
     StreamedTensor const& t = tensors[i];
     typename Epilogue::ShapedKV const shape_in = shape_of(t.in, rows, num_heads * group, batch_extent);
     params.tensors[i] = {epilogue[i],
-                         Kernel::Ring::make_tma_load(static_cast<ElementIn const*>(t.in.ptr), shape_in, stride_of(t.in)),
+                         Kernel::Ring::make_tma_load(static_cast<ElementIn const*>(t.in.ptr), shape_in,
+                                                     stride_of(t.in)),
                          shape_in, t.scale};
   }
   params.num_tensors = num_tensors;
