@@ -118,6 +118,11 @@ def test_store_sm90_tiling(dtype, d):
                           ((1, s + 2), {"seqused": int32(s - 5)})):
             dk_buf, dv_buf = canary((*lead, h, d), dtype), canary((*lead, h, d), dtype)
             check(dk_buf, dv_buf, dk_buf[..., 1 : s + 1, :, :], dv_buf[..., 1 : s + 1, :, :], acc=True, **seq)
+    # hdim 64 varlen: (64, 64) tiles from 2048 token rows per sequence on average, 128-row tiles below (4093 rows)
+    for lens in ([2040, 2048], [2048, 2115], [1, 6147]) if d == 64 else ():
+        cu, used = cu_seqlens(lens), int32(*[max(0, x - 67) for x in lens])
+        for seq in ({"cu_seqlens": cu}, {"cu_seqlens": cu, "seqused": used}):
+            check_carved((sum(lens) + 5, 3, d), dtype, acc=True, **seq)
 
 
 @arch_param

@@ -14,9 +14,8 @@
 
 namespace flash_epilogue {
 
-template <class Element, int kHeadDim, class ArchTag, bool kVarlen>
+template <class Element, int kHeadDim, class ArchTag, bool kVarlen, class Config = BwdTileConfig<kHeadDim, ArchTag>>
 char const* launch_store_variant(StoreLaunchArgs const& args, cudaStream_t stream) {
-  using Config = BwdTileConfig<kHeadDim, ArchTag>;
   using Kernel = StoreKernel<Config, Element, ArchTag, kVarlen>;
   bool const is_varlen = args.cu_seqlens != nullptr;
   int const num_tiles = static_cast<int>(row_tiles<Config::kBlockN>(args.rows, args.batch, is_varlen));
@@ -46,7 +45,12 @@ char const* launch_store(StoreLaunchArgs const& args, cudaStream_t stream) {
   using Element = element_of<kDType>;
   using ArchTag = arch_tag_of<kArch>;
   if constexpr (kArch >= 90 && kHeadDim <= 64) {
-    // Small tiles (32 KB of fp32): one CTA per tile, two per SM, beat streaming.
+    // Small tiles (32 KB of fp32): one CTA per tile, two per SM, beat streaming. With cu_seqlens and sequences of
+    // 2048 rows or more on average, (64, 64) tiles are faster still; batched, or with shorter sequences, slower.
+    if (args.cu_seqlens != nullptr && args.rows >= int64_t(2048) * args.batch) {
+      using VarlenConfig = BwdTileConfigSm90Base<64, 64, 256, /*kSwapAB=*/false, /*kAtomLayoutNdKV=*/1>;
+      return launch_store_variant<Element, kHeadDim, ArchTag, /*kVarlen=*/true, VarlenConfig>(args, stream);
+    }
     return launch_store_one_cta_per_tile<Element, kHeadDim, ArchTag>(args, stream);
   } else if constexpr (kArch >= 90) {
     using Config = BwdTileConfig<kHeadDim, ArchTag>;
