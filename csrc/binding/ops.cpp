@@ -39,9 +39,11 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace flash_epilogue {
@@ -699,6 +701,17 @@ void gqa_accum_to_dense(TensorArg accum, TensorArg out, int64_t head_dim, OptArg
   launch(p, at::kFloat, args, [](auto, auto d, auto a) { return launch_gqa_accum_to_dense<d, a>; });
 }
 
+// gqa_reduce's dV problem when it runs in a launch of its own, on the tile compiled for its width: on sm_90, batched,
+// a dV of at most 128 columns beside a dK of head dim 256, whose 80-row tiles of 256 columns would leave half of each
+// stage idle on dV's (measured in docs/design.md). The bits are the same either way.
+std::optional<Problem> dv_on_own_tile(Problem const& p, int64_t dv_width) {
+  int64_t const own = serving_head_dim(dv_width);
+  if (p.arch < 90 || p.varlen || p.head_dim != 256 || own > 128 || !head_dim_built(dv_width)) { return std::nullopt; }
+  Problem dv_problem = p;
+  dv_problem.head_dim = static_cast<int>(own);
+  return dv_problem;
+}
+
 void gqa_reduce(TensorArg dk_partial, OptArg dv_partial, TensorArg dk, OptArg dv, OptArg cu_seqlens, OptArg seqused,
                 double scale_dk, double scale_dv, int64_t arch) {
   Checker c("gqa_reduce", cu_seqlens, seqused, arch);
@@ -734,7 +747,17 @@ void gqa_reduce(TensorArg dk_partial, OptArg dv_partial, TensorArg dk, OptArg dv
   args.partial_fp32 = dk_partial.scalar_type() == at::kFloat;
   args.scale_dk = static_cast<float>(scale_dk);
   args.scale_dv = static_cast<float>(scale_dv);
-  launch(p, dk.scalar_type(), args, [](auto t, auto d, auto a) { return &launch_gqa_reduce<t, d, a>; });
+  auto const fn = [](auto t, auto d, auto a) { return &launch_gqa_reduce<t, d, a>; };
+  if (std::optional<Problem> const own = has_dv ? dv_on_own_tile(p, dv->size(-1)) : std::nullopt) {
+    GqaReduceLaunchArgs dv_only = args;  // dV in dK's fields
+    dv_only.dk = std::exchange(args.dv, {});
+    dv_only.dk_partial = std::exchange(args.dv_partial, {});
+    dv_only.scale_dk = args.scale_dv;
+    dv_only.dv = dv_only.dv_partial = {};
+    launch(p, dk.scalar_type(), args, fn);
+    return launch(*own, dk.scalar_type(), dv_only, fn);
+  }
+  launch(p, dk.scalar_type(), args, fn);
 }
 
 // The ops' kernels: their implementations for CPU and CUDA, and their place in torch's in-place machinery: an
