@@ -241,7 +241,7 @@ def test_gqa_reduce(d, dtype, arch):
                           torch.float16: ((dtype, "varlen", "transposed", True, True, False), (1.0, 0.5), 1)}[dtype]
     runs += [((h_k, g), case, scales, g + seed) for h_k, g in GROUPS]
     for (h_k, g), (pdt, layout, storage, with_dv, give_out, used), scales, seed in runs:
-        dv = (d, 128 if d == 256 else d + 8)[seed % 2]  # (256, 128): dV on a tile of its own
+        dv = (d, 128 if d == 256 else d + 8)[seed % 2]  # (256, 128): dV in a launch of its own
         check_reduce(d, dv, with_dv, arch, h_k, g, pdt, dtype, **edge_geometry(layout, block_n(d, dv, arch), used),
                      partial_layouts=(storage, storage), give_out=give_out, out_layouts=("padded", "transposed"),
                      scales=scales, seed=seed)

@@ -701,12 +701,12 @@ void gqa_accum_to_dense(TensorArg accum, TensorArg out, int64_t head_dim, OptArg
   launch(p, at::kFloat, args, [](auto, auto d, auto a) { return launch_gqa_accum_to_dense<d, a>; });
 }
 
-// gqa_reduce's dV problem when it runs in a launch of its own, on the tile compiled for its width: on sm_90, batched,
-// a dV of at most 128 columns beside a dK of head dim 256, whose 80-row tiles of 256 columns would leave half of each
-// stage idle on dV's (measured in docs/design.md). The bits are the same either way.
+// gqa_reduce's dV problem when it runs in a launch of its own, on the tile compiled for its width: on sm_90, a dV of
+// at most 128 columns beside a dK of head dim 256, whose 80-row tiles of 256 columns would leave half of each stage
+// idle on dV's (measured in docs/design.md). The bits are the same either way.
 std::optional<Problem> dv_on_own_tile(Problem const& p, int64_t dv_width) {
   int64_t const own = serving_head_dim(dv_width);
-  if (p.arch < 90 || p.varlen || p.head_dim != 256 || own > 128 || !head_dim_built(dv_width)) { return std::nullopt; }
+  if (p.arch < 90 || p.head_dim != 256 || own > 128 || !head_dim_built(dv_width)) { return std::nullopt; }
   Problem dv_problem = p;
   dv_problem.head_dim = static_cast<int>(own);
   return dv_problem;
