@@ -8,10 +8,10 @@
 # with 0 errors and every configuration matched the reference.
 #
 # What runs (scripts/sanitize_workload.py --list --tool T prints it):
-#   memcheck, synccheck: the full set (42 configurations: store at every head dim 64..256 batched
+#   memcheck, synccheck: the full set (47 configurations: store at every head dim 64..256 batched
 #     and varlen+seqused, store_zero, atomic and deterministic gqa_accumulate + postprocess +
 #     to_dense, gqa_reduce, the _arch=80 path);
-#   racecheck, initcheck: a reduced set (13 configurations: every op, both paths, swapAB head dims,
+#   racecheck, initcheck: a reduced set (14 configurations: every op, both paths, swapAB head dims,
 #     varlen+seqused, deterministic mode), because they are several times slower per kernel.
 # memcheck, synccheck and racecheck instrument our kernels only (--kernel-name
 # kns=epilogue_device_kernel, every driver's entry point): torch's own kernels are not ours to

@@ -299,6 +299,7 @@ def full_set():
         ("gqa_reduce", run_gqa_reduce, {"d": 128, "layout": "varlen", "seqused": True, "partial": "bf16"}),
         ("gqa_reduce", run_gqa_reduce, {"d": 192, "dv": 128, "partial": "fp16", "dtype": "fp16", "h_k": 1, "g": 8}),
         ("gqa_reduce", run_gqa_reduce, {"d": 256, "seqused": True, "g": 3}),
+        ("gqa_reduce", run_gqa_reduce, {"d": 256, "dv": 96, "layout": "varlen", "seqused": True}),  # dV launched alone
         ("gqa_reduce", run_gqa_reduce, {"d": 96, "give_out": False}),
         ("gqa_reduce", run_gqa_reduce, {"d": 128, "layout": "varlen", "seqused": True, "arch": 80}),
     ]
