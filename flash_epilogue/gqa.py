@@ -56,8 +56,10 @@ def tile_config(d: int, dv: int | None = None, arch: int = 90) -> TileConfig:
 @dataclass(eq=False, repr=False)
 class GQAAccumulator:
     """One GQA problem's fp32 ``dk_accum``/``dv_accum`` (batch_extent, num_heads_kv, num_tiles, tile_elems): opaque
-    tiles of ``block_n`` KV rows in MMA fragment order (varlen: batch_extent 1, each sequence block_n-aligned; see
-    :meth:`to_dense`), deterministic mode's int32 ``semaphores`` (or None), the ints of the problem it was sized for."""
+    tiles of KV rows in MMA fragment order (varlen: batch_extent 1, each sequence tile-aligned; see :meth:`to_dense`),
+    deterministic mode's int32 ``semaphores`` (or None), the ints of the problem it was sized for. dK's tiles are those
+    of :attr:`config` (``block_n`` rows), dV's those of :attr:`config_v`: the same, except on sm_90 for a head_dim_v
+    of at most 128 beside a head_dim served by the tile of head dim 256, where dV has a tile of its own."""
 
     dk_accum: torch.Tensor
     dv_accum: torch.Tensor
@@ -70,6 +72,7 @@ class GQAAccumulator:
     batch: int
     rows: int  # seqlen, or the total token count in varlen
     varlen: bool
+    tile_head_dim_v: int  # the head dim of dV's tile (config_v)
 
     @property
     def deterministic(self) -> bool:
@@ -78,8 +81,13 @@ class GQAAccumulator:
 
     @property
     def config(self) -> TileConfig:
-        """The tile configuration whose fragment order the accumulator uses."""
+        """The tile configuration whose fragment order dK's accumulator uses (that serving max(d, dv))."""
         return tile_config(self.head_dim, self.head_dim_v, self.arch)
+
+    @property
+    def config_v(self) -> TileConfig:
+        """The tile configuration whose fragment order dV's accumulator uses."""
+        return tile_config(self.tile_head_dim_v, arch=self.arch)
 
     @property
     def batch_extent(self) -> int:
@@ -87,6 +95,7 @@ class GQAAccumulator:
 
     @property
     def num_tiles(self) -> int:
+        """dK's tiles per KV head (dV's: ``dv_accum.shape[2]``)."""
         return self.dk_accum.shape[2]
 
     @property
@@ -116,9 +125,10 @@ class GQAAccumulator:
             fail(op, "acc.batch", f"{cu_seqlens.numel() - 1} (cu_seqlens.numel() - 1)", self.batch)
         outs = [torch.zeros(self.dense_shape(d), dtype=torch.float32, device=self.device)
                 for d in (self.head_dim, self.head_dim_v)]
-        for i, (accum, out) in enumerate(zip((self.dk_accum, self.dv_accum), outs)):  # head_dim names the tile config
+        tiles = (self.config.head_dim, self.tile_head_dim_v)  # head_dim names each accumulator's tile
+        for i, (accum, out, tile) in enumerate(zip((self.dk_accum, self.dv_accum), outs, tiles)):
             _extension.call_op(op, check_inputs if i == 0 else False, out, accum, out, cu_seqlens=cu_seqlens,
-                               seqused=seqused, head_dim=max(self.head_dim, self.head_dim_v), _arch=self.arch)
+                               seqused=seqused, head_dim=tile, _arch=self.arch)
         return outs[0], outs[1]
 
     def __repr__(self) -> str:
@@ -192,4 +202,4 @@ def gqa_accumulator(num_heads_kv: int, head_dim: int, head_dim_v: int | None = N
     accums = [torch.zeros(tuple(shape), dtype=torch.float32, device=device) for shape in layout["shapes"]]
     semaphores = torch.zeros(layout["semaphore_numel"], dtype=torch.int32, device=device) if deterministic else None
     return GQAAccumulator(*accums, semaphores, head_dim, head_dim_v, layout["block_n"], layout["arch"], num_heads_kv,
-                          batch, rows, varlen)
+                          batch, rows, varlen, layout["tile_head_dims"][1])

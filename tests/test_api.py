@@ -74,17 +74,22 @@ def test_info_and_main_run():
     (128, 128, 90, 128, (16384,) * 2), (192, 192, 90, 96, (18432,) * 2), (256, 256, 90, 80, (20480,) * 2),
     (64, 64, 80, 128, (8192,) * 2), (128, 128, 80, 128, (16384,) * 2), (192, 192, 80, 80, (96 * 192,) * 2),
     (256, 256, 80, 64, (16384,) * 2), (192, 128, 90, 96, (18432, 12288)), (128, 192, 90, 96, (12288, 18432)),
-    (192, 64, 90, 96, (18432, 6144)), (136, 72, 90, 96, (18432, 12288)), (256, 128, 90, 80, (20480, 20480)),
+    (192, 64, 90, 96, (18432, 6144)), (136, 72, 90, 96, (18432, 12288)), (256, 128, 90, (80, 128), (20480, 16384)),
+    (256, 96, 90, (80, 128), (20480, 12288)), (248, 40, 90, (80, 128), (20480, 8192)), (256, 136, 90, 80, (20480,) * 2),
+    (256, 128, 80, 64, (16384,) * 2), (200, 128, 90, (80, 128), (20480, 16384)),
     (128, 64, 90, 128, (16384, 16384)), (192, 128, 80, 80, (96 * 192, 96 * 192)), (64, 256, 90, 80, (20480, 20480)),
     (64, 256, 80, 64, (16384, 16384))])
 @pytest.mark.ops
 def test_accumulator_shape_batched(d, dv, arch, block, elems):
     # hdim 192's sm_90 tile is three warpgroup slabs of 64 columns (6144 floats each): a narrower accumulator keeps
-    # the slabs covering its head dim; hdim 256's slabs and the others' span every column, as sm_80's one slab does
-    for seqlen in (0, 1, block - 1, block, block + 1, 1000):
+    # the slabs covering its head dim; hdim 256's slabs and the others' span every column, as sm_80's one slab does.
+    # On sm_90 a dV of <= 128 columns beside the hdim-256 tile has an accumulator of its own tile (block: dK's, dV's)
+    blocks = block if isinstance(block, tuple) else (block, block)
+    for seqlen in (0, 1, blocks[0] - 1, blocks[0], blocks[1] + 1, 1000):
         acc = fe.gqa_accumulator(2, d, dv, batch=3, seqlen=seqlen, deterministic=True, device="meta", arch=arch)
-        assert (acc.dk_accum.shape, acc.dv_accum.shape) == tuple((3, 2, -(-seqlen // block), e) for e in elems)
-        assert (acc.block_n, acc.arch) == (block, arch)
+        assert (acc.dk_accum.shape, acc.dv_accum.shape) == tuple((3, 2, -(-seqlen // n), e)
+                                                                 for n, e in zip(blocks, elems))
+        assert (acc.block_n, acc.config_v.block_n, acc.arch) == (*blocks, arch)
         assert acc.semaphores.shape == (2 * 3 * acc.num_tiles * 2 + 1,) and acc.semaphores.dtype == I32
     assert fe.gqa_accumulator(2, d, dv, batch=0, seqlen=50, device="meta", arch=arch).dk_accum.shape[0] == 0
     cfg, slabs = acc.config, acc.config.num_threads // 128 if arch == 90 else 1
@@ -142,9 +147,14 @@ def test_accumulator_allocation():
     assert acc.device == cs.device and acc.varlen and acc.batch == 3 and acc.rows == 710
     assert acc.dk_accum.shape == (1, 2, (710 + 3 * 128) // 128, 8192) and acc.dense_shape(64) == (710, 2, 64)
     assert acc.semaphores.numel() == 2 * acc.num_tiles * 2 + 1
+    acc = fe.gqa_accumulator(2, 256, 128, cu_seqlens=cs, total_tokens=710, device="meta")  # dV on a tile of its own
+    assert acc.dk_accum.shape == (1, 2, (710 + 3 * 80) // 80, 20480) and acc.block_n == 80
+    assert acc.dv_accum.shape == (1, 2, (710 + 3 * 128) // 128, 16384) and acc.config_v == fe.tile_config(128)
+    assert acc.tile_head_dim_v == 128 and acc.config == fe.tile_config(256)
     assert fe.gqa_accumulator(2, 64, batch=3, total_tokens=710, device="meta").dk_accum.shape == acc.dk_accum.shape
     # the extension's layouts
-    for args in ((2, 128, 128, 3, 300, False, 0), (2, 192, 128, 2, 200, False, 80), (3, 64, 64, 4, 710, True, 90)):
+    for args in ((2, 128, 128, 3, 300, False, 0), (2, 192, 128, 2, 200, False, 80), (3, 64, 64, 4, 710, True, 90),
+                 (2, 256, 96, 3, 300, False, 90), (2, 256, 96, 3, 300, False, 80)):
         layout = C.gqa_accum_layout(*args, torch.device("cpu"))
         h_k, d, dv, batch, rows, varlen, arch = args
         acc = fe.gqa_accumulator(h_k, d, dv, batch=batch, **({"total_tokens": rows} if varlen else {"seqlen": rows}),
@@ -152,6 +162,7 @@ def test_accumulator_allocation():
         assert tuple(map(tuple, layout["shapes"])) == (tuple(acc.dk_accum.shape), tuple(acc.dv_accum.shape))
         assert layout["semaphore_numel"] == acc.semaphores.numel()
         assert (layout["arch"], layout["block_n"]) == (acc.arch, acc.block_n)
+        assert layout["tile_head_dims"] == (acc.config.head_dim, acc.config_v.head_dim)
 
 
 @pytest.mark.ops

@@ -18,7 +18,8 @@ pytestmark = pytest.mark.gpu
 DEV = "cuda"
 HEAD_DIMS = (64, 80, 96, 128, 192, 256)  # 80 is not compiled: it runs on the 96 tile with column predicates
 GROUPS = ((2, 1), (2, 2), (1, 3), (2, 4), (1, 6), (1, 8), (1, 16))  # (h_k, g): MHA, GQA ..., MQA (h_k = 1)
-DV_PAIRS = ((192, 128), (128, 64), (64, 256), (72, 200), (64, 192))  # on hdim 192: dV, dK of fewer slabs
+# on hdim 192: dV, dK of fewer slabs; on hdim 256 (sm_90), dV on a tile of its own
+DV_PAIRS = ((192, 128), (128, 64), (64, 256), (72, 200), (64, 192), (256, 128), (240, 72))
 U32 = 2.0**-24  # unit roundoff of fp32
 
 
@@ -136,15 +137,20 @@ def check_reduce(d, dv, with_dv, arch, h_k, g, partial_dtype, out_dtype, batch, 
 
 def accumulate_case(d, dv, arch, h_k, g, layout, deterministic, seed, posts):
     """check_accumulate on edge_geometry, the middle call with seqused, then check_postprocess of each (dtype, layouts,
-    scales, with seqused) of posts. dk and dv accumulators share the tiles, each holding the slabs of its own head dim
-    (fewer for the narrower on hdim 192's sm_90 tile). The postprocesses left the accumulator as it was; to_dense
-    reads the valid rows of the seqlens it is given: rows past seqused come back 0."""
+    scales, with seqused) of posts. Each accumulator has the tiles of its config (dV's its own at (256, <= 128) on
+    sm_90), each holding the slabs of its own head dim (fewer for the narrower on hdim 192's sm_90 tile). The
+    postprocesses left the accumulator as it was; to_dense reads the valid rows of the seqlens it is given: rows past
+    seqused come back 0."""
     case = check_accumulate(d, dv, arch, h_k, g, deterministic, **edge_geometry(layout, block_n(d, dv, arch)),
                             chunk_seqused=[False, True, False], partial_layouts=("plain", "plain"), seed=seed)
-    acc, cfg = case.acc, case.acc.config
-    assert acc.dk_accum.shape[:3] == acc.dv_accum.shape[:3] and acc.dk_accum.is_contiguous()
-    elems = [-(-w // cfg.slab_cols) * cfg.slab_elems if cfg.slab_cols else cfg.accum_tile_elems for w in (d, dv)]
-    assert [acc.dk_accum.shape[3], acc.dv_accum.shape[3]] == elems
+    acc = case.acc
+    own = acc.arch == 90 and acc.config.head_dim == 256 and dv <= 128
+    assert acc.config_v == (fe.tile_config(dv) if own else acc.config)
+    for t, w, cfg in ((acc.dk_accum, d, acc.config), (acc.dv_accum, dv, acc.config_v)):
+        n = cfg.block_n
+        tiles = (acc.rows + acc.batch * n) // n if acc.varlen else -(-acc.rows // n)
+        elems = -(-w // cfg.slab_cols) * cfg.slab_elems if cfg.slab_cols else cfg.accum_tile_elems
+        assert t.shape == (acc.batch_extent, h_k, tiles, elems) and t.is_contiguous()
     for dtype, layouts, scales, with_used in posts:
         check_postprocess(case, dtype, layouts, scales, case.seq_used if with_used else case.seq)
     cut = [torch.zeros_like(x) for x in case.dense]

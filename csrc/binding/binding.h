@@ -19,16 +19,24 @@ using TensorArg = at::Tensor const&;  // the ops' argument types
 using OptArg = std::optional<at::Tensor> const&;
 std::vector<std::string> const& compiled_archs();  // "sm_90a", or "sm_80" and "sm_90a"
 
-// The GQA accumulators: dK's and dV's (batch_extent, heads, num_tiles, tile_elems[i]) floats in the order of the
-// TiledMma's C fragment of the config serving max(d, dv), each tile of only the slabs covering its own head dim
+// The GQA accumulators: dK's and dV's (batch_extent, heads, num_tiles, tile_elems) floats, each in the order of the
+// TiledMma's C fragment of its tile's config: dK's that serving max(d, dv), dV's the same or one of its own
+// (dv_tile_head_dim), each tile of only the slabs covering its tensor's head dim
 // (CompiledTileConfig::accum_tile_elems_for); the deterministic mode's semaphores: dK's and dV's counter per (tile,
-// KV head), a ticket.
+// KV head), a ticket (the sm_80 path, where both tensors share the tile).
 struct AccumLayout {
-  int arch = 90, block_n = 0, config_head_dim = 0;  // the code path, its tile rows and head dim
-  int64_t batch_extent = 0, heads = 0, num_tiles = 0;
-  int64_t tile_elems[2] = {0, 0};  // dK's, dV's
-  std::vector<int64_t> shape(int tensor) const { return {batch_extent, heads, num_tiles, tile_elems[tensor]}; }
-  int64_t semaphore_numel() const { return 2 * batch_extent * num_tiles * heads + 1; }
+  struct Tiles {
+    int head_dim = 0, block_n = 0;  // the config's head dim and tile rows
+    int64_t num_tiles = 0, tile_elems = 0;
+  };
+  int arch = 90;  // the code path
+  int64_t batch_extent = 0, heads = 0;
+  Tiles tiles[2];  // dK's, dV's
+  std::vector<int64_t> shape(int tensor) const {
+    return {batch_extent, heads, tiles[tensor].num_tiles, tiles[tensor].tile_elems};
+  }
+  int64_t semaphore_numel() const { return 2 * batch_extent * tiles[0].num_tiles * heads + 1; }
+  bool dv_on_own_tile() const { return tiles[1].head_dim != tiles[0].head_dim; }
 };
 
 // _C.gqa_accum_layout, its arguments checked (op gqa_accumulator): batch sequences of `rows` rows (varlen: rows

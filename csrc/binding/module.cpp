@@ -73,7 +73,8 @@ py::dict accum_layout(int64_t num_heads_kv, int64_t head_dim, int64_t head_dim_v
     l = flash_epilogue::gqa_accum_layout(num_heads_kv, head_dim, head_dim_v, batch, rows, varlen, arch, device);
   } catch (c10::ValueError const& e) { throw py::value_error(e.what_without_backtrace()); }
   return py::dict("shapes"_a = py::make_tuple(py::tuple(py::cast(l.shape(0))), py::tuple(py::cast(l.shape(1)))),
-                  "semaphore_numel"_a = l.semaphore_numel(), "arch"_a = l.arch, "block_n"_a = l.block_n);
+                  "semaphore_numel"_a = l.semaphore_numel(), "arch"_a = l.arch, "block_n"_a = l.tiles[0].block_n,
+                  "tile_head_dims"_a = py::make_tuple(l.tiles[0].head_dim, l.tiles[1].head_dim));
 }
 
 py::dict build_info() {
@@ -97,7 +98,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("tile_configs", &tile_configs, "the tile table: every compiled (head dim, arch path) and its tile");
   m.def("gqa_accum_layout", &accum_layout, "num_heads_kv"_a, "head_dim"_a, "head_dim_v"_a, "batch"_a, "rows"_a,
         "varlen"_a, "arch"_a, "device"_a,
-        "the GQA accumulators' shapes (dK's, dV's), semaphore count, code path (arch 0: the device's) and tile rows "
+        "the GQA accumulators' shapes (dK's, dV's), semaphore count, code path (arch 0: the device's), dK's tile rows "
+        "and the head dims of dK's and dV's tiles "
         "for a problem; raises ValueError (op gqa_accumulator) for bad arguments");
   m.def("build_info", &build_info, "the versions and archs this build was made with");
   m.def("_set_debug_sync", &flash_epilogue::set_debug_sync,

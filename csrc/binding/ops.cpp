@@ -124,14 +124,27 @@ CompiledTileConfig const& tile_config(int64_t width, int arch) {  // the one ser
   C10_THROW_ERROR(Error, "flash_epilogue: internal: no tile config for head dim " + num(width) + " on sm_" + num(arch));
 }
 
+// The head dim of the tile dV runs on: that serving max(d, dv), except on sm_90 for a dv of at most 128 beside a d
+// served by head dim 256, whose 80-row tiles of 256 columns would leave half of each stage and accumulator tile idle
+// on dV's (measured in docs/design.md): there dV runs in launches of its own on the tile compiled for dv (gqa_reduce)
+// and has an accumulator of that tile (gqa_accumulate, gqa_postprocess). The bits are the same either way.
+int64_t dv_tile_head_dim(int arch, int64_t d, int64_t dv) {
+  int64_t const shared = serving_head_dim(std::max(d, dv)), own = serving_head_dim(dv);
+  return arch >= 90 && shared == 256 && own <= 128 && head_dim_built(dv) ? own : shared;
+}
+
 // Batched: ceil(rows / block_n) tiles per sequence. Varlen (rows: total tokens): batch_extent 1 and
 // (rows + batch * block_n) // block_n tiles, so that sequence b starts at ((cu_seqlens[b] + b * block_n) // block_n).
-// Both accumulators take the tile of the config serving max(d, dv), dK's of the slabs covering d, dV's dv.
+// dK's accumulator takes the tile of the config serving max(d, dv), dV's that of dv_tile_head_dim; each of the slabs
+// covering its own head dim.
 AccumLayout accum_layout(int arch, bool varlen, int64_t batch, int64_t rows, int64_t heads_kv, int64_t d, int64_t dv) {
-  CompiledTileConfig const& c = tile_config(std::max(d, dv), arch);
-  int64_t const n = c.block_n, tiles = varlen ? (rows + batch * n) / n : (rows + n - 1) / n;
-  auto const elems = [&c](int64_t w) { return int64_t(c.accum_tile_elems_for(static_cast<int>(w))); };
-  return {arch, c.block_n, c.head_dim, varlen ? 1 : batch, heads_kv, tiles, {elems(d), elems(dv)}};
+  auto const tiles = [&](int64_t width, int64_t tile_width) {
+    CompiledTileConfig const& c = tile_config(tile_width, arch);
+    int64_t const n = c.block_n;
+    return AccumLayout::Tiles{c.head_dim, c.block_n, varlen ? (rows + batch * n) / n : (rows + n - 1) / n,
+                              c.accum_tile_elems_for(static_cast<int>(width))};
+  };
+  return {arch, varlen ? 1 : batch, heads_kv, {tiles(d, std::max(d, dv)), tiles(dv, dv_tile_head_dim(arch, d, dv))}};
 }
 
 // The path of a GQA call's accumulators, before the device checks: `requested`, else the device's (sm_8x: 80, else 90)
@@ -448,7 +461,7 @@ struct Checker {
                                       : "batch " + num(batch) + ", seqlen " + num(rows);
       fail(n, "shape",
            num(shape) + " (the accumulator of " + what + ", " + num(heads_kv) + " KV heads and head dim " +
-               num(i ? dv : d) + " in the tile of head dim " + num(layout.config_head_dim) + " on the sm_" +
+               num(i ? dv : d) + " in the tile of head dim " + num(layout.tiles[i].head_dim) + " on the sm_" +
                num(layout.arch) + " path: allocate it with flash_epilogue.gqa_accumulator)",
            num(n->sizes()));
     }
@@ -467,7 +480,8 @@ struct Checker {
     int const hd = tile_config(width, 90).head_dim;
     Problem p{op, varlen, i32(rows), i32(heads_kv ? heads_kv : heads), i32(heads), i32(batch), hd, accum, devices(ts)};
     p.arch = resolve_arch(p.device, arch);
-    TORCH_CHECK(!accum.block_n || p.arch == accum.arch, "flash_epilogue.", op, ": internal: arch paths disagree");
+    TORCH_CHECK(!accum.tiles[0].block_n || p.arch == accum.arch, "flash_epilogue.", op,
+                ": internal: arch paths disagree");
     return p;
   }
 };
@@ -486,9 +500,8 @@ TensorDesc describe(TensorArg t, bool varlen) {
           static_cast<int>(t.size(-1))};
 }
 
-AccumDesc accum_desc(TensorArg t, AccumLayout const& layout) {  // t: of the checked shape (floats per tile: size(3))
-  return {t.data_ptr<float>(), t.stride(1), t.stride(0), static_cast<int>(layout.num_tiles),
-          static_cast<int>(t.size(3))};
+AccumDesc accum_desc(TensorArg t) {  // t: of the checked shape
+  return {t.data_ptr<float>(), t.stride(1), t.stride(0), static_cast<int>(t.size(2)), static_cast<int>(t.size(3))};
 }
 
 // Of a launch's arguments, those it has of: extents, heads, cu_seqlens/seqused, the outputs dk/dv (dv null: dK only).
@@ -540,6 +553,19 @@ void launch(Problem const& p, at::ScalarType dtype, Args const& args, Fn fn) {
   });
   TORCH_CHECK(why == nullptr, "flash_epilogue.", p.op, ": arguments rejected by the kernel: ", why);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// launch(), or where dV runs on a tile of its own (dv_head_dim, from dv_tile_head_dim, not p's): dK's half on p's tile,
+// then dV's in a launch of its own on its tile. `fields`: the Args' (dK's, dV's) member pairs, dV's moved into dK's.
+template <class Args, class Fn, class... Fields>
+void launch_per_tile(Problem const& p, int64_t dv_head_dim, at::ScalarType dtype, Args args, Fn fn, Fields... fields) {
+  if (dv_head_dim == p.head_dim) { return launch(p, dtype, args, fn); }
+  Args dv_only = args;
+  ((dv_only.*fields.first = std::exchange(args.*fields.second, {}), dv_only.*fields.second = {}), ...);
+  Problem dv_problem = p;
+  dv_problem.head_dim = static_cast<int>(dv_head_dim);
+  launch(p, dtype, args, fn);
+  launch(dv_problem, dtype, dv_only, fn);
 }
 
 void store(TensorArg dk_accum, TensorArg dv_accum, TensorArg dk, TensorArg dv, OptArg cu_seqlens, OptArg seqused,
@@ -645,12 +671,15 @@ void gqa_accumulate(TensorArg dk_partial, TensorArg dv_partial, TensorArg dk_acc
   }
   if (dk_partial.numel() == 0 || dk_accum.numel() == 0) { return; }
   auto args = args_for<GqaAccumulateLaunchArgs>(p, cu_seqlens, seqused);
-  args.dk_accum = accum_desc(dk_accum, p.accum);
-  args.dv_accum = accum_desc(dv_accum, p.accum);
+  args.dk_accum = accum_desc(dk_accum);
+  args.dv_accum = accum_desc(dv_accum);
   args.dk_partial = describe(dk_partial, p.varlen);
   args.dv_partial = describe(dv_partial, p.varlen);
   args.semaphores = deterministic ? semaphores->data_ptr<int>() : nullptr;
-  launch(p, at::kFloat, args, [](auto, auto d, auto a) { return &launch_gqa_accumulate<d, a>; });
+  using A = GqaAccumulateLaunchArgs;
+  launch_per_tile(p, layout.tiles[1].head_dim, at::kFloat, args,
+                  [](auto, auto d, auto a) { return &launch_gqa_accumulate<d, a>; },
+                  std::pair{&A::dk_partial, &A::dv_partial}, std::pair{&A::dk_accum, &A::dv_accum});
 }
 
 void gqa_postprocess(TensorArg dk_accum, TensorArg dv_accum, TensorArg dk, TensorArg dv, double scale_dk,
@@ -671,11 +700,15 @@ void gqa_postprocess(TensorArg dk_accum, TensorArg dv_accum, TensorArg dk, Tenso
   Problem const p = c.finish(k, h_k, std::max(d, dv.size(-1)), {accums[0], accums[1], k, v, c.cu, c.used}, 0, layout);
   if (dk.numel() == 0) { return; }
   auto args = args_for<GqaPostprocessLaunchArgs>(p, cu_seqlens, seqused, &dk, &dv);
-  args.dk_accum = accum_desc(dk_accum, p.accum);
-  args.dv_accum = accum_desc(dv_accum, p.accum);
+  args.dk_accum = accum_desc(dk_accum);
+  args.dv_accum = accum_desc(dv_accum);
   args.scale_dk = static_cast<float>(scale_dk);
   args.scale_dv = static_cast<float>(scale_dv);
-  launch(p, dk.scalar_type(), args, [](auto t, auto d, auto a) { return &launch_gqa_postprocess<t, d, a>; });
+  using A = GqaPostprocessLaunchArgs;
+  launch_per_tile(p, layout.tiles[1].head_dim, dk.scalar_type(), args,
+                  [](auto t, auto d, auto a) { return &launch_gqa_postprocess<t, d, a>; },
+                  std::pair{&A::dk_accum, &A::dv_accum}, std::pair{&A::dk, &A::dv},
+                  std::pair{&A::scale_dk, &A::scale_dv});
 }
 
 void gqa_accum_to_dense(TensorArg accum, TensorArg out, int64_t head_dim, OptArg cu_seqlens, OptArg seqused,
@@ -696,20 +729,9 @@ void gqa_accum_to_dense(TensorArg accum, TensorArg out, int64_t head_dim, OptArg
   Problem const p = c.finish(dense, out.size(-2), head_dim, {in, dense, c.cu, c.used}, 0, layout);
   if (out.numel() == 0) { return; }
   auto args = args_for<GqaDenseLaunchArgs>(p, cu_seqlens, seqused);
-  args.accum = accum_desc(accum, p.accum);
+  args.accum = accum_desc(accum);
   args.out = describe(out, p.varlen);
   launch(p, at::kFloat, args, [](auto, auto d, auto a) { return launch_gqa_accum_to_dense<d, a>; });
-}
-
-// gqa_reduce's dV problem when it runs in a launch of its own, on the tile compiled for its width: on sm_90, a dV of
-// at most 128 columns beside a dK of head dim 256, whose 80-row tiles of 256 columns would leave half of each stage
-// idle on dV's (measured in docs/design.md). The bits are the same either way.
-std::optional<Problem> dv_on_own_tile(Problem const& p, int64_t dv_width) {
-  int64_t const own = serving_head_dim(dv_width);
-  if (p.arch < 90 || p.head_dim != 256 || own > 128 || !head_dim_built(dv_width)) { return std::nullopt; }
-  Problem dv_problem = p;
-  dv_problem.head_dim = static_cast<int>(own);
-  return dv_problem;
 }
 
 void gqa_reduce(TensorArg dk_partial, OptArg dv_partial, TensorArg dk, OptArg dv, OptArg cu_seqlens, OptArg seqused,
@@ -747,17 +769,11 @@ void gqa_reduce(TensorArg dk_partial, OptArg dv_partial, TensorArg dk, OptArg dv
   args.partial_fp32 = dk_partial.scalar_type() == at::kFloat;
   args.scale_dk = static_cast<float>(scale_dk);
   args.scale_dv = static_cast<float>(scale_dv);
-  auto const fn = [](auto t, auto d, auto a) { return &launch_gqa_reduce<t, d, a>; };
-  if (std::optional<Problem> const own = has_dv ? dv_on_own_tile(p, dv->size(-1)) : std::nullopt) {
-    GqaReduceLaunchArgs dv_only = args;  // dV in dK's fields
-    dv_only.dk = std::exchange(args.dv, {});
-    dv_only.dk_partial = std::exchange(args.dv_partial, {});
-    dv_only.scale_dk = args.scale_dv;
-    dv_only.dv = dv_only.dv_partial = {};
-    launch(p, dk.scalar_type(), args, fn);
-    return launch(*own, dk.scalar_type(), dv_only, fn);
-  }
-  launch(p, dk.scalar_type(), args, fn);
+  using A = GqaReduceLaunchArgs;
+  launch_per_tile(p, has_dv ? dv_tile_head_dim(p.arch, dk.size(-1), dv->size(-1)) : p.head_dim, dk.scalar_type(),
+                  args, [](auto t, auto d, auto a) { return &launch_gqa_reduce<t, d, a>; },
+                  std::pair{&A::dk_partial, &A::dv_partial}, std::pair{&A::dk, &A::dv},
+                  std::pair{&A::scale_dk, &A::scale_dv});
 }
 
 // The ops' kernels: their implementations for CPU and CUDA, and their place in torch's in-place machinery: an

@@ -193,11 +193,12 @@ struct GqaAccumulateStreamKernel {
 
   struct Params {
     TensorParams tensors[2];  // dK, dV
+    int num_tensors;          // 2, or 1: dK's alone
     int num_heads;            // h_k
     int group;
     int batch;
     int num_n_tiles;          // row tiles per (tensor, KV head, batch extent)
-    int num_tiles;            // num_n_tiles * 2 * h_k * batch extent
+    int num_tiles;            // num_n_tiles * num_tensors * h_k * batch extent
     int const* cu_seqlens;
     int const* seqused;
   };
@@ -208,7 +209,7 @@ struct GqaAccumulateStreamKernel {
   };
 
   CUTLASS_DEVICE static TileWork decode(Params const& params, int tile) {
-    int const heads_y = 2 * params.num_heads;
+    int const heads_y = params.num_tensors * params.num_heads;
     auto const [tensor, head] = split_by_tensor(tile % heads_y, params.num_heads);
     int const rest = tile / heads_y;
     TensorParams const& t = params.tensors[tensor];
@@ -227,7 +228,9 @@ struct GqaAccumulateStreamKernel {
   // Per tile, the accumulator tile, then the partials in head order.
   CUTLASS_DEVICE void produce(Params const& params, Ring const& ring) const {
     using namespace cute;
-    for (auto const& t : params.tensors) { prefetch_tma_descriptor(t.tma_load_in.get_tma_descriptor()); }
+    for (int i = 0; i < params.num_tensors; ++i) {
+      prefetch_tma_descriptor(params.tensors[i].tma_load_in.get_tma_descriptor());
+    }
     int load_index = 0;
     for (int tile = blockIdx.x; tile < params.num_tiles; tile += gridDim.x) {
       TileWork const work = decode(params, tile);
@@ -301,7 +304,7 @@ struct GqaPostprocessKernel {
   };
 
   struct Params {
-    TensorParams tensors[2];  // dK, dV (split over CTAs: see locate_output_tile)
+    TensorParams tensors[2];  // dK, dV (split over CTAs: see locate_output_tile); dV unused without dv
     int num_heads_kv;
     int batch;
   };

@@ -41,6 +41,7 @@ char const* launch_gqa_accumulate_per_head(GqaAccumulateLaunchArgs const& args, 
                                           nullptr, args.cu_seqlens, args.seqused, num_semaphores};
   };
   constexpr int kTileElems = Collective::kAccumTileElems;
+  if (args.dv_partial.ptr == nullptr) { return "internal: the per-query-head adds take dK and dV together"; }
   if (args.dk_accum.tile_elems != kTileElems || args.dv_accum.tile_elems != kTileElems) {
     return "the per-query-head adds take accumulators of whole tiles (kAccumTileElems floats each)";
   }
@@ -89,19 +90,20 @@ char const* launch_gqa_accumulate(GqaAccumulateLaunchArgs const& args, cudaStrea
     using Kernel = GqaAccumulateStreamKernel<Config>;
     bool const varlen = args.cu_seqlens != nullptr;
     int const batch_extent = varlen ? 1 : args.batch;
+    int const num_tensors = args.dv_partial.ptr ? 2 : 1;  // dK's alone where dV has a tile of its own
     int64_t const n_tiles = row_tiles<Config::kBlockN>(args.rows, args.batch, varlen);
-    int64_t const num_tiles = n_tiles * 2 * args.num_heads_kv * batch_extent;
+    int64_t const num_tiles = n_tiles * num_tensors * args.num_heads_kv * batch_extent;
     TensorDesc const* partials[2] = {&args.dk_partial, &args.dv_partial};
-    for (TensorDesc const* partial : partials) {
-      if (char const* why = tma_input_strides_fit(*partial, sizeof(float))) { return why; }
+    for (int i = 0; i < num_tensors; ++i) {
+      if (char const* why = tma_input_strides_fit(*partials[i], sizeof(float))) { return why; }
     }
     if (num_tiles == 0) { return nullptr; }
     if (num_tiles > kMaxStreamedTiles) { return "more than 2^31 - 2^16 accumulator tiles"; }
-    typename Kernel::Params params{{}, args.num_heads_kv, args.num_heads_q / args.num_heads_kv, args.batch,
-                                   static_cast<int>(n_tiles), static_cast<int>(num_tiles), args.cu_seqlens,
-                                   args.seqused};
+    typename Kernel::Params params{{}, num_tensors, args.num_heads_kv, args.num_heads_q / args.num_heads_kv,
+                                   args.batch, static_cast<int>(n_tiles), static_cast<int>(num_tiles),
+                                   args.cu_seqlens, args.seqused};
     AccumDesc const* accums[2] = {&args.dk_accum, &args.dv_accum};
-    for (int i = 0; i < 2; ++i) {
+    for (int i = 0; i < num_tensors; ++i) {
       typename Kernel::TensorParams& t = params.tensors[i];
       if (char const* why = tiles_of(*accums[i], partials[i]->head_dim, t.accum)) { return why; }
       t.shape_in = shape_of(*partials[i], args.rows, args.num_heads_q, batch_extent);
@@ -134,8 +136,11 @@ char const* launch_gqa_postprocess(GqaPostprocessLaunchArgs const& args, cudaStr
     using Kernel = GqaPostprocessKernel<Config, element_of<kDType>, ArchTag, decltype(varlen)::value>;
     typename Kernel::Params params{{{{}, {}, args.scale_dk}, {{}, {}, args.scale_dv}}, args.num_heads_kv, args.batch};
     if (char const* why = tiles_of(args.dk_accum, args.dk.head_dim, params.tensors[0].accum)) { return why; }
-    if (char const* why = tiles_of(args.dv_accum, args.dv.head_dim, params.tensors[1].accum)) { return why; }
-    return launch_output_tiles<Kernel>(args, 2, args.num_heads_kv, params, stream);
+    int const count = args.dv.ptr ? 2 : 1;  // dK's alone where dV has a tile of its own
+    if (count == 2) {
+      if (char const* why = tiles_of(args.dv_accum, args.dv.head_dim, params.tensors[1].accum)) { return why; }
+    }
+    return launch_output_tiles<Kernel>(args, count, args.num_heads_kv, params, stream);
   };
   if constexpr (kArch >= 90) {
     if (without_sequence_metadata(args)) { return launch(std::false_type{}); }

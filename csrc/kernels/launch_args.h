@@ -57,7 +57,7 @@ struct AccumDesc {
 };
 
 struct GqaAccumulateLaunchArgs {
-  TensorDesc dk_partial, dv_partial;  // fp32 (rows, d, h_q, batch)
+  TensorDesc dk_partial, dv_partial;  // fp32 (rows, d, h_q, batch); dv_partial.ptr null: dK only (sm_90)
   AccumDesc dk_accum, dv_accum;
   int rows = 0, num_heads_q = 0, num_heads_kv = 0, batch = 0;
   int const* cu_seqlens = nullptr;
@@ -67,7 +67,7 @@ struct GqaAccumulateLaunchArgs {
 
 struct GqaPostprocessLaunchArgs {
   AccumDesc dk_accum, dv_accum;
-  TensorDesc dk, dv;  // 16-bit (rows, d, h_k, batch)
+  TensorDesc dk, dv;  // 16-bit (rows, d, h_k, batch); dv.ptr null: dK only
   int rows = 0, num_heads_kv = 0, batch = 0;
   int const* cu_seqlens = nullptr;
   int const* seqused = nullptr;
