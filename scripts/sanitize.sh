@@ -8,7 +8,7 @@
 # with 0 errors and every configuration matched the reference.
 #
 # What runs (scripts/sanitize_workload.py --list --tool T prints it):
-#   memcheck, synccheck: the full set (47 configurations: store at every head dim 64..256 batched
+#   memcheck, synccheck: the full set (48 configurations: store at every head dim 64..256 batched
 #     and varlen+seqused, store_zero, atomic and deterministic gqa_accumulate + postprocess +
 #     to_dense, gqa_reduce, the _arch=80 path);
 #   racecheck, initcheck: a reduced set (14 configurations: every op, both paths, swapAB head dims,

@@ -299,7 +299,8 @@ def full_set():
         ("gqa_reduce", run_gqa_reduce, {"d": 128, "layout": "varlen", "seqused": True, "partial": "bf16"}),
         ("gqa_reduce", run_gqa_reduce, {"d": 192, "dv": 128, "partial": "fp16", "dtype": "fp16", "h_k": 1, "g": 8}),
         ("gqa_reduce", run_gqa_reduce, {"d": 256, "seqused": True, "g": 3}),
-        ("gqa_reduce", run_gqa_reduce, {"d": 256, "dv": 96, "layout": "varlen", "seqused": True}),  # dV launched alone
+        # dV launched alone on its own tile: 512 hdim-256 tiles x KV heads or more
+        ("gqa_reduce", run_gqa_reduce, {"d": 256, "dv": 96, "layout": "varlen", "seqused": True, "h_k": 86, "g": 1}),
         ("gqa_reduce", run_gqa_reduce, {"d": 96, "give_out": False}),
         ("gqa_reduce", run_gqa_reduce, {"d": 128, "layout": "varlen", "seqused": True, "arch": 80}),
     ]
@@ -316,6 +317,8 @@ def full_set():
                                                 "g": 16}),
         ("gqa_accumulate", run_gqa_accumulate, {"d": 128, "layout": "varlen", "seqused": True, "arch": 80}),
         ("gqa_accumulate", run_gqa_accumulate, {"d": 256, "arch": 80, "g": 6, "h_k": 1}),
+        ("gqa_accumulate", run_gqa_accumulate, {"d": 256, "dv": 96, "layout": "varlen", "seqused": True, "h_k": 80,
+                                                "g": 1}),  # dV's accumulator on its own tile
     ]
     cfgs += [("bad_metadata", run_bad_metadata, {"d": d, "arch": arch}) for d in (64, 128) for arch in (0, 80)]
     return cfgs

@@ -74,27 +74,53 @@ def test_info_and_main_run():
     (128, 128, 90, 128, (16384,) * 2), (192, 192, 90, 96, (18432,) * 2), (256, 256, 90, 80, (20480,) * 2),
     (64, 64, 80, 128, (8192,) * 2), (128, 128, 80, 128, (16384,) * 2), (192, 192, 80, 80, (96 * 192,) * 2),
     (256, 256, 80, 64, (16384,) * 2), (192, 128, 90, 96, (18432, 12288)), (128, 192, 90, 96, (12288, 18432)),
-    (192, 64, 90, 96, (18432, 6144)), (136, 72, 90, 96, (18432, 12288)), (256, 128, 90, (80, 128), (20480, 16384)),
-    (256, 96, 90, (80, 128), (20480, 12288)), (248, 40, 90, (80, 128), (20480, 8192)), (256, 136, 90, 80, (20480,) * 2),
-    (256, 128, 80, 64, (16384,) * 2), (200, 128, 90, (80, 128), (20480, 16384)),
+    (192, 64, 90, 96, (18432, 6144)), (136, 72, 90, 96, (18432, 12288)), (256, 128, 90, 80, (20480, 20480)),
     (128, 64, 90, 128, (16384, 16384)), (192, 128, 80, 80, (96 * 192, 96 * 192)), (64, 256, 90, 80, (20480, 20480)),
     (64, 256, 80, 64, (16384, 16384))])
 @pytest.mark.ops
 def test_accumulator_shape_batched(d, dv, arch, block, elems):
     # hdim 192's sm_90 tile is three warpgroup slabs of 64 columns (6144 floats each): a narrower accumulator keeps
-    # the slabs covering its head dim; hdim 256's slabs and the others' span every column, as sm_80's one slab does.
-    # On sm_90 a dV of <= 128 columns beside the hdim-256 tile has an accumulator of its own tile (block: dK's, dV's)
-    blocks = block if isinstance(block, tuple) else (block, block)
-    for seqlen in (0, 1, blocks[0] - 1, blocks[0], blocks[1] + 1, 1000):
+    # the slabs covering its head dim; hdim 256's slabs and the others' span every column, as sm_80's one slab does
+    for seqlen in (0, 1, block - 1, block, block + 1, 1000):
         acc = fe.gqa_accumulator(2, d, dv, batch=3, seqlen=seqlen, deterministic=True, device="meta", arch=arch)
-        assert (acc.dk_accum.shape, acc.dv_accum.shape) == tuple((3, 2, -(-seqlen // n), e)
-                                                                 for n, e in zip(blocks, elems))
-        assert (acc.block_n, acc.config_v.block_n, acc.arch) == (*blocks, arch)
+        assert (acc.dk_accum.shape, acc.dv_accum.shape) == tuple((3, 2, -(-seqlen // block), e) for e in elems)
+        assert (acc.block_n, acc.arch, acc.config_v) == (block, arch, acc.config)
         assert acc.semaphores.shape == (2 * 3 * acc.num_tiles * 2 + 1,) and acc.semaphores.dtype == I32
     assert fe.gqa_accumulator(2, d, dv, batch=0, seqlen=50, device="meta", arch=arch).dk_accum.shape[0] == 0
     cfg, slabs = acc.config, acc.config.num_threads // 128 if arch == 90 else 1
     split = (cfg.head_dim, arch) == (192, 90)
     assert (cfg.slab_cols, cfg.slab_elems) == ((64, 6144) if split else (0, cfg.accum_tile_elems // slabs))
+
+
+@pytest.mark.ops
+@pytest.mark.parametrize("d,dv,own", [(256, 128, 128), (256, 96, 96), (248, 40, 64), (200, 128, 128), (256, 136, 0),
+                                      (128, 256, 0), (192, 64, 0)])
+def test_accumulator_dv_own_tile(d, dv, own):
+    # on sm_90, dV of <= 128 columns beside dK on the hdim-256 tile has an accumulator of its own tile (that of its
+    # head dim: 128 rows, all columns) from 512 hdim-256 tiles (80 rows) x KV heads x batch on; dK's is unchanged
+    def accumulator(heads, arch=90, **geometry):
+        return fe.gqa_accumulator(heads, d, dv, device="meta", arch=arch, **geometry)
+
+    cs = torch.tensor([0, 3000, 3000, 6000], dtype=I32)  # 3 sequences: (total + 3 * 80) // 80 tiles
+    below = [dict(heads=2, batch=3, seqlen=80 * 85), dict(heads=1, batch=1, seqlen=80 * 511),
+             dict(heads=4, cu_seqlens=cs, total_tokens=80 * 128 - 241), dict(heads=4, batch=3, seqlen=6801, arch=80)]
+    above = [dict(heads=2, batch=3, seqlen=80 * 85 + 1), dict(heads=1, batch=1, seqlen=80 * 512),
+             dict(heads=4, cu_seqlens=cs, total_tokens=80 * 128 - 240)]
+    for is_above, geometry in [(False, g) for g in below] + [(True, g) for g in above]:
+        acc = accumulator(**geometry)
+        cfg, cfg_v = fe.tile_config(d, dv, arch=acc.arch), fe.tile_config(own or dv, arch=acc.arch)
+        rows, batch, n = acc.rows, acc.batch, cfg.block_n
+        assert acc.dk_accum.shape[2:] == (acc.num_tiles, cfg.accum_tile_elems) and acc.block_n == n
+        assert acc.num_tiles == ((rows + batch * n) // n if acc.varlen else -(-rows // n))
+        if cfg.head_dim == 256:  # the geometries straddle the gate
+            assert (acc.num_tiles * acc.batch_extent * acc.num_heads_kv >= 512) == (is_above or acc.arch == 80)
+        if own and is_above:
+            assert (acc.config, acc.config_v, acc.tile_head_dim_v) == (cfg, cfg_v, own)
+            n = cfg_v.block_n
+            tiles = (rows + batch * n) // n if acc.varlen else -(-rows // n)
+            assert acc.dv_accum.shape == (acc.batch_extent, acc.num_heads_kv, tiles, n * own)
+        else:
+            assert acc.config_v == acc.config and acc.dv_accum.shape[2] == acc.num_tiles
 
 
 @pytest.mark.ops
@@ -147,14 +173,10 @@ def test_accumulator_allocation():
     assert acc.device == cs.device and acc.varlen and acc.batch == 3 and acc.rows == 710
     assert acc.dk_accum.shape == (1, 2, (710 + 3 * 128) // 128, 8192) and acc.dense_shape(64) == (710, 2, 64)
     assert acc.semaphores.numel() == 2 * acc.num_tiles * 2 + 1
-    acc = fe.gqa_accumulator(2, 256, 128, cu_seqlens=cs, total_tokens=710, device="meta")  # dV on a tile of its own
-    assert acc.dk_accum.shape == (1, 2, (710 + 3 * 80) // 80, 20480) and acc.block_n == 80
-    assert acc.dv_accum.shape == (1, 2, (710 + 3 * 128) // 128, 16384) and acc.config_v == fe.tile_config(128)
-    assert acc.tile_head_dim_v == 128 and acc.config == fe.tile_config(256)
     assert fe.gqa_accumulator(2, 64, batch=3, total_tokens=710, device="meta").dk_accum.shape == acc.dk_accum.shape
     # the extension's layouts
     for args in ((2, 128, 128, 3, 300, False, 0), (2, 192, 128, 2, 200, False, 80), (3, 64, 64, 4, 710, True, 90),
-                 (2, 256, 96, 3, 300, False, 90), (2, 256, 96, 3, 300, False, 80)):
+                 (2, 256, 96, 3, 6800, False, 90), (2, 256, 96, 3, 6801, False, 90), (2, 256, 96, 3, 6801, False, 80)):
         layout = C.gqa_accum_layout(*args, torch.device("cpu"))
         h_k, d, dv, batch, rows, varlen, arch = args
         acc = fe.gqa_accumulator(h_k, d, dv, batch=batch, **({"total_tokens": rows} if varlen else {"seqlen": rows}),

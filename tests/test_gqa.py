@@ -135,16 +135,18 @@ def check_reduce(d, dv, with_dv, arch, h_k, g, partial_dtype, out_dtype, batch, 
     assert_written(dev, ("dk", buf_k, expect_k), ("dv", buf_v, expect_v))
 
 
-def accumulate_case(d, dv, arch, h_k, g, layout, deterministic, seed, posts):
+def accumulate_case(d, dv, arch, h_k, g, layout, deterministic, seed, posts, geometry=None):
     """check_accumulate on edge_geometry, the middle call with seqused, then check_postprocess of each (dtype, layouts,
     scales, with seqused) of posts. Each accumulator has the tiles of its config (dV's its own at (256, <= 128) on
     sm_90), each holding the slabs of its own head dim (fewer for the narrower on hdim 192's sm_90 tile). The
     postprocesses left the accumulator as it was; to_dense reads the valid rows of the seqlens it is given: rows past
-    seqused come back 0."""
-    case = check_accumulate(d, dv, arch, h_k, g, deterministic, **edge_geometry(layout, block_n(d, dv, arch)),
-                            chunk_seqused=[False, True, False], partial_layouts=("plain", "plain"), seed=seed)
+    seqused come back 0. geometry: problem()'s arguments, else edge_geometry's."""
+    geometry = geometry or edge_geometry(layout, block_n(d, dv, arch))
+    case = check_accumulate(d, dv, arch, h_k, g, deterministic, **geometry, chunk_seqused=[False, True, False],
+                            partial_layouts=("plain", "plain"), seed=seed)
     acc = case.acc
-    own = acc.arch == 90 and acc.config.head_dim == 256 and dv <= 128
+    own = acc.arch == 90 and acc.config.head_dim == 256 and dv <= 128 and \
+        acc.num_tiles * h_k * acc.batch_extent >= 512
     assert acc.config_v == (fe.tile_config(dv) if own else acc.config)
     for t, w, cfg in ((acc.dk_accum, d, acc.config), (acc.dv_accum, dv, acc.config_v)):
         n = cfg.block_n
@@ -158,6 +160,7 @@ def accumulate_case(d, dv, arch, h_k, g, layout, deterministic, seed, posts):
     for seq, want in ((case.seq, case.dense), (case.seq_used, cut)):
         for got, w in zip(acc.to_dense(**seq), want):
             assert_bits(got, w)
+    return acc
 
 
 def assert_dense_is_reference(acc, calls, h_k, seq):
@@ -192,6 +195,27 @@ def test_gqa_dv_differs_from_d(d, dv, arch):
     for i, layout in enumerate(("batched", "varlen")):
         accumulate_case(d, dv, arch, 2, 2, layout, deterministic=i == 0, seed=d + dv + i,
                         posts=[(torch.bfloat16, ("padded", "transposed"), (0.5, 1.0 / 3.0), True)])
+
+
+@pytest.mark.parametrize("dv", (128, 72))
+@pytest.mark.parametrize("layout", ("batched", "varlen"))
+def test_gqa_dv_own_tile(layout, dv):
+    # from 512 hdim-256 tiles x KV heads x batch on, a dV of <= 128 columns beside dK of head dim 256 runs on its own
+    # tile on sm_90 (80 rows for dK's tiles, 128 for dV's): accumulate in both modes, postprocess and reduce with row
+    # edges of both tiles and seqused, bitwise the reference
+    d, h_k, g = 256, 8, 2
+    if layout == "batched":
+        geometry = {"batch": 2, "seqlen": 80 * 64 + 3, "lens": None, "slack": 0, "used": [80 * 64 - 126, 2 * 128 + 5]}
+    else:
+        lens = [128 * 20 + 1, 0, 80 * 17 - 1, 37, 1, 128 * 15]
+        geometry = {"batch": None, "seqlen": None, "lens": lens, "slack": 5, "used": [x - 3 * (x > 40) for x in lens]}
+    for i, deterministic in enumerate((True, False)):
+        acc = accumulate_case(d, dv, 0, h_k, g, layout, deterministic, seed=dv + i, geometry=geometry,
+                              posts=[(DTYPES[i], ("padded", "transposed"), (0.5, 1.0 / 3.0), i == 0)])
+        assert acc.config_v == fe.tile_config(dv)  # not the hdim-256 tile
+    for i, pdt in enumerate((torch.float32, torch.bfloat16)):
+        check_reduce(d, dv, True, 0, h_k, g, pdt, torch.bfloat16, **geometry, partial_layouts=("plain", "transposed"),
+                     give_out=i == 0, out_layouts=("padded", "transposed"), scales=(0.125, 1.0), seed=dv + i)
 
 
 @arch_param

@@ -124,27 +124,34 @@ CompiledTileConfig const& tile_config(int64_t width, int arch) {  // the one ser
   C10_THROW_ERROR(Error, "flash_epilogue: internal: no tile config for head dim " + num(width) + " on sm_" + num(arch));
 }
 
-// The head dim of the tile dV runs on: that serving max(d, dv), except on sm_90 for a dv of at most 128 beside a d
-// served by head dim 256, whose 80-row tiles of 256 columns would leave half of each stage and accumulator tile idle
-// on dV's (measured in docs/design.md): there dV runs in launches of its own on the tile compiled for dv (gqa_reduce)
-// and has an accumulator of that tile (gqa_accumulate, gqa_postprocess). The bits are the same either way.
-int64_t dv_tile_head_dim(int arch, int64_t d, int64_t dv) {
-  int64_t const shared = serving_head_dim(std::max(d, dv)), own = serving_head_dim(dv);
-  return arch >= 90 && shared == 256 && own <= 128 && head_dim_built(dv) ? own : shared;
+// Row tiles of n rows per (batch extent, head). Batched: ceil(rows / n) per sequence. Varlen (rows: total tokens):
+// batch_extent 1 and (rows + batch * n) // n tiles, so that sequence b starts at ((cu_seqlens[b] + b * n) // n).
+int64_t tiles_per_head(bool varlen, int64_t batch, int64_t rows, int64_t n) {
+  return varlen ? (rows + batch * n) / n : (rows + n - 1) / n;
 }
 
-// Batched: ceil(rows / block_n) tiles per sequence. Varlen (rows: total tokens): batch_extent 1 and
-// (rows + batch * block_n) // block_n tiles, so that sequence b starts at ((cu_seqlens[b] + b * block_n) // block_n).
+// The head dim of the tile dV runs on: that serving max(d, dv), except on sm_90 for a dv of at most 128 beside a d
+// served by head dim 256 in a problem of at least 512 of those 80-row tiles (about four per SM): their 256 columns
+// would leave half of each stage and accumulator tile idle on dV's, so dV runs in launches of its own on the tile
+// compiled for dv (gqa_reduce) and has an accumulator of that tile (gqa_accumulate, gqa_postprocess). In smaller
+// problems the second launch costs more than it saves (measured in docs/design.md). The bits are the same either way.
+int64_t dv_tile_head_dim(int arch, bool varlen, int64_t batch, int64_t rows, int64_t heads, int64_t d, int64_t dv) {
+  int64_t const shared = serving_head_dim(std::max(d, dv)), own = serving_head_dim(dv);
+  if (arch < 90 || shared != 256 || own > 128 || !head_dim_built(dv)) { return shared; }
+  int64_t const dk_tiles = tiles_per_head(varlen, batch, rows, tile_config(shared, arch).block_n) * heads;
+  return dk_tiles * (varlen ? 1 : batch) >= 512 ? own : shared;
+}
+
 // dK's accumulator takes the tile of the config serving max(d, dv), dV's that of dv_tile_head_dim; each of the slabs
 // covering its own head dim.
 AccumLayout accum_layout(int arch, bool varlen, int64_t batch, int64_t rows, int64_t heads_kv, int64_t d, int64_t dv) {
   auto const tiles = [&](int64_t width, int64_t tile_width) {
     CompiledTileConfig const& c = tile_config(tile_width, arch);
-    int64_t const n = c.block_n;
-    return AccumLayout::Tiles{c.head_dim, c.block_n, varlen ? (rows + batch * n) / n : (rows + n - 1) / n,
+    return AccumLayout::Tiles{c.head_dim, c.block_n, tiles_per_head(varlen, batch, rows, c.block_n),
                               c.accum_tile_elems_for(static_cast<int>(width))};
   };
-  return {arch, varlen ? 1 : batch, heads_kv, {tiles(d, std::max(d, dv)), tiles(dv, dv_tile_head_dim(arch, d, dv))}};
+  int64_t const dv_tile = dv_tile_head_dim(arch, varlen, batch, rows, heads_kv, d, dv);
+  return {arch, varlen ? 1 : batch, heads_kv, {tiles(d, std::max(d, dv)), tiles(dv, dv_tile)}};
 }
 
 // The path of a GQA call's accumulators, before the device checks: `requested`, else the device's (sm_8x: 80, else 90)
@@ -770,8 +777,10 @@ void gqa_reduce(TensorArg dk_partial, OptArg dv_partial, TensorArg dk, OptArg dv
   args.scale_dk = static_cast<float>(scale_dk);
   args.scale_dv = static_cast<float>(scale_dv);
   using A = GqaReduceLaunchArgs;
-  launch_per_tile(p, has_dv ? dv_tile_head_dim(p.arch, dk.size(-1), dv->size(-1)) : p.head_dim, dk.scalar_type(),
-                  args, [](auto t, auto d, auto a) { return &launch_gqa_reduce<t, d, a>; },
+  int64_t const dv_head_dim =
+      has_dv ? dv_tile_head_dim(p.arch, p.varlen, p.batch, p.rows, p.heads, dk.size(-1), dv->size(-1)) : p.head_dim;
+  launch_per_tile(p, dv_head_dim, dk.scalar_type(), args,
+                  [](auto t, auto d, auto a) { return &launch_gqa_reduce<t, d, a>; },
                   std::pair{&A::dk_partial, &A::dv_partial}, std::pair{&A::dk, &A::dv},
                   std::pair{&A::scale_dk, &A::scale_dv});
 }
