@@ -59,7 +59,8 @@ class GQAAccumulator:
     tiles of KV rows in MMA fragment order (varlen: batch_extent 1, each sequence tile-aligned; see :meth:`to_dense`),
     deterministic mode's int32 ``semaphores`` (or None), the ints of the problem it was sized for. dK's tiles are those
     of :attr:`config` (``block_n`` rows), dV's those of :attr:`config_v`: the same, except on sm_90 for a head_dim_v
-    of at most 128 beside a head_dim served by the tile of head dim 256, where dV has a tile of its own."""
+    of at most 128 beside a head_dim served by the tile of head dim 256, in a problem of 512 or more of its tiles
+    (row tiles x KV heads x batch), where dV has a tile of its own (docs/semantics.md)."""
 
     dk_accum: torch.Tensor
     dv_accum: torch.Tensor
