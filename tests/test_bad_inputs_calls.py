@@ -247,6 +247,24 @@ def test_accumulators_of_two_head_dims_are_checked_each_against_its_own():
         fe.gqa_accumulate(pk, pv, dataclasses.replace(acc, dv_accum=whole))
 
 
+@pytest.mark.ops
+def test_dv_accumulator_of_its_own_tile_is_checked():
+    # (256, 128) on sm_90 with 512 hdim-256 tiles x KV heads: dV's accumulator has the hdim-128 tile (128 rows), so
+    # one of dK's tile (the layout of smaller problems) is another problem's
+    s = 80 * 256
+    acc = fe.gqa_accumulator(2, 256, 128, batch=1, seqlen=s, device="cpu", arch=90)
+    pk, pv, shared = torch.empty(1, s, 4, 256), torch.empty(1, s, 4, 128), torch.empty(acc.dk_accum.shape)
+    want = acc_shape((1, 2, 256, 20480), (1, 2, 160, 16384), d=128, c=128, of=f"batch 1, seqlen {s}")
+    with pytest.raises(ValueError, match=r"flash_epilogue\.gqa_accumulate: dv_accum: " + want):
+        OPS.gqa_accumulate(pk, pv, acc.dk_accum, shared, None, deterministic=False, _arch=90)
+    with pytest.raises(ValueError, match=r"flash_epilogue\.gqa_postprocess: dv_accum: " + want):
+        OPS.gqa_postprocess(acc.dk_accum, shared, pk[:, :, :2].to(BF16), pv[:, :, :2].to(BF16), _arch=90)
+    with pytest.raises(ValueError, match=r"flash_epilogue\.gqa_accum_to_dense: accum: " + want):
+        OPS.gqa_accum_to_dense(shared, pv[:, :, :2].clone(), head_dim=128, _arch=90)
+    with pytest.raises(ValueError, match=r"dk_partial: device: expected a CUDA tensor"):  # the right one passes
+        OPS.gqa_accumulate(pk, pv, acc.dk_accum, acc.dv_accum, None, deterministic=False, _arch=90)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("env", ["FLASH_EPILOGUE_CHECK_INPUTS", "FLASH_EPILOGUE_DEBUG"])
 def test_env_switches_turn_on_the_content_checks(env, monkeypatch):

@@ -36,7 +36,6 @@ struct AccumLayout {
     return {batch_extent, heads, tiles[tensor].num_tiles, tiles[tensor].tile_elems};
   }
   int64_t semaphore_numel() const { return 2 * batch_extent * tiles[0].num_tiles * heads + 1; }
-  bool dv_on_own_tile() const { return tiles[1].head_dim != tiles[0].head_dim; }
 };
 
 // _C.gqa_accum_layout, its arguments checked (op gqa_accumulator): batch sequences of `rows` rows (varlen: rows
