@@ -231,37 +231,26 @@ def test_deterministic_accumulate_past_its_work_items():
 
 
 @pytest.mark.ops
-def test_accumulators_of_two_head_dims_are_checked_each_against_its_own():
-    # (192, 128) on sm_90: dV's tiles hold two of hdim 192's three slabs, so a dV accumulator of whole tiles (or of
-    # dK's shape) is another problem's, in gqa_accumulate, gqa_postprocess and to_dense alike
-    acc = fe.gqa_accumulator(2, 192, 128, batch=2, seqlen=40, device="cpu", arch=90)
-    pk, pv, whole = torch.zeros(2, 40, 4, 192), torch.zeros(2, 40, 4, 128), torch.zeros(acc.dk_accum.shape)
-    want = acc_shape((2, 2, 1, 18432), (2, 2, 1, 12288), d=128, c=192)
-    with pytest.raises(ValueError, match=r"flash_epilogue\.gqa_accumulate: dv_accum: " + want):
-        OPS.gqa_accumulate(pk, pv, acc.dk_accum, whole, None, deterministic=False, _arch=90)
-    with pytest.raises(ValueError, match=r"flash_epilogue\.gqa_postprocess: dv_accum: " + want):
-        OPS.gqa_postprocess(acc.dk_accum, whole, pk[:, :, :2].to(BF16), pv[:, :, :2].to(BF16), _arch=90)
-    with pytest.raises(ValueError, match=r"flash_epilogue\.gqa_accum_to_dense: accum: " + want):
-        OPS.gqa_accum_to_dense(whole, pv[:, :, :2].clone(), head_dim=192, _arch=90)
-    with pytest.raises(ValueError, match="dv_accum: " + want):  # and through the wrapper
-        fe.gqa_accumulate(pk, pv, dataclasses.replace(acc, dv_accum=whole))
-
-
-@pytest.mark.ops
-def test_dv_accumulator_of_its_own_tile_is_checked():
-    # (256, 128) on sm_90 with 512 hdim-256 tiles x KV heads: dV's accumulator has the hdim-128 tile (128 rows), so
-    # one of dK's tile (the layout of smaller problems) is another problem's
-    s = 80 * 256
-    acc = fe.gqa_accumulator(2, 256, 128, batch=1, seqlen=s, device="cpu", arch=90)
-    pk, pv, shared = torch.empty(1, s, 4, 256), torch.empty(1, s, 4, 128), torch.empty(acc.dk_accum.shape)
-    want = acc_shape((1, 2, 256, 20480), (1, 2, 160, 16384), d=128, c=128, of=f"batch 1, seqlen {s}")
-    with pytest.raises(ValueError, match=r"flash_epilogue\.gqa_accumulate: dv_accum: " + want):
-        OPS.gqa_accumulate(pk, pv, acc.dk_accum, shared, None, deterministic=False, _arch=90)
-    with pytest.raises(ValueError, match=r"flash_epilogue\.gqa_postprocess: dv_accum: " + want):
-        OPS.gqa_postprocess(acc.dk_accum, shared, pk[:, :, :2].to(BF16), pv[:, :, :2].to(BF16), _arch=90)
-    with pytest.raises(ValueError, match=r"flash_epilogue\.gqa_accum_to_dense: accum: " + want):
-        OPS.gqa_accum_to_dense(shared, pv[:, :, :2].clone(), head_dim=128, _arch=90)
-    with pytest.raises(ValueError, match=r"dk_partial: device: expected a CUDA tensor"):  # the right one passes
+@pytest.mark.parametrize("d,seqlen,want,tile_v", [
+    (192, 40, ((1, 2, 1, 18432), (1, 2, 1, 12288)), 192),
+    (256, 80 * 256, ((1, 2, 256, 20480), (1, 2, 160, 16384)), 128)])
+def test_accumulators_of_two_head_dims_are_checked_each_against_its_own(d, seqlen, want, tile_v):
+    # (d, 128) on sm_90 where dV's accumulator is not dK's: at hdim 192 its tiles hold two of the tile's three slabs;
+    # at hdim 256 with 512 hdim-256 tiles x KV heads it has the hdim-128 tile (128 rows). A dV accumulator of dK's
+    # shape is another problem's, in gqa_accumulate, gqa_postprocess and to_dense alike; the right one passes
+    acc = fe.gqa_accumulator(2, d, 128, batch=1, seqlen=seqlen, device="cpu", arch=90)
+    assert (tuple(acc.dk_accum.shape), tuple(acc.dv_accum.shape)) == want
+    pk, pv, wrong = torch.empty(1, seqlen, 4, d), torch.empty(1, seqlen, 4, 128), torch.empty(want[0])
+    msg = acc_shape(want[0], want[1], d=128, c=tile_v, of=f"batch 1, seqlen {seqlen}")
+    with pytest.raises(ValueError, match=r"flash_epilogue\.gqa_accumulate: dv_accum: " + msg):
+        OPS.gqa_accumulate(pk, pv, acc.dk_accum, wrong, None, deterministic=False, _arch=90)
+    with pytest.raises(ValueError, match=r"flash_epilogue\.gqa_postprocess: dv_accum: " + msg):
+        OPS.gqa_postprocess(acc.dk_accum, wrong, pk[:, :, :2].to(BF16), pv[:, :, :2].to(BF16), _arch=90)
+    with pytest.raises(ValueError, match=r"flash_epilogue\.gqa_accum_to_dense: accum: " + msg):
+        OPS.gqa_accum_to_dense(wrong, pv[:, :, :2].clone(), head_dim=tile_v, _arch=90)
+    with pytest.raises(ValueError, match="dv_accum: " + msg):  # and through the wrapper
+        fe.gqa_accumulate(pk, pv, dataclasses.replace(acc, dv_accum=wrong))
+    with pytest.raises(ValueError, match=r"dk_partial: device: expected a CUDA tensor"):
         OPS.gqa_accumulate(pk, pv, acc.dk_accum, acc.dv_accum, None, deterministic=False, _arch=90)
 
 
