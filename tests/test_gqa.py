@@ -18,7 +18,7 @@ pytestmark = pytest.mark.gpu
 DEV = "cuda"
 HEAD_DIMS = (64, 80, 96, 128, 192, 256)  # 80 is not compiled: it runs on the 96 tile with column predicates
 GROUPS = ((2, 1), (2, 2), (1, 3), (2, 4), (1, 6), (1, 8), (1, 16))  # (h_k, g): MHA, GQA ..., MQA (h_k = 1)
-# on hdim 192: dV, dK of fewer slabs; on hdim 256 (sm_90), dV on a tile of its own
+# on hdim 192: dV, dK of fewer slabs; on hdim 256 with dv <= 128: below the own-tile gate (test_gqa_dv_own_tile)
 DV_PAIRS = ((192, 128), (128, 64), (64, 256), (72, 200), (64, 192), (256, 128), (240, 72))
 U32 = 2.0**-24  # unit roundoff of fp32
 
@@ -271,7 +271,7 @@ def test_gqa_reduce(d, dtype, arch):
                           torch.float16: ((dtype, "varlen", "transposed", True, True, False), (1.0, 0.5), 1)}[dtype]
     runs += [((h_k, g), case, scales, g + seed) for h_k, g in GROUPS]
     for (h_k, g), (pdt, layout, storage, with_dv, give_out, used), scales, seed in runs:
-        dv = (d, 128 if d == 256 else d + 8)[seed % 2]  # (256, 128): dV in a launch of its own
+        dv = (d, 128 if d == 256 else d + 8)[seed % 2]  # (256, 128): below the own-tile gate here
         check_reduce(d, dv, with_dv, arch, h_k, g, pdt, dtype, **edge_geometry(layout, block_n(d, dv, arch), used),
                      partial_layouts=(storage, storage), give_out=give_out, out_layouts=("padded", "transposed"),
                      scales=scales, seed=seed)
