@@ -27,9 +27,10 @@ class TileConfig:
     arch: int  # the code path: 90 (sm_90 collectives) or 80 (the sm_80 ones)
 
 
-# {(arch, head_dim): TileConfig}; empty without the extension (or with a stale one).
+# {(arch, head_dim): TileConfig} of FA3's tiles (the table's others are store's, for small problems); empty without
+# the extension (or with a stale one).
 _TABLE = {(c["arch"], c["head_dim"]): TileConfig(**{f.name: c[f.name] for f in fields(TileConfig)})
-          for c in getattr(_extension._C, "tile_configs", tuple)()}
+          for c in getattr(_extension._C, "tile_configs", tuple)() if c.get("fa3", True)}
 
 COMPILED_HEAD_DIMS: tuple[int, ...] = tuple(sorted({hd for _, hd in _TABLE}))
 # every tile head dim of a full build (a build may leave some out: FLASH_EPILOGUE_HEAD_DIMS)
@@ -57,10 +58,10 @@ def tile_config(d: int, dv: int | None = None, arch: int = 90) -> TileConfig:
 class GQAAccumulator:
     """One GQA problem's fp32 ``dk_accum``/``dv_accum`` (batch_extent, num_heads_kv, num_tiles, tile_elems): opaque
     tiles of KV rows in MMA fragment order (varlen: batch_extent 1, each sequence tile-aligned; see :meth:`to_dense`),
-    deterministic mode's int32 ``semaphores`` (or None), the ints of the problem it was sized for. dK's tiles are those
-    of :attr:`config` (``block_n`` rows), dV's those of :attr:`config_v`: the same, except on sm_90 for a head_dim_v
-    of at most 128 beside a head_dim served by the tile of head dim 256, in a problem of 512 or more of its tiles
-    (row tiles x KV heads x batch), where dV has a tile of its own (docs/semantics.md)."""
+    the sm_80 path's deterministic-mode int32 ``semaphores`` (None on the sm_90 path, deterministic in both modes,
+    and where allocated with deterministic=False), the ints of the problem it was sized for. dK's tiles are those of
+    :attr:`config` (``block_n`` rows), dV's those of :attr:`config_v`: the same, or where the dispatch plan gives dV
+    a tile of its own (on sm_90, head_dim 256 beside a head_dim_v of at most 128 in large problems), that tile."""
 
     dk_accum: torch.Tensor
     dv_accum: torch.Tensor
@@ -74,11 +75,7 @@ class GQAAccumulator:
     rows: int  # seqlen, or the total token count in varlen
     varlen: bool
     tile_head_dim_v: int  # the head dim of dV's tile (config_v)
-
-    @property
-    def deterministic(self) -> bool:
-        """Whether it can run deterministic mode (it has semaphores)."""
-        return self.semaphores is not None
+    deterministic: bool  # allocated for deterministic mode: gqa_accumulate's default
 
     @property
     def config(self) -> TileConfig:
@@ -159,7 +156,9 @@ def gqa_accumulator(num_heads_kv: int, head_dim: int, head_dim_v: int | None = N
                     device: str | int | torch.device | None = None, arch: int = 0) -> GQAAccumulator:
     """A zeroed :class:`GQAAccumulator` for dK (``head_dim``) and dV (``head_dim_v``) of ``num_heads_kv`` KV heads:
     batched (``batch``, ``seqlen``) or varlen (``total_tokens`` and ``cu_seqlens``, only its size read, or ``batch``);
-    ``arch`` 80 selects the sm_80 layout (tests). docs/semantics.md, "What each op writes" and "Determinism"."""
+    ``deterministic`` (default: torch.are_deterministic_algorithms_enabled()) becomes gqa_accumulate's default, and on
+    the sm_80 path allocates its semaphores; ``arch`` 80 selects the sm_80 layout (tests). docs/semantics.md, "What
+    each op writes" and "Determinism"."""
     if _extension._C is None:
         raise _extension.unavailable(_OP)
     num_heads_kv = as_count(_OP, "num_heads_kv", num_heads_kv, "a positive int", 1)
@@ -201,6 +200,8 @@ def gqa_accumulator(num_heads_kv: int, head_dim: int, head_dim_v: int | None = N
     except (TypeError, ValueError) as e:
         raise _extension.op_error(_OP, e) from None
     accums = [torch.zeros(tuple(shape), dtype=torch.float32, device=device) for shape in layout["shapes"]]
-    semaphores = torch.zeros(layout["semaphore_numel"], dtype=torch.int32, device=device) if deterministic else None
+    # only the sm_80 path orders its adds on semaphores; the sm_90 path is deterministic by construction
+    semaphores = torch.zeros(layout["semaphore_numel"], dtype=torch.int32, device=device) \
+        if deterministic and layout["semaphore_numel"] else None
     return GQAAccumulator(*accums, semaphores, head_dim, head_dim_v, layout["block_n"], layout["arch"], num_heads_kv,
-                          batch, rows, varlen, layout["tile_head_dims"][1])
+                          batch, rows, varlen, layout["tile_head_dims"][1], deterministic)

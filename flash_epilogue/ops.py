@@ -76,27 +76,28 @@ def store_zero(dk: torch.Tensor, dv: torch.Tensor, *, cu_seqlens: torch.Tensor |
 
 
 def _check_acc(op: str, acc, k, v, cu_seqlens, k_name: str, v_name: str) -> None:
-    """`acc` is a GQAAccumulator of this call's ints (`k`/`v`: its dK/dV tensors); bad ranks, shapes: the op's."""
+    """`acc` is a GQAAccumulator. The op sees only its tensors: where their shapes are not those of this call's
+    problem, the field of `acc` sized for another problem is named (the op reports everything else)."""
     if not isinstance(acc, GQAAccumulator):
         fail(op, "acc", "a flash_epilogue.GQAAccumulator (from flash_epilogue.gqa_accumulator)", type(acc).__name__,
              FlashEpilogueTypeError)
-    try:
-        shape, varlen = k.shape, cu_seqlens is not None
-        want = (cu_seqlens.numel() - 1 if varlen else shape[0], shape[0 if varlen else 1], shape[-1], v.shape[-1])
-    except Exception:  # noqa: BLE001 (not tensors, too few dims: the op reports them)
+    varlen = cu_seqlens is not None
+    rank = 3 if varlen else 4
+    if not (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor) and k.dim() == rank == v.dim()):
         return
+    if varlen and not (isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dim() == 1):
+        return
+    want = (cu_seqlens.numel() - 1 if varlen else k.shape[0], k.shape[0 if varlen else 1], k.shape[-1], v.shape[-1])
     if (acc.varlen, acc.batch, acc.rows, acc.head_dim, acc.head_dim_v) == (varlen, *want):
         return
-    tensors = isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor) and k.dim() == (3 if varlen else 4) == v.dim()
-    if not tensors or varlen and not (isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dim() == 1):
-        return
-    try:  # the op's own shape check comes first; it sizes with dk's heads (postprocess) or the accumulator's
-        heads = shape[-2] if op == "gqa_postprocess" else acc.dk_accum.shape[1]
+    # sized with dk's heads (postprocess) or the accumulator's, as the op does
+    heads = k.shape[-2] if op == "gqa_postprocess" else acc.dk_accum.shape[1]
+    try:
         layout = _extension._C.gqa_accum_layout(heads, *want[2:], *want[:2], varlen, acc.arch, k.device)
-        if tuple(map(tuple, layout["shapes"])) != (tuple(acc.dk_accum.shape), tuple(acc.dv_accum.shape)):
-            return
-    except Exception:  # noqa: BLE001 (arguments the op rejects itself)
+    except (TypeError, ValueError):  # arguments the op rejects itself
         return
+    if tuple(map(tuple, layout["shapes"])) != (tuple(acc.dk_accum.shape), tuple(acc.dv_accum.shape)):
+        return  # the op's own shape check comes first
     if acc.varlen != varlen:
         kind = "varlen (cu_seqlens given)" if varlen else "batched (cu_seqlens None)"
         fail(op, "acc.varlen", f"{varlen}: the call's layout is {kind}", acc.varlen)
@@ -112,25 +113,21 @@ def gqa_accumulate(dk_partial: torch.Tensor, dv_partial: torch.Tensor, acc: GQAA
                    deterministic: bool | None = None, cu_seqlens: torch.Tensor | None = None,
                    seqused: torch.Tensor | None = None, check_inputs: bool | None = None) -> None:
     """In place: add fp32 per-query-head partials into ``acc``'s valid rows (query head j to KV head j // (h_q / h_k));
-    ``deterministic`` needs ``acc`` allocated with it (default: as it was): docs/semantics.md, "Determinism"."""
+    ``deterministic`` (default: as ``acc`` was allocated, or torch's deterministic-algorithms switch) selects the
+    sm_80 path's ordered mode, which needs ``acc`` allocated with it; the sm_90 path is deterministic in both modes.
+    docs/semantics.md, "Determinism"."""
     op = "gqa_accumulate"
     _check_acc(op, acc, dk_partial, dv_partial, cu_seqlens, "dk_partial", "dv_partial")
-    why, instead = "deterministic=True", "or pass deterministic=False"
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     if deterministic is None:  # with warn_only, an accumulator without semaphores runs the atomic mode, with a warning
-        deterministic = acc.semaphores is not None or (torch.are_deterministic_algorithms_enabled() and
-                                                       not torch.is_deterministic_algorithms_warn_only_enabled())
-        why, instead = "torch.are_deterministic_algorithms_enabled() is True", "its default under that switch"
+        deterministic = acc.deterministic or (torch.are_deterministic_algorithms_enabled() and not warn_only)
     elif type(deterministic) is not bool:
         fail(op, "deterministic", "a bool", type(deterministic).__name__, FlashEpilogueTypeError)
-    if deterministic and acc.semaphores is None:
-        fail(op, "acc.semaphores", f"an int32 workspace because {why}: allocate the accumulator with "
-             f"flash_epilogue.gqa_accumulator(..., deterministic=True) ({instead})",
-             "None (allocated with deterministic=False)")
-    if not deterministic and torch.are_deterministic_algorithms_enabled() and \
-            torch.is_deterministic_algorithms_warn_only_enabled():  # without warn_only the op raises torch's error
-        warnings.warn("flash_epilogue.gqa_accumulate(deterministic=False) does not have a deterministic "
-                      "implementation, but you set 'torch.use_deterministic_algorithms(True, warn_only=True)'",
-                      stacklevel=2)
+    if not deterministic and acc.arch == 80 and torch.are_deterministic_algorithms_enabled() and warn_only:
+        # without warn_only the op raises torch's error
+        warnings.warn("flash_epilogue.gqa_accumulate(deterministic=False) on the sm_80 path does not have a "
+                      "deterministic implementation, but you set 'torch.use_deterministic_algorithms(True, "
+                      "warn_only=True)'", stacklevel=2)
     _extension.call_op(op, check_inputs, dk_partial, dk_partial, dv_partial, acc.dk_accum, acc.dv_accum,
                        acc.semaphores if deterministic else None, cu_seqlens=cu_seqlens, seqused=seqused,
                        deterministic=deterministic, _arch=acc.arch)

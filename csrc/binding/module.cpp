@@ -1,36 +1,21 @@
-// The op schemas (their one definition; ops.cpp registers the kernels) and the pybind11 module flash_epilogue._C
-// (build info, the compiled configs and tile table, the GQA accumulator's geometry).
+// The pybind11 module flash_epilogue._C: build info, the compiled configs and the tile table, the dispatch plan and
+// the GQA accumulators' geometry. The ops themselves are torch.ops.flash_epilogue.* (registration.cpp).
 
 #include <cuda_runtime_api.h>
 #include <cutlass/version.h>
 #include <torch/csrc/utils/pybind.h>
-#include <torch/library.h>
 #include <torch/version.h>
 
+#include <map>
 #include <string>
 #include <vector>
 
-#include "binding.h"
+#include "device.h"
 #include "flash_epilogue/version.h"
+#include "ops.h"
+#include "plan.h"
+#include "repeat_kv.h"
 #include "static_switch.h"
-
-TORCH_LIBRARY(flash_epilogue, m) {
-  m.def("store(Tensor dk_accum, Tensor dv_accum, Tensor(a!) dk, Tensor(b!) dv, *, Tensor? cu_seqlens=None, "
-        "Tensor? seqused=None, int _arch=0) -> ()");
-  m.def("store_zero(Tensor(a!) dk, Tensor(b!) dv, *, Tensor? cu_seqlens=None, Tensor? seqused=None, "
-        "Tensor? batch_idx=None, Tensor? head_idx=None, int row_start=0, int? row_end=None, int _arch=0) -> ()");
-  m.def("gqa_accumulate(Tensor dk_partial, Tensor dv_partial, Tensor(a!) dk_accum, Tensor(b!) dv_accum, "
-        "Tensor(c!)? semaphores=None, *, Tensor? cu_seqlens=None, Tensor? seqused=None, bool deterministic=False, "
-        "int _arch=0) -> ()");
-  m.def("gqa_postprocess(Tensor dk_accum, Tensor dv_accum, Tensor(a!) dk, Tensor(b!) dv, *, float scale_dk=1.0, "
-        "float scale_dv=1.0, Tensor? cu_seqlens=None, Tensor? seqused=None, int _arch=0) -> ()");
-  m.def("gqa_accum_to_dense(Tensor accum, Tensor(a!) out, *, int head_dim, Tensor? cu_seqlens=None, "
-        "Tensor? seqused=None, int _arch=0) -> ()");
-  m.def("gqa_reduce(Tensor dk_partial, Tensor? dv_partial, Tensor(a!) dk, Tensor(b!)? dv, *, Tensor? cu_seqlens=None, "
-        "Tensor? seqused=None, float scale_dk=1.0, float scale_dv=1.0, int _arch=0) -> ()");
-  m.def("repeat_kv(Tensor x, int n_rep, int dim) -> Tensor");
-  m.def("repeat_kv_backward(Tensor grad, int n_rep, int dim, int[] layout) -> Tensor");
-}
 
 namespace {
 
@@ -45,6 +30,7 @@ std::vector<py::dict> compiled_configs() {
   for (char const* op : {"store", "store_zero", "gqa_accumulate", "gqa_postprocess", "gqa_reduce"}) {
     for (char const* dtype : {"bfloat16", "float16"}) {
       for (auto const& t : compiled_tile_configs()) {
+        if (!t.fa3) { continue; }  // store's other tiles serve the same head dims
         bool const sm90 = t.arch == 90;
         configs.emplace_back("op"_a = op, "dtype"_a = dtype, "head_dim"_a = t.head_dim,
                              "path"_a = sm90 ? "sm90" : "sm80",
@@ -61,7 +47,7 @@ std::vector<py::dict> tile_configs() {
     configs.emplace_back("head_dim"_a = t.head_dim, "arch"_a = t.arch, "block_n"_a = t.block_n,
                          "num_threads"_a = t.num_threads, "swap_ab"_a = t.swap_ab, "atom_layout_n"_a = t.atom_layout_n,
                          "accum_tile_elems"_a = t.accum_tile_elems, "slab_cols"_a = t.slab_cols,
-                         "slab_elems"_a = t.slab_elems);
+                         "slab_elems"_a = t.slab_elems, "fa3"_a = t.fa3);
   }
   return configs;
 }
@@ -73,8 +59,35 @@ py::dict accum_layout(int64_t num_heads_kv, int64_t head_dim, int64_t head_dim_v
     l = flash_epilogue::gqa_accum_layout(num_heads_kv, head_dim, head_dim_v, batch, rows, varlen, arch, device);
   } catch (c10::ValueError const& e) { throw py::value_error(e.what_without_backtrace()); }
   return py::dict("shapes"_a = py::make_tuple(py::tuple(py::cast(l.shape(0))), py::tuple(py::cast(l.shape(1)))),
-                  "semaphore_numel"_a = l.semaphore_numel(), "arch"_a = l.arch, "block_n"_a = l.tiles[0].block_n,
+                  "semaphore_numel"_a = l.semaphore_numel, "arch"_a = l.arch, "block_n"_a = l.tiles[0].block_n,
                   "tile_head_dims"_a = py::make_tuple(l.tiles[0].head_dim, l.tiles[1].head_dim));
+}
+
+// The plan of a problem (plan.h): op by name; the arguments as Problem's. For tests and for reading the rules.
+py::dict plan(std::string const& op, int arch, int rows, int batch, int num_heads_kv, bool varlen, bool seqused,
+              int head_dim, int head_dim_v, bool deterministic, int num_sms) {
+  using flash_epilogue::Op;
+  static std::map<std::string, Op> const ops = {
+      {"store", Op::kStore},   {"store_zero", Op::kStoreZero},         {"gqa_accumulate", Op::kGqaAccumulate},
+      {"gqa_postprocess", Op::kGqaPostprocess}, {"gqa_accum_to_dense", Op::kGqaAccumToDense},
+      {"gqa_reduce", Op::kGqaReduce}};
+  auto const it = ops.find(op);
+  if (it == ops.end()) { throw py::value_error("flash_epilogue._C.plan: op: expected an op name, got " + op); }
+  if (arch != 80 && arch != 90) { throw py::value_error("flash_epilogue._C.plan: arch: expected 80 or 90"); }
+  flash_epilogue::Problem const p{it->second, arch, {rows, batch, num_heads_kv, varlen}, seqused, head_dim,
+                                  head_dim_v, deterministic, num_sms};
+  flash_epilogue::LaunchPlan const l = flash_epilogue::plan(p);
+  static char const* const drivers[] = {"one_cta_per_tile", "stream", "per_query_head"};
+  return py::dict("arch"_a = l.arch, "tile"_a = py::make_tuple(l.tile.head_dim, l.tile.block_n),
+                  "dv_tile"_a = py::make_tuple(l.dv_tile.head_dim, l.dv_tile.block_n),
+                  "driver"_a = drivers[static_cast<int>(l.driver)], "ctas_per_sm"_a = l.ctas_per_sm,
+                  "predicated"_a = l.predicated, "ordered"_a = l.ordered, "dv_own_launch"_a = l.dv_own_launch());
+}
+
+py::dict plan_thresholds() {
+  py::dict out;
+  for (auto const& [name, value] : flash_epilogue::plan_thresholds()) { out[py::str(name)] = value; }
+  return out;
 }
 
 py::dict build_info() {
@@ -101,6 +114,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the GQA accumulators' shapes (dK's, dV's), semaphore count, code path (arch 0: the device's), dK's tile rows "
         "and the head dims of dK's and dV's tiles "
         "for a problem; raises ValueError (op gqa_accumulator) for bad arguments");
+  m.def("plan", &plan, "op"_a, "arch"_a, "rows"_a, "batch"_a, "num_heads_kv"_a, "varlen"_a, "seqused"_a, "head_dim"_a,
+        "head_dim_v"_a, "deterministic"_a, "num_sms"_a,
+        "the dispatch plan of a problem: code path, dK's and dV's tiles (head dim, rows), driver, CTAs per SM, "
+        "predication, ordering");
+  m.def("plan_thresholds", &plan_thresholds, "the plan's named thresholds, by name");
   m.def("build_info", &build_info, "the versions and archs this build was made with");
   m.def("_set_debug_sync", &flash_epilogue::set_debug_sync,
         "FLASH_EPILOGUE_DEBUG for the C++ paths (repeat_kv's backward): synchronize after the launch");

@@ -12,16 +12,19 @@
 #include "flash_epilogue/bwd_config.h"
 #include "flash_epilogue/epilogue_bwd.h"
 #include "flash_epilogue/epilogue_bwd_gqa.h"
+#include "geometry.h"
+#include "launch_plan.h"
 #include "store_kernel.cuh"
+#include "stream_ring.cuh"
 #include "tile_io.cuh"
 #include "tile_schedule.cuh"
-#include "tile_stream_kernel.cuh"
 
 namespace flash_epilogue {
 
-// What a GQA driver derives from (config, arch path). The C layout does not depend on bf16 vs fp16.
+// The GQA accumulator's tile of a (config, arch path): FA3's TiledMma and C fragment, whose order the tile's floats
+// take, the collective adding into it, and its slabs. The C layout does not depend on bf16 vs fp16.
 template <class Config, class ArchTag>
-struct GqaTraits {
+struct AccumTraits {
   using TiledMmaConfig = BwdTiledMma<Config, cutlass::bfloat16_t, ArchTag>;
   using TiledMma = typename TiledMmaConfig::TiledMma;
   using FragmentTileShape = typename TiledMmaConfig::FragmentTileShape;
@@ -45,19 +48,18 @@ struct GqaTraits {
   CUTLASS_HOST_DEVICE static int slab_of(int thread_idx) {
     return kNumSlabs > 1 ? thread_idx / cutlass::NumThreadsPerWarpGroup : 0;
   }
-  // Two CTAs per SM (one loads while the other stores) where registers allow without spilling.
-  static constexpr int kMinBlocksPerSm = kNumThreads <= 256 ? 2 : 1;
+  static constexpr int kCtasPerSm = gqa_tile_ctas_per_sm(kNumThreads, /*staged=*/false);
 };
 
 template <class Config, class ArchTag_>
 struct GqaAccumulateKernel {
   using ArchTag = ArchTag_;
-  using Traits = GqaTraits<Config, ArchTag>;
+  using Traits = AccumTraits<Config, ArchTag>;
   using Collective = typename Traits::Collective;
   static constexpr int kBlockN = Config::kBlockN;
   static constexpr int kHeadDim = Config::kHeadDim;
   static constexpr int kNumThreads = Config::kNumThreads;
-  static constexpr int kMinBlocksPerSm = Traits::kMinBlocksPerSm;
+  static constexpr int kMinBlocksPerSm = Traits::kCtasPerSm;
 
   struct TensorParams {
     typename Collective::Params collective;  // this tensor's accumulator as the collective's dK, no dV
@@ -68,9 +70,8 @@ struct GqaAccumulateKernel {
 
   struct Params {
     TensorParams tensors[2];  // dK, dV (split over CTAs: see the decode below, or the ticket)
-    int batch;
+    Geometry geometry;
     int num_heads_q;
-    int num_heads_kv;
     int tiles_x;   // grid extent over tiles (per batch z)
     int tiles_z;   // batch extent of the grid
     int* ticket;   // deterministic: work counter (zeroed before launch), else null
@@ -93,16 +94,17 @@ struct GqaAccumulateKernel {
       if (thread_idx == 0) { claimed = atomicAdd(params.ticket, 1); }
       __syncthreads();
       int const work = claimed;
-      int const group = params.num_heads_q / params.num_heads_kv;
+      int const num_heads_kv = params.geometry.num_heads_kv;
+      int const group = params.num_heads_q / num_heads_kv;
       int const chunk = work / (params.chunk_units * group);
       int const chunk_begin = chunk * params.chunk_units;
       int const units_in_chunk = min(params.chunk_units, params.num_units - chunk_begin);
       int const rest = work - chunk_begin * group;
       int const member = rest / units_in_chunk;
       int const unit = chunk_begin + rest % units_in_chunk;
-      int const kv_head = unit % params.num_heads_kv;
-      tensor = (unit / params.num_heads_kv) % 2;
-      int const tile_linear = unit / (2 * params.num_heads_kv);
+      int const kv_head = unit % num_heads_kv;
+      tensor = (unit / num_heads_kv) % 2;
+      int const tile_linear = unit / (2 * num_heads_kv);
       q_head = kv_head * group + member;
       tile_x = tile_linear % params.tiles_x;
       batch_z = tile_linear / params.tiles_x;
@@ -120,7 +122,7 @@ struct GqaAccumulateKernel {
     TensorParams const& work = params.tensors[tensor];
     auto const& coll = work.collective;
     auto const [n_block, bidb, seqlen_info, valid_rows] =
-        locate_row_tile<kBlockN>(tile_x, batch_z, params.batch, work.shape, coll);
+        locate_row_tile<kBlockN>(tile_x, batch_z, params.geometry.batch, work.shape, coll);
     if (valid_rows <= 0) { return; }  // every member of this tile exits alike: nobody waits on it
 
     typename Traits::TiledMma tiled_mma;
@@ -134,7 +136,7 @@ struct GqaAccumulateKernel {
   }
 };
 
-// The accumulator tiles of one tensor. A tile holds its first num_slabs slabs (GqaTraits): a thread of a
+// The accumulator tiles of one tensor. A tile holds its first num_slabs slabs (AccumTraits): a thread of a
 // later slab has only columns past the tensor's width, read as zeros and never written.
 template <class Traits>
 struct AccumTiles {
@@ -175,11 +177,11 @@ struct AccumTiles {
 template <class Config>
 struct GqaAccumulateStreamKernel {
   using ArchTag = cutlass::arch::Sm90;
-  using Traits = GqaTraits<Config, ArchTag>;
-  using Ring = StreamRing<Config, float, /*kCtasPerSm=*/1>;
+  using Traits = AccumTraits<Config, ArchTag>;
+  using Ring = StreamRing<Config, float, kStreamCtasPerSm>;
   static constexpr int kBlockN = Config::kBlockN;
   static constexpr int kNumThreads = Ring::kNumThreads;
-  static constexpr int kMinBlocksPerSm = 1;
+  static constexpr int kMinBlocksPerSm = kStreamCtasPerSm;
   static constexpr int kSharedStorageSize = Ring::kSharedStorageSize;
   static_assert(Traits::kAccumTileElems * sizeof(float) == Ring::kStageBytes,
                 "a whole accumulator tile fills one stage");
@@ -194,13 +196,10 @@ struct GqaAccumulateStreamKernel {
   struct Params {
     TensorParams tensors[2];  // dK, dV
     int num_tensors;          // 2, or 1: dK's alone
-    int num_heads;            // h_k
-    int group;
-    int batch;
-    int num_n_tiles;          // row tiles per (tensor, KV head, batch extent)
-    int num_tiles;            // num_n_tiles * num_tensors * h_k * batch extent
-    int const* cu_seqlens;
-    int const* seqused;
+    int group;                // query heads per KV head
+    Geometry geometry;
+    int num_n_tiles;          // geometry.row_tiles(kBlockN)
+    int num_tiles;            // num_n_tiles * num_tensors * num_heads_kv * batch extent
   };
 
   // A tile of the walk and its accumulator tile's first float (-1: nothing to do).
@@ -209,14 +208,14 @@ struct GqaAccumulateStreamKernel {
   };
 
   CUTLASS_DEVICE static TileWork decode(Params const& params, int tile) {
-    int const heads_y = params.num_tensors * params.num_heads;
-    auto const [tensor, head] = split_by_tensor(tile % heads_y, params.num_heads);
+    Geometry const& g = params.geometry;
+    int const heads_y = params.num_tensors * g.num_heads_kv;
+    auto const [tensor, head] = split_by_tensor(tile % heads_y, g.num_heads_kv);
     int const rest = tile / heads_y;
     TensorParams const& t = params.tensors[tensor];
-    RowTile<kBlockN> const row_tile = locate_row_tile<kBlockN>(rest % params.num_n_tiles, rest / params.num_n_tiles,
-                                                               params.batch, t.shape_in, params);
-    int64_t const offset =
-        row_tile.valid_rows > 0 ? t.accum.tile_offset(row_tile, params.cu_seqlens != nullptr, head) : -1;
+    RowTile<kBlockN> const row_tile =
+        locate_row_tile<kBlockN>(rest % params.num_n_tiles, rest / params.num_n_tiles, g.batch, t.shape_in, g);
+    int64_t const offset = row_tile.valid_rows > 0 ? t.accum.tile_offset(row_tile, g.varlen, head) : -1;
     return {{tensor, head}, row_tile, offset};
   }
 
@@ -232,17 +231,17 @@ struct GqaAccumulateStreamKernel {
       prefetch_tma_descriptor(params.tensors[i].tma_load_in.get_tma_descriptor());
     }
     int load_index = 0;
-    for (int tile = blockIdx.x; tile < params.num_tiles; tile += gridDim.x) {
+    for_each_persistent_tile(params.num_tiles, [&](int tile) {
       TileWork const work = decode(params, tile);
-      if (work.offset < 0) { continue; }
+      if (work.offset < 0) { return; }
       TensorParams const& t = params.tensors[work.tensor];
       ring.load_bytes(t.accum.ptr + work.offset, t.accum.tile_elems * int(sizeof(float)), ring.acquire(load_index++));
       for (int member = 0; member < params.group; ++member) {
         int const stage = ring.acquire(load_index++);
         ring.load_tile(t.tma_load_in, t.shape_in, work.head * params.group + member,
-                       params.cu_seqlens ? 0 : work.batch, work.seqlen_info.offset, work.n_block, stage);
+                       params.geometry.varlen ? 0 : work.batch, work.seqlen_info.offset, work.n_block, stage);
       }
-    }
+    });
   }
 
   CUTLASS_DEVICE void consume(Params const& params, Ring const& ring) const {
@@ -252,9 +251,9 @@ struct GqaAccumulateStreamKernel {
     auto thr_mma = tiled_mma.get_thread_slice(thread_idx);
     Tensor frag = partition_fragment_C(tiled_mma, typename Traits::FragmentTileShape{});
     int load_index = 0;  // loads consumed
-    for (int tile = blockIdx.x; tile < params.num_tiles; tile += gridDim.x) {
+    for_each_persistent_tile(params.num_tiles, [&](int tile) {
       TileWork const work = decode(params, tile);
-      if (work.offset < 0) { continue; }
+      if (work.offset < 0) { return; }
       TensorParams const& t = params.tensors[work.tensor];
       // A warpgroup whose slab the tile lacks only keeps the ring's turns.
       bool const holds = t.accum.holds(thread_idx);
@@ -282,20 +281,20 @@ struct GqaAccumulateStreamKernel {
         tma_store_wait<0>();  // the copy has read the stage (its warp releases it after this)
       }
       ring.release(stage);
-    }
+    });
   }
 };
 
-template <class Config, class Element_, class ArchTag_, bool kVarlen>
+// Output: OutputTileTraits of the accumulator's config.
+template <class Output>
 struct GqaPostprocessKernel {
-  using Element = Element_;
-  using ArchTag = ArchTag_;
-  using Traits = GqaTraits<Config, ArchTag>;
-  using Store = StoreKernel<Config, Element, ArchTag, kVarlen>;  // its TiledMma and CollectiveEpilogueBwd
-  using Epilogue = typename Store::Epilogue;
-  static constexpr int kBlockN = Config::kBlockN;
-  static constexpr int kNumThreads = Config::kNumThreads;
-  static constexpr int kMinBlocksPerSm = Traits::kMinBlocksPerSm;
+  using Element = typename Output::Element;
+  using ArchTag = typename Output::ArchTag;
+  using Traits = AccumTraits<typename Output::Config, ArchTag>;
+  using Epilogue = typename Output::Epilogue;
+  static constexpr int kBlockN = Output::kBlockN;
+  static constexpr int kNumThreads = Output::kNumThreads;
+  static constexpr int kMinBlocksPerSm = Traits::kCtasPerSm;
 
   struct TensorParams {
     typename Epilogue::Params epilogue;  // this output as the collective's dK, no dV
@@ -305,8 +304,7 @@ struct GqaPostprocessKernel {
 
   struct Params {
     TensorParams tensors[2];  // dK, dV (split over CTAs: see locate_output_tile); dV unused without dv
-    int num_heads_kv;
-    int batch;
+    Geometry geometry;
   };
 
   static constexpr int kSharedStorageSize = sizeof(typename Epilogue::TensorStorage);
@@ -318,26 +316,24 @@ struct GqaPostprocessKernel {
       for (int i = 0; i < cute::size(frag); ++i) { frag(i) *= work.scale; }
       return true;
     };
-    Store::store_output_tile(params, smem, fill);
+    store_output_tile<Output>(params, smem, fill);
   }
 };
 
 template <class Config, class ArchTag_>
 struct GqaDenseKernel {
   using ArchTag = ArchTag_;
-  using Traits = GqaTraits<Config, ArchTag>;
+  using Traits = AccumTraits<Config, ArchTag>;
   static constexpr int kBlockN = Config::kBlockN;
   static constexpr int kNumThreads = Config::kNumThreads;
-  static constexpr int kMinBlocksPerSm = Traits::kMinBlocksPerSm;
+  static constexpr int kMinBlocksPerSm = Traits::kCtasPerSm;
 
   struct Params {
     AccumTiles<Traits> accum;
     float* ptr_out;
     ShapeRowsHeadBatch shape_out;  // (rows, w, h_k, batch_extent)
     StrideRowsHeadBatch stride_out;
-    int batch;
-    int const* cu_seqlens;
-    int const* seqused;
+    Geometry geometry;
   };
 
   static constexpr int kSharedStorageSize = 0;
@@ -345,13 +341,14 @@ struct GqaDenseKernel {
   CUTLASS_DEVICE void operator()(Params const& params, char*) const {
     using namespace cute;
     int const thread_idx = threadIdx.x;
-    auto const tile = locate_row_tile<kBlockN>(blockIdx.x, blockIdx.z, params.batch, params.shape_out, params);
+    Geometry const& g = params.geometry;
+    auto const tile = locate_row_tile<kBlockN>(blockIdx.x, blockIdx.z, g.batch, params.shape_out, g);
     int const kv_head = blockIdx.y;
     if (tile.valid_rows <= 0) { return; }
     typename Traits::TiledMma tiled_mma;
     auto thr_mma = tiled_mma.get_thread_slice(thread_idx);
     Tensor frag = partition_fragment_C(tiled_mma, typename Traits::FragmentTileShape{});
-    bool const varlen = params.cu_seqlens != nullptr;
+    bool const varlen = g.varlen;
     if (!params.accum.read(frag, tile, varlen, kv_head, thread_idx)) { return; }
     auto const gtile = rows_tile<kBlockN, Config::kHeadDim>(params.ptr_out, params.shape_out, params.stride_out,
                                                             kv_head, varlen ? 0 : tile.batch, tile.seqlen_info.offset,
@@ -372,20 +369,20 @@ struct GqaDenseKernel {
   }
 };
 
-template <class Config, class Element_, class ElementIn, class ArchTag_, bool kVarlen>  // ElementIn: float or Element
+// Output: OutputTileTraits; ElementIn: float or Output::Element.
+template <class Output, class ElementIn>
 struct GqaReduceKernel {
-  using Element = Element_;
-  using ArchTag = ArchTag_;
-  using Store = StoreKernel<Config, Element, ArchTag, kVarlen>;
-  using Epilogue = typename Store::Epilogue;
+  using Config = typename Output::Config;
+  using Element = typename Output::Element;
+  using ArchTag = typename Output::ArchTag;
+  using Epilogue = typename Output::Epilogue;
   static constexpr int kBlockN = Config::kBlockN;
   static constexpr int kHeadDim = Config::kHeadDim;
   static constexpr int kNumThreads = Config::kNumThreads;
   // swapAB configs stage through StagedTileSum: in fragment order their loads run down columns. The
   // others read the fragment directly (staging was slower: docs/design.md).
   static constexpr bool kStaged = Config::kSwapAB;
-  // Two CTAs per SM; a staged 384-thread config spills a little at 80 registers and is still faster.
-  static constexpr int kMinBlocksPerSm = (kNumThreads <= 256 || kStaged) ? 2 : 1;
+  static constexpr int kMinBlocksPerSm = gqa_tile_ctas_per_sm(kNumThreads, kStaged);
   using Staged = StagedTileSum<kBlockN, kHeadDim, kNumThreads, Config::kSwapAB, ElementIn>;
 
   struct TensorParams {
@@ -399,8 +396,7 @@ struct GqaReduceKernel {
   struct Params {
     TensorParams tensors[2];  // dK, dV (split over CTAs: see locate_output_tile); dV unused without dv_partial
     int group;
-    int num_heads_kv;
-    int batch;
+    Geometry geometry;
   };
 
   // The staging buffer aliases the collective's shared memory (used one after the other).
@@ -433,7 +429,7 @@ struct GqaReduceKernel {
       }
       return true;
     };
-    Store::store_output_tile(params, smem, fill);
+    store_output_tile<Output>(params, smem, fill);
   }
 };
 

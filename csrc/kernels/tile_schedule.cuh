@@ -11,6 +11,7 @@
 #include <cute/tensor.hpp>
 
 #include "flash_epilogue/seqlen_info.h"
+#include "geometry.h"
 
 namespace flash_epilogue {
 
@@ -27,12 +28,6 @@ CUTLASS_DEVICE cute::tuple<int, int> tile_to_block_and_batch(int tile, int batch
     if (first_tile(mid) <= tile) { lo = mid; } else { hi = mid - 1; }
   }
   return {tile - first_tile(lo), lo};
-}
-
-// Row tiles per head: batched, of `rows`; varlen, of the padded tile space.
-template <int kBlockN>
-CUTLASS_HOST_DEVICE int64_t row_tiles(int64_t rows, int batch, bool varlen) {
-  return varlen ? rows / kBlockN + batch : (rows + kBlockN - 1) / kBlockN;
 }
 
 // A row tile located. valid_rows <= 0: nothing to do.
@@ -76,7 +71,7 @@ struct OutputTile : TensorAndHead, RowTile<kBlockN> {};
 template <int kBlockN, class Params>
 CUTLASS_DEVICE OutputTile<kBlockN> output_tile(Params const& params, TensorAndHead out, int tile, int batch_z) {
   auto const& ep = params.tensors[out.tensor].epilogue;
-  return {out, locate_row_tile<kBlockN>(tile, batch_z, params.batch, ep.shape_dK, ep)};
+  return {out, locate_row_tile<kBlockN>(tile, batch_z, params.geometry.batch, ep.shape_dK, ep)};
 }
 
 // This CTA's tile in a one-CTA-per-tile grid (count * row tiles, heads, batch extent), blockIdx.x =
@@ -85,8 +80,7 @@ CUTLASS_DEVICE OutputTile<kBlockN> output_tile(Params const& params, TensorAndHe
 template <int kBlockN, class Epilogue, class Params>
 CUTLASS_DEVICE OutputTile<kBlockN> locate_output_tile(Params const& params) {
   auto const& ep = params.tensors[0].epilogue;
-  bool const varlen = ep.cu_seqlens != nullptr;
-  int const tiles = static_cast<int>(row_tiles<kBlockN>(cute::get<0>(ep.shape_dK), params.batch, varlen));
+  int const tiles = static_cast<int>(params.geometry.row_tiles(kBlockN));
   auto const [tensor, tile] = split_by_tensor(blockIdx.x, tiles);
   TensorAndHead const out{tensor, static_cast<int>(blockIdx.y)};
   if (threadIdx.x == 0) { Epilogue::prefetch_tma_descriptors(params.tensors[out.tensor].epilogue); }

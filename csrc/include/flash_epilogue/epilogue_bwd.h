@@ -294,9 +294,9 @@ struct CollectiveEpilogueBwd {
   CUTLASS_DEVICE void store_tail() const {}
 
   // Zeros to the valid rows and columns of the tile, predicated whatever Varlen is (no shared memory,
-  // no barrier); only rows in [row_begin, row_end), counted from the sequence's start.
+  // no barrier); only rows in [row_start, row_end), counted from the sequence's start.
   CUTLASS_DEVICE void store_zero(Params const& params, int thread_idx,
-                                 cute::tuple<int32_t, int32_t, int32_t> const& block_coord, int row_begin = 0,
+                                 cute::tuple<int32_t, int32_t, int32_t> const& block_coord, int row_start = 0,
                                  int row_end = INT_MAX) const {
     using namespace cute;
     auto [n_block, bidh, bidb] = block_coord;
@@ -304,7 +304,7 @@ struct CollectiveEpilogueBwd {
     // Tile-relative window in 64-bit (n_block * kBlockN may pass 2^31), clamped to [0, kBlockN].
     auto clamp_rows = [](int64_t r) { return static_cast<int>(r < 0 ? 0 : (r > kBlockN ? kBlockN : r)); };
     int64_t const tile_start = int64_t(n_block) * kBlockN;
-    int const first_row = clamp_rows(row_begin - tile_start);
+    int const first_row = clamp_rows(row_start - tile_start);
     int const end_row = clamp_rows(row_end - tile_start);
     int const valid_rows = cute::min(seqlen_info.valid_rows(n_block, get<0>(params.shape_dK)), end_row);
     if (valid_rows <= 0 || first_row >= valid_rows) { return; }
