@@ -118,13 +118,13 @@ def gqa_accumulate(dk_partial: torch.Tensor, dv_partial: torch.Tensor, acc: GQAA
     docs/semantics.md, "Determinism"."""
     op = "gqa_accumulate"
     _check_acc(op, acc, dk_partial, dv_partial, cu_seqlens, "dk_partial", "dv_partial")
-    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
-    if deterministic is None:  # with warn_only, an accumulator without semaphores runs the atomic mode, with a warning
-        deterministic = acc.deterministic or (torch.are_deterministic_algorithms_enabled() and not warn_only)
+    if deterministic is None:  # with warn_only, an accumulator allocated without it runs the atomic mode, warning
+        deterministic = acc.deterministic or (torch.are_deterministic_algorithms_enabled() and
+                                              not torch.is_deterministic_algorithms_warn_only_enabled())
     elif type(deterministic) is not bool:
         fail(op, "deterministic", "a bool", type(deterministic).__name__, FlashEpilogueTypeError)
-    if not deterministic and acc.arch == 80 and torch.are_deterministic_algorithms_enabled() and warn_only:
-        # without warn_only the op raises torch's error
+    if not deterministic and acc.arch == 80 and torch.are_deterministic_algorithms_enabled() and \
+            torch.is_deterministic_algorithms_warn_only_enabled():  # without warn_only the op raises torch's error
         warnings.warn("flash_epilogue.gqa_accumulate(deterministic=False) on the sm_80 path does not have a "
                       "deterministic implementation, but you set 'torch.use_deterministic_algorithms(True, "
                       "warn_only=True)'", stacklevel=2)

@@ -1,4 +1,4 @@
-"""AOTInductor: a package of every op (test_ecosystem.every_op) gives bitwise eager's results (outputs and every tensor
+"""AOTInductor: a package of every op (conftest.every_op) gives bitwise eager's results (outputs and every tensor
 it writes) in this process and in a fresh one that imports flash_epilogue (which registers the ops) before loading it.
 On the CPU the stand-in kernels serve only this process's ops, so the fresh process only loads the package there.
 
@@ -13,8 +13,7 @@ import textwrap
 import pytest
 import torch
 
-from test_ecosystem import cpu_kernels, device as device  # noqa: F401 (fixtures: the device, its CPU stand-in kernels)
-from test_ecosystem import Module, assert_same, clone_problem, every_op, make_problem, problem_args
+from conftest import Module, assert_same, clone_problem, every_op, make_problem, problem_args
 
 LOAD = textwrap.dedent("""
     import sys

@@ -24,7 +24,7 @@ OP_NAMES = ("store", "store_zero", "gqa_accumulate", "gqa_postprocess", "gqa_acc
 
 @needs_C
 def test_tile_table_is_the_extension_s():
-    rows = C.tile_configs()
+    rows = [r for r in C.tile_configs() if r["fa3"]]  # FA3's tiles; the others are store's (test_plan.py)
     assert [(r["head_dim"], r["arch"]) for r in rows] == [(hd, a) for hd in fe.COMPILED_HEAD_DIMS for a in (90, 80)]
     for r in rows:
         cfg = fe.tile_config(r["head_dim"], arch=r["arch"])
@@ -85,7 +85,13 @@ def test_accumulator_shape_batched(d, dv, arch, block, elems):
         acc = fe.gqa_accumulator(2, d, dv, batch=3, seqlen=seqlen, deterministic=True, device="meta", arch=arch)
         assert (acc.dk_accum.shape, acc.dv_accum.shape) == tuple((3, 2, -(-seqlen // block), e) for e in elems)
         assert (acc.block_n, acc.arch, acc.config_v) == (block, arch, acc.config)
-        assert acc.semaphores.shape == (2 * 3 * acc.num_tiles * 2 + 1,) and acc.semaphores.dtype == I32
+        # the sm_80 path's ordered mode: counters per (tile, KV head, batch) of each tensor, and a ticket; the sm_90
+        # path is deterministic without them
+        assert acc.deterministic
+        if arch == 80:
+            assert acc.semaphores.shape == (2 * 3 * acc.num_tiles * 2 + 1,) and acc.semaphores.dtype == I32
+        else:
+            assert acc.semaphores is None
     assert fe.gqa_accumulator(2, d, dv, batch=0, seqlen=50, device="meta", arch=arch).dk_accum.shape[0] == 0
     cfg, slabs = acc.config, acc.config.num_threads // 128 if arch == 90 else 1
     split = (cfg.head_dim, arch) == (192, 90)
@@ -97,15 +103,18 @@ def test_accumulator_shape_batched(d, dv, arch, block, elems):
                                       (128, 256, 0), (192, 64, 0)])
 def test_accumulator_dv_own_tile(d, dv, own):
     # on sm_90, dV of <= 128 columns beside dK on the hdim-256 tile has an accumulator of its own tile (that of its
-    # head dim: 128 rows, all columns) from 512 hdim-256 tiles (80 rows) x KV heads x batch on; dK's is unchanged
+    # head dim: 128 rows, all columns) from the plan's gate of hdim-256 tiles (80 rows) x KV heads x batch on; dK's
+    # is unchanged
     def accumulator(heads, arch=90, **geometry):
         return fe.gqa_accumulator(heads, d, dv, device="meta", arch=arch, **geometry)
 
+    gate = C.plan_thresholds()["dv_own_tile_min_tiles"]
+    rows6, rows4 = -(-gate // 6), -(-gate // 4)  # the fewest row tiles reaching it with 6 and 4 heads x batch
     cs = torch.tensor([0, 3000, 3000, 6000], dtype=I32)  # 3 sequences: (total + 3 * 80) // 80 tiles
-    below = [dict(heads=2, batch=3, seqlen=80 * 85), dict(heads=1, batch=1, seqlen=80 * 511),
-             dict(heads=4, cu_seqlens=cs, total_tokens=80 * 128 - 241), dict(heads=4, batch=3, seqlen=6801, arch=80)]
-    above = [dict(heads=2, batch=3, seqlen=80 * 85 + 1), dict(heads=1, batch=1, seqlen=80 * 512),
-             dict(heads=4, cu_seqlens=cs, total_tokens=80 * 128 - 240)]
+    below = [dict(heads=2, batch=3, seqlen=80 * (rows6 - 1)), dict(heads=1, batch=1, seqlen=80 * (gate - 1)),
+             dict(heads=4, cu_seqlens=cs, total_tokens=80 * rows4 - 241), dict(heads=4, batch=3, seqlen=6801, arch=80)]
+    above = [dict(heads=2, batch=3, seqlen=80 * (rows6 - 1) + 1), dict(heads=1, batch=1, seqlen=80 * gate),
+             dict(heads=4, cu_seqlens=cs, total_tokens=80 * rows4 - 240)]
     for is_above, geometry in [(False, g) for g in below] + [(True, g) for g in above]:
         acc = accumulator(**geometry)
         cfg, cfg_v = fe.tile_config(d, dv, arch=acc.arch), fe.tile_config(own or dv, arch=acc.arch)
@@ -113,7 +122,7 @@ def test_accumulator_dv_own_tile(d, dv, own):
         assert acc.dk_accum.shape[2:] == (acc.num_tiles, cfg.accum_tile_elems) and acc.block_n == n
         assert acc.num_tiles == ((rows + batch * n) // n if acc.varlen else -(-rows // n))
         if cfg.head_dim == 256:  # the geometries straddle the gate
-            assert (acc.num_tiles * acc.batch_extent * acc.num_heads_kv >= 512) == (is_above or acc.arch == 80)
+            assert (acc.num_tiles * acc.batch_extent * acc.num_heads_kv >= gate) == (is_above or acc.arch == 80)
         if own and is_above:
             assert (acc.config, acc.config_v, acc.tile_head_dim_v) == (cfg, cfg_v, own)
             n = cfg_v.block_n
@@ -162,14 +171,16 @@ def test_accumulator_allocation():
         in repr(acc)
     # dv's own head dim: one tile serves max(d, dv); an uncompiled one: the next tile (test_accumulator_shape_batched)
     acc = fe.gqa_accumulator(4, 192, 128, batch=2, seqlen=200, deterministic=True, device="cpu")
-    assert acc.dv_accum.shape == (2, 4, 3, 12288) and "semaphores=int32[49]" in repr(acc)
+    assert acc.dv_accum.shape == (2, 4, 3, 12288) and "semaphores=None" in repr(acc) and acc.deterministic
+    acc = fe.gqa_accumulator(4, 192, 128, batch=2, seqlen=200, deterministic=True, device="cpu", arch=80)
+    assert acc.dv_accum.shape == (2, 4, 3, 96 * 192) and "semaphores=int32[49]" in repr(acc)
     assert acc.deterministic and all((t == 0).all() for t in (acc.semaphores, acc.dk_accum, acc.dv_accum))
     assert fe.gqa_accumulator(torch.tensor(3), 64, batch=1, seqlen=8, device="meta").dk_accum.shape[1] == 3
     acc = fe.gqa_accumulator(1, 80, batch=1, seqlen=5, device="meta")
     assert acc.config.head_dim == 96 and acc.dk_accum.shape[3] == 128 * 96 and acc.head_dim == 80
     # varlen: cu_seqlens (its device by default) or batch
     cs = torch.tensor([0, 100, 100, 700], dtype=I32)
-    acc = fe.gqa_accumulator(2, 64, cu_seqlens=cs, total_tokens=710, deterministic=True)
+    acc = fe.gqa_accumulator(2, 64, cu_seqlens=cs, total_tokens=710, deterministic=True, arch=80)
     assert acc.device == cs.device and acc.varlen and acc.batch == 3 and acc.rows == 710
     assert acc.dk_accum.shape == (1, 2, (710 + 3 * 128) // 128, 8192) and acc.dense_shape(64) == (710, 2, 64)
     assert acc.semaphores.numel() == 2 * acc.num_tiles * 2 + 1
@@ -182,14 +193,15 @@ def test_accumulator_allocation():
         acc = fe.gqa_accumulator(h_k, d, dv, batch=batch, **({"total_tokens": rows} if varlen else {"seqlen": rows}),
                                  deterministic=True, device="cpu", arch=arch)
         assert tuple(map(tuple, layout["shapes"])) == (tuple(acc.dk_accum.shape), tuple(acc.dv_accum.shape))
-        assert layout["semaphore_numel"] == acc.semaphores.numel()
+        assert layout["semaphore_numel"] == (0 if acc.semaphores is None else acc.semaphores.numel())
+        assert (acc.semaphores is None) == (acc.arch == 90)
         assert (layout["arch"], layout["block_n"]) == (acc.arch, acc.block_n)
         assert layout["tile_head_dims"] == (acc.config.head_dim, acc.config_v.head_dim)
 
 
 @pytest.mark.ops
 def test_accumulator_reset_and_pytree():
-    acc = fe.gqa_accumulator(1, 64, batch=1, seqlen=10, deterministic=True, device="cpu")
+    acc = fe.gqa_accumulator(1, 64, batch=1, seqlen=10, deterministic=True, device="cpu", arch=80)
     acc.dk_accum.fill_(3.0)
     acc.dv_accum.fill_(-1.0)
     assert acc.reset() is acc and (acc.dk_accum == 0).all() and (acc.dv_accum == 0).all()

@@ -5,17 +5,169 @@ wrong Python type) as FlashEpilogueTypeError; ..._op rows call torch.ops.flash_e
 then the device: such rows run on CPU (CI) too; on an sm_90 GPU every row runs on CUDA and leaves the process healthy.
 """
 import collections
+import dataclasses
 import re
 
 import numpy as np
 import pytest
 import torch
 
-from test_bad_inputs_calls import (
-    B, BF16, CPU_T, CUDA1, D, DKV, EXPANDED, F16, F32, FIRST, H_K, H_Q, I32, INPUT, OP, OVERLAPPING, PARTIALS, PY, RAW,
-    S, STORE4, TOTAL, TYPE, UNSQUEEZED, WIDENED, R, acc_shape, accumulator, alias, assert_healthy, call, check_accepted,
-    cut, each, i32, ints, like, misaligned, on, padded, replace_acc, sh, z, zs)
+import flash_epilogue as fe
+from conftest import (B, BF16, D, DKV, F16, F32, H_K, H_Q, I32, INPUT, S, TOTAL, accumulator, acc_shape, assert_healthy,
+                      deterministic_algorithms, dense, i32, sh, z)
+from flash_epilogue import reference as ref
 
+# ---- the harness: each op's baseline call (OP), the changes of its arguments, the rows (R, each), the checks of a
+# call; the baseline problem itself is conftest's (test_bad_inputs_calls.py's bad inputs outside the table share it)
+OPS, STORE4, PARTIALS = torch.ops.flash_epilogue, ("dk_accum", "dv_accum", "dk", "dv"), ("dk_partial", "dv_partial")
+TYPE = fe.FlashEpilogueTypeError  # a TypeError; INPUT (conftest) is a ValueError and not a TypeError
+PY = (INPUT,)  # a wrong Python scalar type seen by the wrapper: INPUT or its subclass TYPE
+RAW = (RuntimeError,)  # the dispatcher's own schema error (an op called directly): not our message format
+Row = collections.namedtuple("Row", "op match cls cpu gpus changes")  # a row of the table (R below)
+
+
+def accumulate_args(d, varlen=False, op=False):
+    # the op's semaphores: the sm_80 path's workspace (at head dim 64 both paths' accumulators have one shape), given
+    # but unused on the sm_90 path
+    acc = accumulator(d, varlen=varlen)
+    sem = accumulator(d, varlen=varlen, arch=80).semaphores
+    return dense(d, *PARTIALS, varlen=varlen) | ({"dk_accum": acc.dk_accum, "dv_accum": acc.dv_accum, "semaphores":
+                                                  sem, "deterministic": True} if op else {"acc": acc})
+
+
+def raw(op):
+    return lambda **kw: getattr(OPS, op)(**kw)  # looked up when called: a build without the ops still collects
+
+
+# fn(**build(device)) is a valid call; name: the op named in messages (None: a reference function, messages of
+# its own); cpu_runs: the valid call runs on CPU tensors (else it stops at the device check)
+Op = collections.namedtuple("Op", "fn build name cpu_runs", defaults=(False,))
+OP = {
+    "store": Op(fe.store, lambda d: dense(d, *STORE4), "store"),
+    "store_varlen": Op(fe.store, lambda d: dense(d, *STORE4, varlen=True), "store"),
+    "store_op": Op(raw("store"), lambda d: dense(d, *STORE4), "store"),
+    "store_zero": Op(fe.store_zero, lambda d: dense(d, *DKV), "store_zero"),
+    "store_zero_varlen": Op(fe.store_zero, lambda d: dense(d, *DKV, varlen=True), "store_zero"),
+    "store_zero_op": Op(raw("store_zero"), lambda d: dense(d, *DKV), "store_zero"),
+    "gqa_accumulator": Op(fe.gqa_accumulator, lambda d: dict(num_heads_kv=H_K, head_dim=D, batch=B, seqlen=S, device=d),
+                          "gqa_accumulator", True),
+    "gqa_accumulate": Op(fe.gqa_accumulate, accumulate_args, "gqa_accumulate"),
+    "gqa_accumulate_varlen": Op(fe.gqa_accumulate, lambda d: accumulate_args(d, True), "gqa_accumulate"),
+    "gqa_accumulate_det": Op(deterministic_algorithms()(fe.gqa_accumulate), accumulate_args, "gqa_accumulate"),
+    "gqa_accumulate_op": Op(raw("gqa_accumulate"), lambda d: accumulate_args(d, op=True), "gqa_accumulate"),
+    "gqa_accumulate_varlen_op": Op(raw("gqa_accumulate"), lambda d: accumulate_args(d, True, True), "gqa_accumulate"),
+    "gqa_postprocess": Op(fe.gqa_postprocess, lambda d: dense(d, *DKV, acc=accumulator(d, False)), "gqa_postprocess"),
+    "gqa_postprocess_op": Op(raw("gqa_postprocess"), lambda d: dense(d, *DKV) | {
+        k: getattr(accumulator(d, False), k) for k in ("dk_accum", "dv_accum")}, "gqa_postprocess"),
+    "to_dense": Op(lambda acc, **kw: acc.to_dense(**kw), lambda d: {"acc": accumulator(d, False)},
+                   "gqa_accum_to_dense"),
+    "to_dense_varlen": Op(lambda acc, **kw: acc.to_dense(**kw), lambda d: {"acc": accumulator(d, False, True),
+                          "cu_seqlens": i32(d, 0, 30, TOTAL)}, "gqa_accum_to_dense"),
+    "gqa_accum_to_dense_op": Op(raw("gqa_accum_to_dense"), lambda d: dict(
+        accum=accumulator(d).dk_accum, out=z(d, B, S, H_K, D), head_dim=D), "gqa_accum_to_dense"),
+    "gqa_reduce": Op(fe.gqa_reduce, lambda d: dense(d, *PARTIALS, num_heads_kv=H_K), "gqa_reduce"),
+    "gqa_reduce_varlen": Op(fe.gqa_reduce, lambda d: dense(d, *PARTIALS, varlen=True, num_heads_kv=H_K), "gqa_reduce"),
+    "gqa_reduce_out": Op(fe.gqa_reduce, lambda d: dense(d, *PARTIALS, num_heads_kv=H_K, out=tuple(
+        dense(d, *DKV).values())), "gqa_reduce"),
+    "gqa_reduce_op": Op(raw("gqa_reduce"), lambda d: dense(d, *PARTIALS, *DKV), "gqa_reduce"),
+    "gqa_reduce_varlen_op": Op(raw("gqa_reduce"), lambda d: dense(d, *PARTIALS, *DKV, varlen=True), "gqa_reduce"),
+    "repeat_kv": Op(fe.repeat_kv, lambda d: {"x": z(d, B, H_K, S, D, dtype=BF16), "n_rep": 2}, "repeat_kv", True),
+    "repeat_kv_op": Op(raw("repeat_kv"), lambda d: {"x": z(d, B, H_K, S, D, dtype=BF16), "n_rep": 2, "dim": 1},
+                       "repeat_kv", True),
+    "repeat_kv_backward_op": Op(raw("repeat_kv_backward"), lambda d: {"grad": z(d, 1, 4, 2, 8), "n_rep": 2, "dim": 1,
+                                                                   "layout": [0, 1, 2]}, "repeat_kv_backward", True),
+    "store_reference": Op(ref.store_reference, lambda d: dense(d, *STORE4), None, True),
+    "gqa_reduce_reference": Op(ref.gqa_reduce_reference, lambda d: {"dk_partial": z(d, 1, 2, 6, 8), "num_heads_kv": 3,
+                                                                    "out_dtype": F16}, None, True),
+    "gqa_reduce_sequential_fp32": Op(ref.gqa_reduce_sequential_fp32, lambda d: {"partial": z(d, 1, 2, 6, 8),
+                                                                                "num_heads_kv": 3}, None, True),
+    "gqa_accumulate_reference": Op(ref.gqa_accumulate_reference, lambda d: dict(
+        dk_partial=z(d, 10, 6, 8), dv_partial=None, dk_dense=z(d, 10, 3, 8), dv_dense=None, num_heads_kv=3,
+        cu_seqlens=i32(d, 0, 10)), None, True),
+}
+
+# changes of the arguments: a value, on(f) = f(the baseline's value), or a callable (args, device) giving the value
+on = collections.namedtuple("on", "fn")
+WIDENED = on(lambda t: t.new_zeros(*t.shape[:-1], 2 * t.shape[-1])[..., ::2])
+EXPANDED = on(lambda t: t[:1].expand(t.shape))  # stride 0 on the first dim
+OVERLAPPING = on(lambda t: t.new_zeros(t.numel()).as_strided(t.shape, (t.stride(0), t.shape[-1] // 2, t.stride(2), 1)))
+FIRST, UNSQUEEZED, CPU_T, CUDA1 = on(lambda t: t[0]), on(lambda t: t[None]), on(torch.Tensor.cpu), on(
+    lambda t: t.to("cuda:1"))
+
+
+def cut(n, dim=-1):
+    return on(lambda t: t.narrow(dim, 0, n))
+
+
+def padded(extra):
+    """t in a view whose row pitch (stride(-2)) is t.shape[-1] + extra elements."""
+    return on(lambda t: t.new_zeros(*t.shape[:-1], t.shape[-1] + extra)[..., : t.shape[-1]])
+
+
+def misaligned(nbytes=8):
+    """t in a new tensor whose data starts `nbytes` past a 16-byte boundary."""
+    return on(lambda t: t.new_zeros(t.numel() + 16)[nbytes // t.element_size():][: t.numel()].view(t.shape))
+
+
+def ints(*vals, dev=None, step=1):
+    return lambda a, d: i32(dev or d, *vals)[::step]
+
+
+def zs(*shape, dtype=F32):
+    return lambda a, d: z(d, *shape, dtype=dtype)
+
+
+def alias(of, view=lambda t: t):
+    return lambda a, d: view(a[of])
+
+
+def like(of, dtype, shape=None):
+    """A tensor of `shape` (default: `of`'s) viewing `of`'s memory as `dtype`."""
+    return alias(of, lambda t: t.view(dtype).reshape(-1)[: torch.Size(shape or t.shape).numel()].view(shape or t.shape))
+
+
+def replace_acc(**fields):
+    return on(lambda acc: dataclasses.replace(acc, **fields))
+
+
+def R(op, match, cls=INPUT, cpu=True, gpus=1, **changes):
+    """match: a regex, searched after "flash_epilogue.<op>: "; cpu: the error comes before the device check."""
+    if op.endswith(("_op", "reference", "fp32")):  # the op itself, a reference: a plain ValueError / TypeError
+        cls = {INPUT: ValueError, TYPE: TypeError}.get(cls, cls)
+    return Row(op, match, cls, cpu and gpus == 1, gpus, changes)
+
+
+def each(where, match, change, cls=INPUT, **more):
+    """A row per "op:arg,arg" of `where`: the change of arg (and `more`) raises "arg: " + match."""
+    return [R(op, f"{k}: " + match, cls, **{k: change}, **more)
+            for op, ks in (w.split(":") for w in where.split()) for k in ks.split(",")]
+
+
+def call(op, d, changes=()):
+    a = op.build(d)
+    for k, v in dict(changes).items():
+        if k == "_":
+            v(a, d)
+        elif isinstance(v, on):
+            a[k] = v.fn(a[k])
+        else:
+            a[k] = v(a, d) if callable(v) and not isinstance(v, (torch.Tensor, torch.dtype)) else v
+    return op.fn(**a)
+
+
+def check_accepted(op, d, changes=(), runs=False):
+    """The call is accepted: it runs on the GPU (and on CPU when it can: allocation, repeat_kv, the references,
+    meta tensors); on CPU tensors the op stops at its last check, the device check."""
+    if d == "cuda" or op.cpu_runs or runs:
+        call(op, d, changes)
+        if d == "cuda":
+            torch.cuda.synchronize()
+        return
+    with pytest.raises(ValueError, match=r"device: expected a CUDA tensor, got a tensor on cpu"):
+        call(op, d, changes)
+
+
+# ---- the table
 # message fragments (regexes): types and shapes
 TENSOR, DT, HALF = (r"expected a torch\.Tensor, got ", r"dtype: expected torch\.{}, got torch\.{}",
                     r"float16 or torch\.bfloat16")
@@ -39,8 +191,8 @@ DEV0 = r"device: expected cuda:0 \(the device of {}\), got {}"  # a tensor on an
 DEV1 = DEV0.format("{}", "cuda:1")
 HEADS = (r"heads: expected a positive multiple of the {} KV heads \({}\): every KV head serves h_q / h_k query heads, "
          r"got {} query heads \(dk_partial\.shape\[-2\]\)")
-SEMS = (r"acc\.semaphores: expected an int32 workspace because {}: allocate .*, got None \(allocated with "
-        r"deterministic=False\)")
+SEMS = (r"semaphores: expected an int32 tensor of >= 9 entries because deterministic=True on the sm_80 path \(allocate"
+        r" the accumulator with flash_epilogue\.gqa_accumulator\(\.\.\., deterministic=True\)\), got None")
 NOT_ACC = r"expected a flash_epilogue\.GQAAccumulator \(from flash_epilogue\.gqa_accumulator\), got "
 DIM, ARCH = (r"dim: expected 1 \(or -3\) or 2 \(or -2\): the KV-head dim of a 4-D tensor, got ",
              r"_arch: expected 0 \(the device's path\), 80 or 90, got ")
@@ -218,9 +370,9 @@ ROWS = [
       + acc_shape((2, 2, 1, 16384)) + ")", acc=lambda a, d: accumulator(d, hd=128)),
     R("gqa_accumulate", r"(acc\.rows: expected 40 \(dk_partial\.shape\[1\], the seqlen\), got 300|dk_accum: "
       + acc_shape((2, 2, 3, 8192)) + ")", acc=lambda a, d: accumulator(d, seqlen=300)),
-    R("gqa_accumulate", SEMS.format("deterministic=True"), acc=lambda a, d: accumulator(d, False), deterministic=True),
-    R("gqa_accumulate_det", SEMS.format(r"torch\.are_deterministic_algorithms_enabled\(\) is True"),
-      acc=lambda a, d: accumulator(d, False)),
+    # the sm_80 path's ordered mode needs the semaphores (the sm_90 path, deterministic in both modes, has none)
+    R("gqa_accumulate", SEMS, acc=lambda a, d: accumulator(d, False, arch=80), deterministic=True),
+    R("gqa_accumulate_det", SEMS, acc=lambda a, d: accumulator(d, False, arch=80)),
     *[R("gqa_accumulate", rf"acc\.{f}: expected {want}, got {v}", acc=replace_acc(**{f: v}))
       for f, want, v in (("head_dim", r"64 \(dk_partial\.shape\[-1\]\)", 56),
                          ("head_dim_v", r"64 \(dv_partial\.shape\[-1\]\)", 56),
@@ -262,15 +414,13 @@ ROWS = [
     R("gqa_accumulate_op", "dv_accum: " + CONTIGUOUS_OR_SELF, dv_accum=OVERLAPPING),
     R("gqa_accumulate_op", r"semaphores: (stride\(0\): expected 1 \(contiguous\), got 0|"
       + SELF.format(sh(9), sh(0)) + ")", semaphores=lambda a, d: i32(d, 0).expand(9)),
-    R("gqa_accumulate_op", r"semaphores: expected an int32 tensor of >= 9 entries because deterministic=True \(allocate"
-      r" the accumulator with flash_epilogue\.gqa_accumulator\(\.\.\., deterministic=True\)\), got None",
-      semaphores=None),
+    R("gqa_accumulate_op", SEMS, semaphores=None, _arch=80),
     R("gqa_accumulate_op", r"semaphores: rank: expected 1 dim, got 2 dims, shape \(3, 3\)",
       semaphores=on(lambda t: t.view(3, 3))),
     R("gqa_accumulate_op", r"semaphores: stride\(0\): expected 1 \(contiguous\), got 2",
       semaphores=lambda a, d: torch.zeros(20, dtype=I32, device=d)[::2]),
-    *[R("gqa_accumulate_op", r"semaphores: numel: expected >= 9 \(2 \* batch_extent \* num_tiles \* heads_kv \+ 1 for "
-        r"dk_accum of shape \(2, 2, 1, 8192\)\), got 8", semaphores=cut(8), deterministic=det)
+    *[R("gqa_accumulate_op", r"semaphores: numel: expected >= 9 \(2 \* batch_extent \* num_tiles \* num_heads_kv \+ 1 "
+        r"for dk_accum of shape \(2, 2, 1, 8192\)\), got 8", semaphores=cut(8), deterministic=det, _arch=80)
       for det in (True, False)],
     R("gqa_accumulate_op", "dv_accum: " + OVER.format("dk_accum"), dv_accum=alias("dk_accum")),
     R("gqa_accumulate_op", "semaphores: " + OVER.format("dk_accum"), semaphores=like("dk_accum", I32, (9,))),

@@ -4,19 +4,17 @@ the memory (peak about 70 GB). Outputs are canary buffers compared bitwise with 
 """
 import dataclasses
 import itertools
-import subprocess
-import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 import torch
 
 import flash_epilogue as fe
-from conftest import CANARY_BITS, bits, canary, cuda_graph, first_diff, generator, int32, rand, same, same_view
+from conftest import cuda_graph, every_op_launches, run_in_child
 from flash_epilogue.reference import (gqa_accumulate_reference, gqa_reduce_reference, gqa_reduce_sequential_fp32,
-                                      group_sum_reference, sequence_bounds, store_reference, store_zero_reference)
+                                      sequence_bounds, store_zero_reference)
+from flash_epilogue.testing import CANARY_BITS, bits, canary, first_diff, generator, int32, rand, same, same_view
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 DEV, BF16 = "cuda", torch.bfloat16
@@ -29,17 +27,6 @@ def need_gib(gib: float):
     free, _ = torch.cuda.mem_get_info()
     if free < gib * 2**30:
         pytest.skip(f"needs {gib:.0f} GiB of free GPU memory, {free / 2**30:.0f} GiB free")
-
-
-def run_in_child(workload):
-    """Run `workload` (a module-level function of a test file that prints OK at its end) in a fresh Python process,
-    so that a fault (a sticky CUDA error, a crash) fails only the calling test."""
-    tests, module = Path(__file__).resolve().parent, Path(workload.__code__.co_filename).stem
-    code = f"import sys; sys.path.insert(0, {str(tests)!r}); import {module}; {module}.{workload.__name__}()"
-    result = subprocess.run([sys.executable, "-X", "faulthandler", "-c", code], cwd=tests.parent,
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0 and result.stdout.strip().endswith("OK"), (
-        f"exit {result.returncode}\nstdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-3000:]}")
 
 
 def row_mask(rows: int, bounds) -> torch.Tensor:
@@ -251,53 +238,13 @@ def test_every_op_65535_heads(deterministic, arch):
     # 65535 query heads into 65535 KV heads (g = 1: 0 + p exactly in either mode, the accumulator's)
     need_gib(8)
     for d in (128, 64):
-        _, launches, check = every_op(d, generator(4), (2, 2), 65535, 1, arch, deterministic=deterministic)
+        _, launches, check = every_op_launches(d, generator(4), (2, 2), 65535, 1, arch, deterministic=deterministic)
         for launch in launches:
             launch()
         check(d)
 
 
 # concurrency: streams, a graph, host threads
-def every_op(d, gen, lead=(2, 300), h=4, g=2, arch=0, store_dtype=BF16, deterministic=True):
-    """(acc, launches, check): every op at head dim d, h KV heads of g query heads each, on gen's device and path
-    `arch` (store_dtype: the outputs of store, store_zero, the one-tensor gqa_reduce). A launch is one op call (all but
-    the bf16 gqa_reduce make no CUDA call before the op's own; repeat_kv's backward runs on autograd's device thread),
-    accumulating into acc (reset it before a rerun; atomic is exact for g <= 2); check(*where) compares bitwise."""
-    dev, (b, s) = gen.device, lead
-    ak, av, pk, pv = (rand(lead + (n, d), gen) for n in (h, h, h * g, h * g))
-    p16 = pk.to(BF16)
-    x, grad = rand((b, h, s, d), gen, BF16).requires_grad_(), rand((b, h * g, s, d), gen, BF16)
-    out = [canary(lead + (h, d), dt, dev) for dt in (store_dtype, store_dtype, BF16, BF16, store_dtype, BF16, BF16)]
-    sel = {"batch_idx": int32(1, device=dev), "row_start": s // 2}  # a list: a CUDA copy first
-    acc = fe.gqa_accumulator(h, d, batch=b, seqlen=s, deterministic=deterministic, device=dev, arch=arch)
-    got = {}
-    launches = [lambda: fe.store(ak, av, out[0], out[1], _arch=arch),
-                lambda: fe.store_zero(out[0], out[1], **sel, _arch=arch),
-                lambda: fe.gqa_reduce(pk, pv, num_heads_kv=h, out=(out[2], out[3]), _arch=arch),
-                lambda: fe.gqa_reduce(pk, num_heads_kv=h, out=out[4], _arch=arch),
-                lambda: got.update(reduce16=fe.gqa_reduce(p16, num_heads_kv=h, _arch=arch)),
-                lambda: fe.gqa_accumulate(pk, pv, acc),
-                lambda: fe.gqa_postprocess(acc, out[5], out[6], scale_dk=0.5),
-                lambda: got.update(repeat_kv=torch.autograd.grad(fe.repeat_kv(x, g), x, grad))]
-
-    def check(*where):
-        stored = [torch.zeros_like(o) for o in out[:2]]
-        store_reference(ak, av, *stored)
-        store_zero_reference(*stored, batch_idx=[1], row_start=s // 2)
-        dense = [torch.zeros(lead + (h, d), device=dev) for _ in range(2)]
-        gqa_accumulate_reference(pk, pv, *dense, num_heads_kv=h)
-        reduced = [gqa_reduce_sequential_fp32(p, h).to(o.dtype) for p, o in zip((pk, pv, pk), out[2:5])]
-        checks = {"store, store_zero": (out[:2], stored), "gqa_reduce": (out[2:5], reduced),
-                  "gqa_reduce bf16": ([got["reduce16"]], [gqa_reduce_sequential_fp32(p16.float(), h).to(BF16)]),
-                  "gqa_accumulate": (acc.to_dense(), dense),
-                  "gqa_postprocess": (out[5:], [(dense[0] * 0.5).to(BF16), dense[1].to(BF16)]),
-                  "repeat_kv backward": (got["repeat_kv"], [group_sum_reference(grad, g)])}
-        for what, (outputs, want) in checks.items():
-            assert all(same(o, w) for o, w in zip(outputs, want, strict=True)), (what, *where)
-
-    return acc, launches, check
-
-
 def test_two_streams_then_a_graph():
     # on two streams at once, launches interleaved, three rounds, each reference-exact: per stream, the persistent
     # sm_90 drivers on problems of 8-31 tiles per SM (store 31, gqa_reduce 8, gqa_accumulate 16 on 132 SMs) into its
@@ -367,13 +314,14 @@ def test_two_streams_then_a_graph():
 def test_persistent_store_beside_other_ops():
     # a named barrier id must not serve two thread counts (the store's TMA hand-off and a tile's first barrier): beside
     # another kernel the issuing warp lags, the others reach the next tile's barrier first ("illegal instruction").
-    # Stream 0: the store; stream 1: every op of every_op in turn, with bf16 and with fp16 outputs (its accumulate
-    # atomic: two query heads per KV head, one call, exact in any order); launches interleaved, then every result
+    # Stream 0: the store; stream 1: the launches of every_op_launches in turn, with bf16 and with fp16 outputs (its
+    # accumulate atomic: two query heads per KV head, one call, exact in any order); launches interleaved, then every
+    # result
     gen = generator(2)
     b, s, h, d = 2, 4096, 8, 128
     acc_k, acc_v = rand((b, s, h, d), gen), rand((b, s, h, d), gen)
     dk, dv = canary((b, s, h, d)), canary((b, s, h, d))
-    ops = [every_op(d, gen, (b, s), h, 2, store_dtype=dt, deterministic=False) for dt in (BF16, torch.float16)]
+    ops = [every_op_launches(d, gen, (b, s), h, 2, store_dtype=dt, deterministic=False) for dt in (BF16, torch.float16)]
     launches = [launch for acc, each, _ in ops for launch in (acc.reset, *each)]
     streams = torch.cuda.Stream(), torch.cuda.Stream()
     for st in streams:
@@ -397,7 +345,7 @@ def test_host_threads_with_own_streams():
         torch.cuda.set_device(0)
         stream = torch.cuda.Stream()
         with torch.cuda.stream(stream):
-            acc, launches, check = every_op(d, generator(100 + d), lead=(2, 1000))
+            acc, launches, check = every_op_launches(d, generator(100 + d), lead=(2, 1000))
             barrier.wait()
             for launch in [acc.reset, *launches] * 10:
                 launch()
@@ -412,7 +360,7 @@ def test_host_threads_with_own_streams():
 def fresh_thread_workload():
     """Every op from a host thread that made no CUDA call: without a current CUDA context (c10's device guard binds
     none when the index already matches) the TMA descriptor encode failed and the process crashed."""
-    _, launches, check = every_op(128, generator(7))
+    _, launches, check = every_op_launches(128, generator(7))
     for launch in launches:  # all on the default stream, in order
         with ThreadPoolExecutor(1) as pool:  # a new host thread for each op
             pool.submit(launch).result()

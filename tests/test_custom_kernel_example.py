@@ -1,20 +1,15 @@
 """examples/custom_kernel: a user's own extension that includes the collective. CI compiles it
 (CPU); on an sm_90 GPU it is built with torch's JIT loader and must give `.to(bf16)` bitwise."""
-import importlib.util
 import sysconfig
-from pathlib import Path
 
 import pytest
 import torch
 from torch.utils.cpp_extension import include_paths
 
-from conftest import HAVE_SM90, nvcc, run_checked, same
+from conftest import EXAMPLE, HAVE_SM90, example_build, nvcc, run_checked
+from flash_epilogue.testing import same
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "custom_kernel"
-# examples/custom_kernel/build.py, loaded by path: a pip package named `build` would shadow an import by name
-_spec = importlib.util.spec_from_file_location("custom_kernel_build", EXAMPLE / "build.py")
-build = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(build)
+build = example_build()  # examples/custom_kernel/build.py
 
 
 @pytest.mark.skipif(nvcc() is None, reason="no nvcc")

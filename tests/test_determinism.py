@@ -1,70 +1,99 @@
-"""torch.use_deterministic_algorithms(True): gqa_accumulator allocates the semaphores and gqa_accumulate runs
-deterministically by default, its atomic mode asked for explicitly is torch's alert (with warn_only a warning), the
-other ops are unchanged. Every deterministic path repeated 1000 times (FlashAttention-3's standard; marked slow) on
+"""torch.use_deterministic_algorithms(True), per code path: gqa_accumulate runs deterministically by default; on the
+sm_80 path gqa_accumulator allocates the ordered mode's semaphores and the atomic mode asked for explicitly is torch's
+alert (with warn_only a warning), on the sm_90 path (deterministic in both modes) neither; the other ops are
+unchanged. Every deterministic path repeated 1000 times (FlashAttention-3's standard; marked slow) on
 stressing shapes, the outputs refilled with canary bits before each repeat: each repeat bitwise the first.
 """
 import contextlib
+import warnings
 
 import pytest
 import torch
 
 import flash_epilogue as fe
-from conftest import bits, canary, cu_seqlens, deterministic_algorithms, generator, rand
+from conftest import deterministic_algorithms, every_op_launches
 from flash_epilogue.reference import (gqa_accumulate_reference, gqa_reduce_sequential_fp32, group_sum_reference,
                                       store_reference, store_zero_reference)
-from test_big_concurrent import every_op
+from flash_epilogue.testing import bits, canary, generator, problem, rand
 
 F32, BF16 = torch.float32, torch.bfloat16
 
 
 @pytest.mark.ops
-def test_accumulator_default_follows_the_switch():
-    kw = dict(batch=1, seqlen=64, device="cpu")
-    assert fe.gqa_accumulator(2, 128, **kw).semaphores is None
+@pytest.mark.parametrize("arch", [90, 80])
+def test_accumulator_default_follows_the_switch(arch):
+    # the accumulator's flag follows the switch; only the sm_80 path's ordered mode has semaphores to allocate
+    kw = dict(batch=1, seqlen=64, device="cpu", arch=arch)
+
+    def flags(acc):
+        return acc.deterministic, acc.semaphores is not None
+
+    assert flags(fe.gqa_accumulator(2, 128, **kw)) == (False, False)
     for warn_only in (False, True):
         with deterministic_algorithms(warn_only):
-            assert fe.gqa_accumulator(2, 128, **kw).semaphores is not None
-            assert fe.gqa_accumulator(2, 128, deterministic=False, **kw).semaphores is None
-    assert fe.gqa_accumulator(2, 128, deterministic=True, **kw).semaphores is not None
+            assert flags(fe.gqa_accumulator(2, 128, **kw)) == (True, arch == 80)
+            assert flags(fe.gqa_accumulator(2, 128, deterministic=False, **kw)) == (False, False)
+    assert flags(fe.gqa_accumulator(2, 128, deterministic=True, **kw)) == (True, arch == 80)
+
+
+ALERT = r"gqa_accumulate\(deterministic=False\) on the sm_80 path does not have a deterministic implementation"
 
 
 @pytest.mark.gpu
-def test_ops_under_the_switch():
+@pytest.mark.parametrize("arch", [90, 80])
+def test_ops_under_the_switch(arch):
+    # sm_80: the atomic mode is torch's alert (with warn_only a warning), the ordered one needs the semaphores. sm_90:
+    # deterministic in both modes, so neither: every call gives the sequential sum's bits
     gen = generator(1)
     pk, pv = rand((2, 300, 8, 128), gen), rand((2, 300, 8, 128), gen)
     ref = [torch.zeros(2, 300, 2, 128, device="cuda") for _ in range(2)]
     gqa_accumulate_reference(pk, pv, *ref, num_heads_kv=2)
+
+    def exact(acc):
+        return all(torch.equal(bits(g), bits(w)) for g, w in zip(acc.to_dense(), ref))
+
     with deterministic_algorithms():
-        acc = fe.gqa_accumulator(2, 128, batch=2, seqlen=300)  # semaphores by default
-        fe.gqa_accumulate(pk, pv, acc)  # deterministic by default: the sequential sum, exactly
-        assert all(torch.equal(bits(g), bits(w)) for g, w in zip(acc.to_dense(), ref))
-        plain = fe.gqa_accumulator(2, 128, batch=2, seqlen=300, deterministic=False)
-        with pytest.raises(ValueError, match=r"acc\.semaphores: expected an int32 workspace because "
-                           r"torch\.are_deterministic_algorithms_enabled\(\) is True: allocate the accumulator with "
-                           r"flash_epilogue\.gqa_accumulator\(\.\.\., deterministic=True\) \(its default under that "
-                           r"switch\), got None"):
-            fe.gqa_accumulate(pk, pv, plain)
-        for call in (lambda: fe.gqa_accumulate(pk, pv, plain, deterministic=False),
-                     lambda: torch.ops.flash_epilogue.gqa_accumulate(pk, pv, plain.dk_accum, plain.dv_accum)):
-            with pytest.raises(RuntimeError, match=r"flash_epilogue\.gqa_accumulate\(deterministic=False\) does "
-                               r"not have a deterministic implementation, but you set "
-                               r"'torch\.use_deterministic_algorithms\(True\)'"):
+        acc = fe.gqa_accumulator(2, 128, batch=2, seqlen=300, arch=arch)  # deterministic by default
+        fe.gqa_accumulate(pk, pv, acc)  # the sequential sum, exactly
+        assert exact(acc)
+        plain = fe.gqa_accumulator(2, 128, batch=2, seqlen=300, deterministic=False, arch=arch)
+        calls = (lambda: fe.gqa_accumulate(pk, pv, plain, deterministic=False),
+                 lambda: torch.ops.flash_epilogue.gqa_accumulate(pk, pv, plain.dk_accum, plain.dv_accum, _arch=arch))
+        if arch == 80:
+            with pytest.raises(ValueError, match=r"semaphores: expected an int32 tensor of >= \d+ entries because "
+                               r"deterministic=True on the sm_80 path \(allocate the accumulator with "
+                               r"flash_epilogue\.gqa_accumulator\(\.\.\., deterministic=True\)\), got None"):
+                fe.gqa_accumulate(pk, pv, plain)  # deterministic by the switch
+            for call in calls:
+                with pytest.raises(RuntimeError, match=r"flash_epilogue\." + ALERT + r", but you set "
+                                   r"'torch\.use_deterministic_algorithms\(True\)'"):
+                    call()
+            assert not plain.dk_accum.any() and not plain.dv_accum.any()  # refused before the launch
+        else:
+            for call in (lambda: fe.gqa_accumulate(pk, pv, plain), *calls):
+                plain.reset()
                 call()
-        assert not plain.dk_accum.any() and not plain.dv_accum.any()  # refused before the launch
+                assert plain.semaphores is None and exact(plain)
     with deterministic_algorithms(warn_only=True):
         for kw in ({}, {"deterministic": False}):
             plain.reset()
-            with pytest.warns(UserWarning, match=r"gqa_accumulate\(deterministic=False\) does not have a "
-                              r"deterministic implementation"):
-                fe.gqa_accumulate(pk, pv, plain, **kw)
-            for got, want in zip(plain.to_dense(), ref):
-                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    for switch in (False, True):  # every op else: the same reference-exact bits either way
-        with deterministic_algorithms() if switch else contextlib.nullcontext():
-            _, launches, check = every_op(128, generator(2), lead=(2, 200), h=2, g=8)
-            for launch in launches:
-                launch()
-        check(switch)
+            if arch == 80:
+                with pytest.warns(UserWarning, match=ALERT):
+                    fe.gqa_accumulate(pk, pv, plain, **kw)
+                for got, want in zip(plain.to_dense(), ref):
+                    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+            else:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("error")
+                    fe.gqa_accumulate(pk, pv, plain, **kw)
+                assert exact(plain)
+    if arch == 90:
+        for switch in (False, True):  # every op else: the same reference-exact bits either way
+            with deterministic_algorithms() if switch else contextlib.nullcontext():
+                _, launches, check = every_op_launches(128, generator(2), lead=(2, 200), h=2, g=8)
+                for launch in launches:
+                    launch()
+            check(switch)
 
 
 def assert_repeatable(step, outputs, want=(), n=1000):
@@ -90,12 +119,10 @@ GQA_SHAPES = [(128, 128, 4, 8, "batched"), (128, 128, 2, 16, "varlen"), (256, 25
 
 
 def gqa_problem(layout, seed):
-    """(lead shape, call kwargs, allocation kwargs): batched (2, 1000), or varlen: 400 sequences of 1-48 tokens."""
+    """The Problem: batched (2, 1000), or varlen: 400 sequences of 1-48 tokens."""
     if layout == "batched":
-        return (2, 1000), {}, {"batch": 2, "seqlen": 1000}
-    lens = torch.randint(1, 49, (400,), generator=torch.Generator().manual_seed(seed)).tolist()
-    cu, total = cu_seqlens(lens), sum(lens)
-    return (total,), {"cu_seqlens": cu}, {"cu_seqlens": cu, "total_tokens": total}
+        return problem(2, 1000)
+    return problem(lens=torch.randint(1, 49, (400,), generator=torch.Generator().manual_seed(seed)).tolist())
 
 
 @pytest.mark.gpu
@@ -105,7 +132,8 @@ def gqa_problem(layout, seed):
 def test_gqa_1000_repeats(d, dv, h_k, g, layout, op):
     # reduce: fp32 or bf16 partials; accumulate: three calls into one deterministic accumulator, then the postprocess
     accumulate = op.startswith("accumulate")
-    lead, kw, alloc = gqa_problem(layout, seed=d + g + accumulate)
+    p = gqa_problem(layout, seed=d + g + accumulate)
+    lead, kw = p.lead, p.seq
     gen = generator(d * g + accumulate)
     outs = canary(lead + (h_k, d)), canary(lead + (h_k, dv))
     if not accumulate:
@@ -114,7 +142,7 @@ def test_gqa_1000_repeats(d, dv, h_k, g, layout, op):
         assert_repeatable(lambda: fe.gqa_reduce(pk, pv, num_heads_kv=h_k, out=outs, scale_dk=0.5, **kw), outs, [want])
         return
     chunks = [(rand(lead + (h_k * g, d), gen), rand(lead + (h_k * g, dv), gen)) for _ in range(3)]
-    acc = fe.gqa_accumulator(h_k, d, dv, deterministic=True, arch=int(op[-2:]), **alloc)
+    acc = fe.gqa_accumulator(h_k, d, dv, deterministic=True, arch=int(op[-2:]), **p.alloc)
 
     def step():
         acc.reset()
@@ -148,7 +176,8 @@ def test_repeat_kv_backward_1000_repeats(d, n_rep, dim):
 @pytest.mark.parametrize("d,dv,layout", [(128, 128, "varlen"), (256, 256, "batched"), (192, 128, "varlen"),
                                          (64, 64, "batched")])
 def test_store_and_store_zero_1000_repeats(d, dv, layout):
-    lead, kw, _ = gqa_problem(layout, seed=d + 7)
+    p = gqa_problem(layout, seed=d + 7)
+    lead, kw = p.lead, p.seq
     gen = generator(d + 7)
     ak, av = rand(lead + (4, d), gen), rand(lead + (4, dv), gen)
     outs = canary(lead + (4, d)), canary(lead + (4, dv))

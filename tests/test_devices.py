@@ -7,8 +7,7 @@ import pytest
 import torch
 
 import flash_epilogue as fe
-from conftest import HAVE_SM90
-from test_ecosystem import CALLS, assert_same, autograd_problem, clone_problem, op_call
+from conftest import CALLS, HAVE_SM90, assert_same, autograd_problem, clone_problem, op_call
 
 pytestmark = pytest.mark.skipif(not fe.kernels_available(), reason=f"no extension: {fe.UNAVAILABLE_REASON}")
 DEVICE = "cuda" if HAVE_SM90 else "cpu"  # the problem's

@@ -9,177 +9,15 @@ tile): checked there are the tracing and the C++ ADInplaceOrView/Autograd kernel
 
 import pytest
 import torch
-import torch.utils._pytree as pytree
 
 import flash_epilogue as fe
-from conftest import CANARY_BITS, bits, cu_seqlens, cuda_graph, generator, int32, rand, same
-from flash_epilogue.reference import (
-    gqa_accumulate_reference,
-    gqa_reduce_reference,
-    store_reference,
-    store_zero_reference,
-)
+from conftest import (BF16, CALLS, F16, I32, OPS, Module, assert_same, autograd_problem, clone_problem, cuda_graph,
+                      every_op, make_problem, op_call, problem_args, stores)
+from flash_epilogue.reference import gqa_reduce_reference, store_reference
+from flash_epilogue.testing import CANARY_BITS, bits, cu_seqlens, generator, int32, same
 
-I32, BF16, F16 = torch.int32, torch.bfloat16, torch.float16
-OPS = torch.ops.flash_epilogue
-
-
-# ---- CPU stand-ins for the CUDA kernels (reference semantics; the accumulator row-major per tile)
-
-
-def _accum_dense(accum, block_n, like, cu_seqlens):
-    """The stand-in tile layout: a batched accumulator (b, h_k, tiles, elems) seen as (b, rows, h_k, width); varlen:
-    (total, h_k, width), packed row r at accumulator row r (rows and width: those of `like`)."""
-    b, h, tiles, elems = accum.shape
-    view = accum.view(b, h, tiles * block_n, elems // block_n)
-    if cu_seqlens is not None:
-        return view[0, :, :like.shape[0], :like.shape[-1]].transpose(0, 1)
-    return view[:, :, :like.shape[1], :like.shape[-1]].transpose(1, 2)
-
-
-def _cpu_gqa_accumulate(dk_partial, dv_partial, dk_accum, dv_accum, semaphores=None, *, cu_seqlens=None,
-                        seqused=None, deterministic=False, _arch=0):
-    block_n = fe.tile_config(dk_partial.shape[-1], dv_partial.shape[-1]).block_n
-    for p, a in ((dk_partial, dk_accum), (dv_partial, dv_accum)):
-        gqa_accumulate_reference(p, None, _accum_dense(a, block_n, p, cu_seqlens), None, num_heads_kv=a.shape[1],
-                                 cu_seqlens=cu_seqlens, seqused=seqused)
-
-
-def _cpu_gqa_postprocess(dk_accum, dv_accum, dk, dv, *, scale_dk=1.0, scale_dv=1.0, cu_seqlens=None, seqused=None,
-                         _arch=0):
-    block_n = fe.tile_config(dk.shape[-1], dv.shape[-1]).block_n
-    scaled = [_accum_dense(a, block_n, o, cu_seqlens) * torch.tensor(sc, dtype=torch.float32)
-              for a, o, sc in ((dk_accum, dk, scale_dk), (dv_accum, dv, scale_dv))]
-    store_reference(scaled[0], scaled[1], dk, dv, cu_seqlens=cu_seqlens, seqused=seqused)
-
-
-def _cpu_gqa_accum_to_dense(accum, out, *, head_dim, cu_seqlens=None, seqused=None, _arch=0):
-    dense = _accum_dense(accum, fe.tile_config(head_dim).block_n, out, cu_seqlens)
-    store_reference(dense, dense, out, torch.empty_like(out), cu_seqlens=cu_seqlens, seqused=seqused)
-
-
-def _cpu_gqa_reduce(dk_partial, dv_partial, dk, dv, _arch=0, **kw):
-    gqa_reduce_reference(dk_partial, dv_partial, num_heads_kv=dk.shape[-2], out=(dk, dv), sequential=True, **kw)
-
-
-_CPU_KERNELS = {"store": lambda *a, _arch=0, **kw: store_reference(*a, **kw),
-                "store_zero": lambda *a, _arch=0, **kw: store_zero_reference(*a, **kw),
-                "gqa_accumulate": _cpu_gqa_accumulate, "gqa_postprocess": _cpu_gqa_postprocess,
-                "gqa_accum_to_dense": _cpu_gqa_accum_to_dense, "gqa_reduce": _cpu_gqa_reduce}
-
-
-@pytest.fixture
-def cpu_kernels():
-    """The ops get CPU kernels (in place of the registration that checks and refuses the device)."""
-    if not fe.kernels_available():
-        pytest.skip(f"the ops are not defined: {fe.UNAVAILABLE_REASON}")
-    lib = torch.library.Library("flash_epilogue", "IMPL")
-    try:
-        for name, fn in _CPU_KERNELS.items():
-            lib.impl(name, fn, "CPU")
-    except RuntimeError as e:  # a build without kernels registers its own CPU stubs
-        lib._destroy()
-        pytest.skip(f"cannot register CPU stand-ins: {e}")
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-    lib._destroy()
-
-
-@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def device(request):
-    """The device a test runs on; the CPU's ops get the stand-in kernels."""
-    if request.param == "cpu":
-        request.getfixturevalue("cpu_kernels")
-    else:
-        torch._dynamo.reset()
-    return request.param
-
-
-# ---- one problem for every op
-
-
-def make_problem(device, seed=0):
-    """The tensors of a small problem, its batched and varlen accumulators (tile offsets from cu_seqlens): batched and
-    varlen store/store_zero and GQA accumulator problems, varlen 16-bit gqa_reduce partials (dv != d), a repeat_kv
-    input."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    rnd = lambda *shape, dtype=torch.float32: rand(shape, gen, dtype, binades=6)  # noqa: E731
-    zeros = lambda *shape, dtype=BF16: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
-    b, s, hk, g, d, dv = 2, 150, 2, 3, 64, 128
-    lens = [100, 0, 37, 129]
-    total = sum(lens) + 5
-    t = {
-        "ak": rnd(b, s, hk, d), "av": rnd(b, s, hk, dv), "dk": zeros(b, s, hk, d), "dv": zeros(b, s, hk, dv),
-        "used": int32(s, 77 - seed, device=device),
-        "vak": rnd(total, hk, d), "vav": rnd(total, hk, d),
-        "vdk": zeros(total, hk, d, dtype=F16), "vdv": zeros(hk, total, d, dtype=F16).transpose(0, 1),
-        "cu": cu_seqlens(lens, device),
-        "vused": int32(90, 0, 37, 100, device=device),
-        "bidx": int32(0, 3, device=device), "hidx": int32(1, device=device),
-        "pk": rnd(b, s, hk * g, d), "pv": rnd(b, s, hk * g, dv),
-        "ok": zeros(b, s, hk, d), "ov": zeros(b, s, hk, dv), "dense": zeros(b, s, hk, d, dtype=torch.float32),
-        "rpk": rnd(total, hk * g, d, dtype=BF16), "rpv": rnd(total, hk * g, dv, dtype=BF16),
-        "rk": zeros(total, hk, d), "rv": zeros(total, hk, dv),
-        "x": rnd(b, hk, s, d, dtype=BF16),
-        "vpk": rnd(total, hk * g, d), "vok": zeros(total, hk, d, dtype=F16), "vov": zeros(total, hk, d, dtype=F16),
-    }
-    acc = fe.gqa_accumulator(hk, d, dv, batch=b, seqlen=s, deterministic=True, device=device)
-    return t, acc, fe.gqa_accumulator(hk, d, cu_seqlens=t["cu"], total_tokens=total, deterministic=True)
-
-
-def clone_problem(*trees):
-    """Copies of problems, accumulators, outputs (clone keeps the strides of dense tensors)."""
-    return pytree.tree_map(torch.clone, trees)
-
-
-def assert_same(got, want, *context):
-    """Every tensor of two pytrees (problems, accumulators, outputs) bitwise equal."""
-    got, want = pytree.tree_leaves_with_path(got), pytree.tree_leaves(want)
-    assert len(got) == len(want)
-    for (path, a), b in zip(got, want):
-        assert same(a, b), (pytree.keystr(path), *context)
-
-
-def problem_args(t, acc):
-    return t, acc.dk_accum, acc.dv_accum, acc.semaphores
-
-
-class Module(torch.nn.Module):
-    """fn as a module (torch.export takes modules)."""
-
-    def __init__(self, fn):
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, *args):
-        return self.fn(*args)
-
-
-def stores(api, t):
-    """store batched and varlen, store_zero with selections and a row range, through `api` (the ops or fe); returns
-    sums of what they wrote."""
-    api.store(t["ak"], t["av"], t["dk"], t["dv"], seqused=t["used"])
-    api.store(t["vak"], t["vav"], t["vdk"], t["vdv"], cu_seqlens=t["cu"], seqused=t["vused"])
-    api.store_zero(t["vdk"], t["vdv"], cu_seqlens=t["cu"], seqused=t["vused"], batch_idx=t["bidx"],
-                   head_idx=t["hidx"], row_start=3, row_end=60)
-    api.store_zero(t["dk"], t["dv"], seqused=t["used"], batch_idx=t["bidx"], row_start=140)
-    return t["dk"].float().sum(), t["vdk"].float().sum()
-
-
-def every_op(t, dk_accum, dv_accum, semaphores):
-    """Every op through torch.ops.flash_epilogue.* (no Python wrapper)."""
-    stores(OPS, t)
-    dk_accum.zero_()
-    dv_accum.zero_()
-    OPS.gqa_accumulate(t["pk"], t["pv"], dk_accum, dv_accum, semaphores, deterministic=True)
-    OPS.gqa_accumulate(t["pk"] * 0.5, t["pv"], dk_accum, dv_accum, semaphores, seqused=t["used"], deterministic=True)
-    OPS.gqa_postprocess(dk_accum, dv_accum, t["ok"], t["ov"], scale_dk=0.125, scale_dv=3.0)
-    OPS.gqa_accum_to_dense(dk_accum, t["dense"], head_dim=max(t["ok"].shape[-1], t["ov"].shape[-1]))
-    OPS.gqa_reduce(t["rpk"], t["rpv"], t["rk"], t["rv"], cu_seqlens=t["cu"], seqused=t["vused"], scale_dk=0.25)
-    y = OPS.repeat_kv(t["x"], 3, 1)
-    # exact elementwise results (a reduction's order could differ)
-    return t["dense"] * 2, t["ok"].float(), y, OPS.repeat_kv_backward(y * 2, 3, 1, [0, 2, 1])
+# conftest holds the problem (make_problem), every op through torch.ops (every_op), the CALLS of the mutating ops, the
+# CPU stand-in kernels and the `device` fixture (test_aoti.py and test_devices.py use them too)
 
 
 def every_wrapper(t, acc, vacc):
@@ -322,41 +160,6 @@ def test_cuda_graph_every_op():
 
 
 # ---- autograd: the in-place ops as torch's own (csrc/binding/ops.cpp; torch's in-place ops the reference)
-
-VARLEN = {"cu_seqlens": "cu", "seqused": "vused"}
-# {case: (positional, keyword arguments)}: every mutating op (the case up to "-") on autograd_problem's tensors (keys
-# of it) and values, each tensor argument of each schema given at least once
-CALLS = {
-    "store": (("ak", "av", "dk", "dv"), {"seqused": "used"}),
-    "store_zero": (("vdk", "vdv"), VARLEN),
-    "gqa_accumulate": (("pk", "pv", "acck", "accv", "sem"), {"deterministic": True}),
-    "gqa_accumulate-nondet": (("pk", "pv", "acck", "accv", None), {}),
-    "gqa_postprocess": (("acck", "accv", "ok", "ov"), {"scale_dk": 0.125}),
-    "gqa_accum_to_dense": (("acck", "dense"), {"head_dim": 128}),
-    "gqa_reduce": (("rpk", "rpv", "rk", "rv"), VARLEN),
-    "gqa_reduce-dk": (("rpk", None, "rk", None), {"cu_seqlens": "cu"}),
-    "store-varlen": (("vak", "vav", "vdk", "vdv"), VARLEN),
-    "store_zero-indices": (("vdk", "vdv"), {**VARLEN, "batch_idx": "bidx", "head_idx": "hidx"}),
-    "gqa_accumulate-seqused": (("pk", "pv", "acck", "accv", "sem"), {"seqused": "used", "deterministic": True}),
-    "gqa_postprocess-seqused": (("acck", "accv", "ok", "ov"), {"seqused": "used"}),
-}
-
-
-def autograd_problem(device):
-    """make_problem's tensors, the accumulator's among them as acck/accv/sem."""
-    t, acc, _ = make_problem(device)
-    return t | {"acck": acc.dk_accum, "accv": acc.dv_accum, "sem": acc.semaphores}
-
-
-def op_call(case, t):
-    """CALLS[case] on t: the op, its arguments by name, and {key of t: argument} of those it writes (as its schema
-    marks them) and of its other float tensor arguments."""
-    op = getattr(OPS, case.split("-")[0])
-    schema = op.default._schema.arguments
-    names = dict(zip((a.name for a in schema), CALLS[case][0])) | CALLS[case][1]  # argument: key of t, or its value
-    written = {names[a.name]: a.name for a in schema if a.alias_info and a.alias_info.is_write and names.get(a.name)}
-    read = {k: a for a, k in names.items() if isinstance(k, str) and k not in written and t[k].is_floating_point()}
-    return op, {a: t[k] if isinstance(k, str) else k for a, k in names.items()}, written, read
 
 
 def test_inplace_ops_as_torch_s_own(device):

@@ -1,8 +1,9 @@
-"""Property-based fuzzing (hypothesis) of every op against the reference, with test_gqa.py's checks (canary buffers
-compared whole). Drawn: dtypes, head dims (multiples of 8 up to 256; dv != d), batch (0 too), sequence lengths at the
-tile edges or up to 3 kBlockN, varlen with slack rows, seqused, strides (conftest.carve's layouts), GQA groups 1 to 16,
-deterministic on/off, several accumulate calls, the sm_80 path; the unchecked_metadata cases: inconsistent cu_seqlens
-/ seqused near the int32 limits, content checks off, every buffer around the written tensors intact.
+"""Property-based fuzzing (hypothesis) of every op against the reference, with conftest's GQA checks (test_gqa.py's;
+canary buffers compared whole). Drawn: dtypes, head dims (multiples of 8 up to 256; dv != d), batch (0 too), sequence
+lengths at the tile edges or up to 3 kBlockN, varlen with slack rows, seqused, strides (the layouts of
+flash_epilogue.testing.carve), GQA groups 1 to 16, deterministic on/off, several accumulate calls, the sm_80 path; the
+unchecked_metadata cases: inconsistent cu_seqlens / seqused near the int32 limits, content checks off, every buffer
+around the written tensors intact.
 
 Derandomized unless FLASH_EPILOGUE_FUZZ_SEED=<int>; FLASH_EPILOGUE_FUZZ_SCALE=<float> scales the number of cases
 (default 620 GPU cases). A failing case is shrunk and printed with a replay line (run_case). On the CPU (CI), a few
@@ -19,11 +20,12 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, note, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+import conftest  # noqa: E402
 import flash_epilogue as fe  # noqa: E402
-import test_gqa as gqa  # noqa: E402
-from conftest import LAYOUTS, assert_bits, block_n, canary, carve, input_view, int32, rand, same_view  # noqa: E402
+from conftest import assert_written, check_postprocess  # noqa: E402
 from flash_epilogue.reference import store_reference, store_zero_reference  # noqa: E402
-from test_gqa import assert_written, call, check_postprocess, problem  # noqa: E402
+from flash_epilogue.testing import (LAYOUTS, assert_bits, block_n, call_op, canary, carve, input_view,  # noqa: E402
+                                    int32, problem, rand, same_view)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 COMPILED = (64, 96, 128, 192, 256)
@@ -60,7 +62,7 @@ def geometry(draw, n):
         batch = draw(st.sampled_from((3, 2, 1) * 3 + (0,)))
         s = draw(seqlens(n))
         g, limits = {"batch": batch, "seqlen": s, "lens": None, "slack": 0}, [s] * batch
-    return g | {"used": [draw(st.one_of(st.integers(0, m), st.just(m))) for m in limits] if draw(st.booleans())
+    return g | {"seqused": [draw(st.one_of(st.integers(0, m), st.just(m))) for m in limits] if draw(st.booleans())
                 else None}
 
 
@@ -158,11 +160,11 @@ def unchecked_metadata_cases(draw):
 
 
 # ---- checks: one case each; module-level so that a replay line can call them
-def store_problem(dtype, d, dv, heads, layouts, seed, dev, batch, seqlen, lens, slack, used):
+def store_problem(dtype, d, dv, heads, layouts, seed, dev, batch, seqlen, lens, slack, seqused):
     """(generator, leading shape, seq kwargs, (buffer, view) of dk and of dv carved per layouts[:2])."""
-    _, lead, _, seq = problem(dev, batch, seqlen, lens, slack, used)
-    outs = [carve(lead + (heads, w), DTYPES[dtype], layout, dev) for w, layout in zip((d, dv), layouts)]
-    return torch.Generator(device=dev).manual_seed(seed), lead, seq, outs
+    p = problem(batch, seqlen, lens, slack, seqused, device=dev)
+    outs = [carve(p.lead + (heads, w), DTYPES[dtype], layout, dev) for w, layout in zip((d, dv), layouts)]
+    return torch.Generator(device=dev).manual_seed(seed), p.lead, p.seq_used, outs
 
 
 def check_store(dtype, d, dv, arch, heads, layouts, seed, dev="cuda", **geometry):
@@ -171,7 +173,7 @@ def check_store(dtype, d, dv, arch, heads, layouts, seed, dev="cuda", **geometry
     acc_k, acc_v = (input_view(lead + (heads, w), layout, gen, binades=20) for w, layout in zip((d, dv), layouts[2:]))
     expect_k, expect_v = buf_k.clone(), buf_v.clone()
     store_reference(acc_k, acc_v, same_view(expect_k, dk), same_view(expect_v, dv_out), **seq)
-    call(dev, fe.store, acc_k, acc_v, dk, dv_out, _arch=arch, **seq)
+    call_op(dev, fe.store, acc_k, acc_v, dk, dv_out, _arch=arch, **seq)
     assert_written(dev, ("dk", buf_k, expect_k), ("dv", buf_v, expect_v))
 
 
@@ -185,20 +187,20 @@ def check_store_zero(dtype, d, dv, arch, heads, batch_idx, head_idx, row_start, 
     expect_k, expect_v = buf_k.clone(), buf_v.clone()
     store_zero_reference(same_view(expect_k, dk), same_view(expect_v, dv_out), row_start=row_start, row_end=row_end,
                          **sel, **seq)
-    call(dev, fe.store_zero, dk, dv_out, row_start=row_start, row_end=row_end, _arch=arch, **sel, **seq)
+    call_op(dev, fe.store_zero, dk, dv_out, row_start=row_start, row_end=row_end, _arch=arch, **sel, **seq)
     assert_written(dev, ("dk", buf_k, expect_k), ("dv", buf_v, expect_v))
 
 
-def check_accumulate(d, dv, arch, h_k, g, deterministic, batch, seqlen, lens, slack, used, chunk_seqused,
+def check_accumulate(d, dv, arch, h_k, g, deterministic, batch, seqlen, lens, slack, seqused, chunk_seqused,
                      partial_layouts, out_dtype, out_layouts, post_seqused, scales, seed, dev="cuda"):
-    """test_gqa.check_accumulate, then gqa_postprocess of the accumulator into canary-carved outputs."""
-    case = gqa.check_accumulate(d, dv, arch, h_k, g, deterministic, batch, seqlen, lens, slack, used, chunk_seqused,
-                                partial_layouts, seed, dev)
+    """conftest.check_accumulate, then gqa_postprocess of the accumulator into canary-carved outputs."""
+    case = conftest.check_accumulate(d, dv, arch, h_k, g, deterministic, batch, seqlen, lens, slack, seqused,
+                                     chunk_seqused, partial_layouts, seed, dev)
     check_postprocess(case, DTYPES[out_dtype], out_layouts, scales, case.seq_used if post_seqused else case.seq)
 
 
 def check_reduce(partial_dtype, out_dtype, **p):
-    gqa.check_reduce(partial_dtype=DTYPES[partial_dtype], out_dtype=DTYPES[out_dtype], **p)
+    conftest.check_reduce(partial_dtype=DTYPES[partial_dtype], out_dtype=DTYPES[out_dtype], **p)
 
 
 def check_unchecked_metadata(op, d, dv, arch, total, cu, used, deterministic, seed, dev="cuda"):
@@ -219,12 +221,12 @@ def check_unchecked_metadata(op, d, dv, arch, total, cu, used, deterministic, se
     if op == "store":
         dk, dv_out = out(d), out(dv)
         ak, av = input_view((total, h_k, d), "padded", gen), input_view((total, h_k, dv), "padded", gen)
-        call(dev, fe.store, ak, av, dk, dv_out, _arch=arch, **seq)
+        call_op(dev, fe.store, ak, av, dk, dv_out, _arch=arch, **seq)
     elif op == "store_zero":
-        call(dev, fe.store_zero, out(d), out(dv), row_start=1, _arch=arch, **seq)
+        call_op(dev, fe.store_zero, out(d), out(dv), row_start=1, _arch=arch, **seq)
     elif op == "gqa_reduce":
         pk = input_view((total, h_k * g, d), "padded", gen)
-        call(dev, fe.gqa_reduce, pk, num_heads_kv=h_k, out=out(d), _arch=arch, **seq)
+        call_op(dev, fe.gqa_reduce, pk, num_heads_kv=h_k, out=out(d), _arch=arch, **seq)
     else:
         acc = fe.gqa_accumulator(h_k, d, dv, cu_seqlens=seq["cu_seqlens"], total_tokens=total,
                                  deterministic=deterministic, device=dev, arch=arch)
@@ -236,9 +238,9 @@ def check_unchecked_metadata(op, d, dv, arch, total, cu, used, deterministic, se
             acc = dataclasses.replace(acc, **{name: view})
         pk = input_view((total, h_k * g, d), "padded", gen)
         pv = input_view((total, h_k * g, dv), "padded", gen)
-        call(dev, fe.gqa_accumulate, pk, pv, acc, deterministic=deterministic, **seq)
+        call_op(dev, fe.gqa_accumulate, pk, pv, acc, deterministic=deterministic, **seq)
         if op == "gqa_postprocess":
-            call(dev, fe.gqa_postprocess, acc, out(d), out(dv), **seq)
+            call_op(dev, fe.gqa_postprocess, acc, out(d), out(dv), **seq)
     if dev != "cuda":
         return
     torch.cuda.synchronize()

@@ -1,17 +1,17 @@
 """GPU tests of the GQA ops (gqa_accumulate, to_dense, gqa_postprocess, gqa_reduce) against flash_epilogue/reference.py
-on both paths (`arch` 90 and 80), and the problem builders and checks test_fuzz.py shares. Outputs are views of canary
-buffers compared whole. Data spans several binades, clear of fp32 subnormals (the sm_80 atomics flush them) but in
-test_gqa_reduce_equals_accumulate_then_postprocess."""
+on both paths (`arch` 90 and 80), with conftest's checks (check_accumulate, check_postprocess, check_reduce, which
+test_fuzz.py draws cases for). Outputs are views of canary buffers compared whole. Data spans several binades, clear of
+fp32 subnormals (the sm_80 atomics flush them) but in test_gqa_reduce_equals_accumulate_then_postprocess."""
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 import flash_epilogue as fe
-from conftest import (CANARY_BITS, DTYPES, arch_param, assert_bits, bits, block_n, canary, carve, cu_seqlens,
-                      cuda_graph, deterministic_algorithms, generator, input_view, int32, rand, same_view)
+from conftest import (DTYPES, U32, arch_param, check_accumulate, check_postprocess, check_reduce, cuda_graph,
+                      deterministic_algorithms, scaled)
 from flash_epilogue.reference import gqa_accumulate_reference, gqa_reduce_reference, store_reference
+from flash_epilogue.testing import CANARY_BITS, assert_bits, bits, block_n, canary, generator, int32, problem, rand
 
 pytestmark = pytest.mark.gpu
 
@@ -20,119 +20,16 @@ HEAD_DIMS = (64, 80, 96, 128, 192, 256)  # 80 is not compiled: it runs on the 96
 GROUPS = ((2, 1), (2, 2), (1, 3), (2, 4), (1, 6), (1, 8), (1, 16))  # (h_k, g): MHA, GQA ..., MQA (h_k = 1)
 # on hdim 192: dV, dK of fewer slabs; on hdim 256 with dv <= 128: below the own-tile gate (test_gqa_dv_own_tile)
 DV_PAIRS = ((192, 128), (128, 64), (64, 256), (72, 200), (64, 192), (256, 128), (240, 72))
-U32 = 2.0**-24  # unit roundoff of fp32
-
-
-def call(dev, fn, *args, **kwargs):
-    """Run the op on a GPU; on the CPU (test_fuzz's CI run) the call passes every check but the last, the device's."""
-    if dev == "cuda":
-        return fn(*args, **kwargs)
-    with pytest.raises(ValueError, match="device: expected a CUDA tensor, got a tensor on cpu"):
-        fn(*args, **kwargs)
-    return None
-
-
-def assert_written(dev, *checks):
-    """On a GPU: each (name, buffer, expected copy) bitwise equal."""
-    if dev == "cuda":
-        torch.cuda.synchronize()
-        for name, got, want in checks:
-            assert_bits(got, want, name)
-
-
-def problem(dev, batch, seqlen, lens, slack, used):
-    """(accumulator geometry, leading shape, seq kwargs, the same with seqused if `used`): batched or varlen."""
-    if lens is not None:
-        cu, total = cu_seqlens(lens, dev), sum(lens) + slack
-        alloc, lead, seq = {"cu_seqlens": cu, "total_tokens": total}, (total,), {"cu_seqlens": cu}
-    else:
-        alloc, lead, seq = {"batch": batch, "seqlen": seqlen}, (batch, seqlen), {}
-    return alloc, lead, seq, seq if used is None else {**seq, "seqused": int32(*used, device=dev)}
 
 
 def edge_geometry(layout, n, used=True):
     """problem() arguments, row edges around the tile height n; seqused (if `used`) cuts some sequences (down to 0)."""
     if layout == "batched":
-        return {"batch": 2, "seqlen": 2 * n + 3, "lens": None, "slack": 0, "used": [2 * n - 1, n + 1] if used else None}
+        return {"batch": 2, "seqlen": 2 * n + 3, "lens": None, "slack": 0,
+                "seqused": [2 * n - 1, n + 1] if used else None}
     lens = [n + 1, 0, 37, 1, 2 * n - 1]
     return {"batch": None, "seqlen": None, "lens": lens, "slack": 5,
-            "used": [max(0, x - 3 * (i % 2)) for i, x in enumerate(lens)] if used else None}
-
-
-def scaled(dense, scale):
-    """fp32 multiply by the scale rounded to fp32: what the kernels compute."""
-    return dense * torch.tensor(scale, dtype=torch.float32, device=dense.device)
-
-
-def check_accumulate(d, dv, arch, h_k, g, deterministic, batch, seqlen, lens, slack, used, chunk_seqused,
-                     partial_layouts, seed, dev="cuda"):
-    """gqa_accumulate once per entry of chunk_seqused (with seqused where True), then to_dense. Deterministic: bitwise
-    the sequential fp32 reference. Otherwise a sum of T = calls * g terms in any order: T - 1 rounded adds are within
-    (T - 1) u sum|p| of the exact sum to first order (u = 2^-24; second order < u^2 T^2 sum|p|, T <= 48), so
-    |got - fp64 sum| <= T u sum|p| holds with margin. Returns the case (dense None where nothing ran)."""
-    gen = torch.Generator(device=dev).manual_seed(seed)
-    alloc, lead, seq, seq_used = problem(dev, batch, seqlen, lens, slack, used)
-    acc = fe.gqa_accumulator(h_k, d, dv, deterministic=deterministic, device=dev, arch=arch, **alloc)
-    ref, ref64, mag = ([torch.zeros(lead + (h_k, w), dtype=t, device=dev) for w in (d, dv)]
-                       for t in (torch.float32, torch.float64, torch.float64))
-    for with_used in chunk_seqused:
-        kw = seq_used if with_used else seq
-        pk, pv = (input_view(lead + (h_k * g, w), layout, gen) for w, layout in zip((d, dv), partial_layouts))
-        call(dev, fe.gqa_accumulate, pk, pv, acc, deterministic=deterministic, **kw)
-        for out, p, sequential in ((ref, (pk, pv), True), (ref64, (pk, pv), False), (mag, (pk.abs(), pv.abs()), False)):
-            gqa_accumulate_reference(*p, *out, num_heads_kv=h_k, sequential=sequential, **kw)
-    case = SimpleNamespace(acc=acc, dense=acc.to_dense(**seq) if dev == "cuda" else None, lead=lead, seq=seq,
-                           seq_used=seq_used, h_k=h_k, d=d, dv=dv, dev=dev)
-    for name, got, want, want64, m in zip(("dk", "dv"), case.dense or (), ref, ref64, mag):
-        assert got.shape == want.shape and got.dtype == torch.float32
-        if deterministic:
-            assert_bits(got, want, f"{name}_accum")
-        else:
-            excess = (got.double() - want64).abs() - len(chunk_seqused) * g * U32 * m
-            assert not (excess > 0).any(), f"{name}_accum: {int((excess > 0).sum())} elements past the fp32 " \
-                                           f"reassociation bound, worst by {excess.max().item():.3e}"
-    return case
-
-
-def check_postprocess(case, dtype, layouts, scales, seq):
-    """gqa_postprocess of the case's accumulator into canary-carved views: each whole buffer bitwise the reference."""
-    (buf_k, dk), (buf_v, dv) = (carve(case.lead + (case.h_k, w), dtype, layout, case.dev)
-                                for w, layout in zip((case.d, case.dv), layouts))
-    expect_k, expect_v = buf_k.clone(), buf_v.clone()
-    if case.dense is not None:
-        store_reference(scaled(case.dense[0], scales[0]), scaled(case.dense[1], scales[1]), same_view(expect_k, dk),
-                        same_view(expect_v, dv), **seq)
-    call(case.dev, fe.gqa_postprocess, case.acc, dk, dv, scale_dk=scales[0], scale_dv=scales[1], **seq)
-    assert_written(case.dev, ("dk", buf_k, expect_k), ("dv", buf_v, expect_v))
-
-
-def check_reduce(d, dv, with_dv, arch, h_k, g, partial_dtype, out_dtype, batch, seqlen, lens, slack, used,
-                 partial_layouts, give_out, out_layouts, scales, seed, dev="cuda"):
-    """gqa_reduce into canary-carved views (give_out: returned, each whole buffer bitwise the sequential reference),
-    else into new contiguous outputs whose valid rows (the rest is uninitialized) are bitwise the reference."""
-    gen = torch.Generator(device=dev).manual_seed(seed)
-    _, lead, _, seq = problem(dev, batch, seqlen, lens, slack, used)
-    pk, pv = (input_view(lead + (h_k * g, w), lay, gen, partial_dtype) for w, lay in zip((d, dv), partial_layouts))
-    pv = pv if with_dv else None
-    kw = {"num_heads_kv": h_k, "scale_dk": scales[0], "scale_dv": scales[1], **seq}
-    if not give_out:
-        ret = call(dev, fe.gqa_reduce, pk, pv, out_dtype=out_dtype if partial_dtype == torch.float32 else None,
-                   _arch=arch, **kw)
-        if dev == "cuda":
-            for name, out, p, scale in zip(("dk", "dv"), list(ret) if with_dv else [ret], (pk, pv), scales):
-                assert out.dtype == out_dtype and out.is_contiguous() and out.shape == lead + (h_k, p.shape[-1])
-                want = out.clone()
-                gqa_reduce_reference(p, num_heads_kv=h_k, out=want, scale_dk=scale, sequential=True, **seq)
-                assert_bits(out, want, name)
-        return
-    (buf_k, dk), (buf_v, dv_out) = (carve(lead + (h_k, w), out_dtype, layout, dev)
-                                    for w, layout in zip((d, dv if with_dv else d), out_layouts))
-    expect_k, expect_v = buf_k.clone(), buf_v.clone()
-    gqa_reduce_reference(pk, pv, out=(same_view(expect_k, dk), same_view(expect_v, dv_out)), sequential=True, **kw)
-    ret = call(dev, fe.gqa_reduce, pk, pv, out=(dk, dv_out) if with_dv else dk, _arch=arch, **kw)
-    if dev == "cuda":
-        assert (ret[0] is dk and ret[1] is dv_out) if with_dv else ret is dk
-    assert_written(dev, ("dk", buf_k, expect_k), ("dv", buf_v, expect_v))
+            "seqused": [max(0, x - 3 * (i % 2)) for i, x in enumerate(lens)] if used else None}
 
 
 def accumulate_case(d, dv, arch, h_k, g, layout, deterministic, seed, posts, geometry=None):
@@ -145,9 +42,10 @@ def accumulate_case(d, dv, arch, h_k, g, layout, deterministic, seed, posts, geo
     case = check_accumulate(d, dv, arch, h_k, g, deterministic, **geometry, chunk_seqused=[False, True, False],
                             partial_layouts=("plain", "plain"), seed=seed)
     acc = case.acc
-    own = acc.arch == 90 and acc.config.head_dim == 256 and dv <= 128 and \
-        acc.num_tiles * h_k * acc.batch_extent >= 512
-    assert acc.config_v == (fe.tile_config(dv) if own else acc.config)
+    # dV's tile is the plan's (its own at (256, <= 128) on sm_90 in large problems)
+    plan = fe._extension._C.plan("gqa_accumulate", acc.arch, acc.rows, acc.batch, h_k, acc.varlen, False, d, dv,
+                                 deterministic, 132)
+    assert acc.config_v == (fe.tile_config(dv) if plan["dv_own_launch"] else acc.config)
     for t, w, cfg in ((acc.dk_accum, d, acc.config), (acc.dv_accum, dv, acc.config_v)):
         n = cfg.block_n
         tiles = (acc.rows + acc.batch * n) // n if acc.varlen else -(-acc.rows // n)
@@ -200,15 +98,17 @@ def test_gqa_dv_differs_from_d(d, dv, arch):
 @pytest.mark.parametrize("dv", (128, 72))
 @pytest.mark.parametrize("layout", ("batched", "varlen"))
 def test_gqa_dv_own_tile(layout, dv):
-    # from 512 hdim-256 tiles x KV heads x batch on, a dV of <= 128 columns beside dK of head dim 256 runs on its own
-    # tile on sm_90 (80 rows for dK's tiles, 128 for dV's): accumulate in both modes, postprocess and reduce with row
+    # from the plan's gate of hdim-256 tiles x KV heads x batch on, a dV of <= 128 columns beside dK of head dim 256
+    # runs on its own tile on sm_90 (80 rows for dK's tiles, 128 for dV's): accumulate in both modes, postprocess and reduce with row
     # edges of both tiles and seqused, bitwise the reference
     d, h_k, g = 256, 8, 2
     if layout == "batched":
-        geometry = {"batch": 2, "seqlen": 80 * 64 + 3, "lens": None, "slack": 0, "used": [80 * 64 - 126, 2 * 128 + 5]}
+        geometry = {"batch": 2, "seqlen": 80 * 64 + 3, "lens": None, "slack": 0,
+                    "seqused": [80 * 64 - 126, 2 * 128 + 5]}
     else:
         lens = [128 * 20 + 1, 0, 80 * 17 - 1, 37, 1, 128 * 15]
-        geometry = {"batch": None, "seqlen": None, "lens": lens, "slack": 5, "used": [x - 3 * (x > 40) for x in lens]}
+        geometry = {"batch": None, "seqlen": None, "lens": lens, "slack": 5,
+                    "seqused": [x - 3 * (x > 40) for x in lens]}
     for i, deterministic in enumerate((True, False)):
         acc = accumulate_case(d, dv, 0, h_k, g, layout, deterministic, seed=dv + i, geometry=geometry,
                               posts=[(DTYPES[i], ("padded", "transposed"), (0.5, 1.0 / 3.0), i == 0)])
@@ -223,20 +123,26 @@ def test_gqa_dv_own_tile(layout, dv):
 @pytest.mark.parametrize("layout", ("batched", "varlen"))
 def test_gqa_deterministic(layout, d, arch):
     # an accumulator allocated with deterministic=True adds in the sequential order by default, torch's switch on or
-    # off; under the switch the atomic mode asked for explicitly is its alert (test_determinism: with warn_only, a
-    # warning; the atomic accumulator's default raises: test_bad_inputs). 50 runs (reset, two chunks) give the same
-    # accumulator bits, equal to the sequential reference
+    # off; under the switch the sm_80 path's atomic mode asked for explicitly is its alert, while the sm_90 path,
+    # deterministic in both modes, runs it (test_determinism: with warn_only, a warning). 50 runs (reset, two chunks)
+    # give the same accumulator bits, equal to the sequential reference
     h_k, g = 2, 4
-    alloc, lead, seq, seq_used = problem(DEV, **edge_geometry(layout, block_n(d, d, arch)))
+    p = problem(**edge_geometry(layout, block_n(d, d, arch)), device=DEV)
+    seq = p.seq
     gen = generator(d + arch)
-    chunks = [(rand(lead + (h_k * g, d), gen), rand(lead + (h_k * g, d), gen), kw) for kw in (seq, seq_used)]
-    acc = fe.gqa_accumulator(h_k, d, deterministic=True, device=DEV, arch=arch, **alloc)
-    plain = fe.gqa_accumulator(h_k, d, device=DEV, arch=arch, **alloc)
+    chunks = [(rand(p.lead + (h_k * g, d), gen), rand(p.lead + (h_k * g, d), gen), kw) for kw in (seq, p.seq_used)]
+    acc = fe.gqa_accumulator(h_k, d, deterministic=True, device=DEV, arch=arch, **p.alloc)
+    plain = fe.gqa_accumulator(h_k, d, device=DEV, arch=arch, **p.alloc)
     with deterministic_algorithms():
         fe.gqa_accumulate(*chunks[0][:2], acc, **seq)
-        with pytest.raises(RuntimeError, match=r"gqa_accumulate\(deterministic=False\) does not have a deterministic"):
+        if acc.arch == 80:
+            with pytest.raises(RuntimeError,
+                               match=r"gqa_accumulate\(deterministic=False\) on the sm_80 path does not have a "):
+                fe.gqa_accumulate(*chunks[0][:2], plain, deterministic=False, **seq)
+            assert not plain.dk_accum.any() and not plain.dv_accum.any()
+        else:
             fe.gqa_accumulate(*chunks[0][:2], plain, deterministic=False, **seq)
-    assert not plain.dk_accum.any() and not plain.dv_accum.any()
+            assert_dense_is_reference(plain, chunks[:1], h_k, seq)
     assert_dense_is_reference(acc, chunks[:1], h_k, seq)
 
     def run(deterministic):
@@ -300,14 +206,14 @@ def test_gqa_reduce_equals_accumulate_then_postprocess(d, layout, arch):
     # ordinary partials and on ~1e-40 ones: fp32 subnormals (bf16 has the same exponent range) whose sums are kept
     # (the sm_80 path's fp32 atomics flushed them to zero, so it adds under its semaphore with plain loads and stores)
     h_k, g = 2, 4
-    alloc, lead, seq, seq_used = problem(DEV, **edge_geometry(layout, block_n(d, d, arch)))
+    p = problem(**edge_geometry(layout, block_n(d, d, arch)), device=DEV)
     gen = generator(d)
-    for size, binades, kw, scales in ((1.0, 8, seq_used, {"scale_dk": 0.1, "scale_dv": 0.7}), (1e-40, 3, seq, {})):
-        pk, pv = (rand(lead + (h_k * g, d), gen, binades=binades) * size for _ in range(2))
+    for size, binades, kw, scales in ((1.0, 8, p.seq_used, {"scale_dk": 0.1, "scale_dv": 0.7}), (1e-40, 3, p.seq, {})):
+        pk, pv = (rand(p.lead + (h_k * g, d), gen, binades=binades) * size for _ in range(2))
         assert bool((pk.abs() < torch.finfo(torch.float32).tiny).all()) == (size < 1) and (pk != 0).float().mean() > 0.9
-        acc = fe.gqa_accumulator(h_k, d, deterministic=True, device=DEV, arch=arch, **alloc)
+        acc = fe.gqa_accumulator(h_k, d, deterministic=True, device=DEV, arch=arch, **p.alloc)
         fe.gqa_accumulate(pk, pv, acc, deterministic=True, **kw)
-        two, one = ([canary(lead + (h_k, d), torch.bfloat16) for _ in range(2)] for _ in range(2))
+        two, one = ([canary(p.lead + (h_k, d), torch.bfloat16) for _ in range(2)] for _ in range(2))
         fe.gqa_postprocess(acc, *two, **scales, **kw)
         fe.gqa_reduce(pk, pv, num_heads_kv=h_k, out=tuple(one), _arch=arch, **scales, **kw)
         for a, b in zip(one, two):
@@ -321,8 +227,9 @@ def test_gqa_empty_and_huge_problems(arch):
     # no sequences, no rows, all-empty varlen: nothing to do, nothing written
     gen = generator(1)
     for geo in ((0, 50, None, 0), (2, 0, None, 0), (None, None, [0, 0, 0], 7)):
-        alloc, lead, seq, _ = problem(DEV, *geo, None)
-        acc = fe.gqa_accumulator(1, 64, deterministic=True, device=DEV, arch=arch, **alloc)
+        p = problem(*geo, device=DEV)
+        lead, seq = p.lead, p.seq
+        acc = fe.gqa_accumulator(1, 64, deterministic=True, device=DEV, arch=arch, **p.alloc)
         pk, pv = rand(lead + (2, 64), gen), rand(lead + (2, 64), gen)
         fe.gqa_accumulate(pk, pv, acc, deterministic=True, **seq)
         fe.gqa_accumulate(pk, pv, acc, deterministic=False, **seq)
@@ -377,11 +284,12 @@ def test_gqa_opcheck():
     gen = generator(2)
     h_k, g, d = 2, 2, 64
     for geo in ((2, 150, None, 0, None), (None, None, [100, 0, 130], 10, [90, 0, 130])):
-        alloc, lead, _, seq = problem(DEV, *geo)
-        acc = fe.gqa_accumulator(h_k, d, deterministic=True, device=DEV, **alloc)
+        p = problem(*geo, device=DEV)
+        lead, seq = p.lead, p.seq_used
+        acc = fe.gqa_accumulator(h_k, d, deterministic=True, device=DEV, **p.alloc)
         pk, pv = rand(lead + (h_k * g, d), gen), rand(lead + (h_k * g, d), gen)
-        opcheck(ops.gqa_accumulate.default, (pk, pv, acc.dk_accum, acc.dv_accum, acc.semaphores),
-                {"deterministic": True, **seq})
+        sem = torch.zeros(16, dtype=torch.int32, device=DEV)  # the sm_80 path's workspace: unused on sm_90
+        opcheck(ops.gqa_accumulate.default, (pk, pv, acc.dk_accum, acc.dv_accum, sem), {"deterministic": True, **seq})
         opcheck(ops.gqa_accumulate.default, (pk, pv, acc.dk_accum, acc.dv_accum), seq)
         dk, dv = (torch.zeros(lead + (h_k, d), dtype=torch.bfloat16, device=DEV) for _ in range(2))
         opcheck(ops.gqa_postprocess.default, (acc.dk_accum, acc.dv_accum, dk, dv), {"scale_dk": 0.5, **seq})
@@ -437,11 +345,11 @@ def per_head(tmp_path_factory):
 @pytest.mark.parametrize("d", [64, 128])
 def test_per_head_adds_match_the_op(per_head, d, varlen, deterministic):
     hk, group, batch = 2, 4, 3
-    alloc, lead, seq, _ = problem(DEV, batch, 600, [300, 1, 517] if varlen else None, 0, None)
-    cu = seq.get("cu_seqlens")
+    p = problem(lens=[300, 1, 517], device=DEV) if varlen else problem(batch, 600, device=DEV)
+    cu = p.seq.get("cu_seqlens")
     gen = generator(d + 2 * varlen + deterministic)
-    pk, pv = rand(lead + (hk * group, d), gen), rand(lead + (hk * group, d), gen)
-    accs = [fe.gqa_accumulator(hk, d, deterministic=deterministic, device=DEV, **alloc) for _ in range(3)]
+    pk, pv = rand(p.lead + (hk * group, d), gen), rand(p.lead + (hk * group, d), gen)
+    accs = [fe.gqa_accumulator(hk, d, deterministic=deterministic, device=DEV, **p.alloc) for _ in range(3)]
     # the same non-zero start: the adds go onto earlier calls' sums; the third gets |start| + sum |partials|: two
     # orders of the group + 1 additions differ by at most 2 * group * 2^-24 of it
     start = torch.randn(accs[0].dk_accum.shape, generator=gen, device=DEV)
@@ -450,8 +358,7 @@ def test_per_head_adds_match_the_op(per_head, d, varlen, deterministic):
         acc.dv_accum.copy_(init)
     fe.gqa_accumulate(pk, pv, accs[0], cu_seqlens=cu)
     fe.gqa_accumulate(pk.abs(), pv.abs(), accs[2], cu_seqlens=cu)
-    per_head.accumulate_per_head(pk, pv, accs[1].dk_accum, accs[1].dv_accum,
-                                 accs[1].semaphores if deterministic else None, cu, batch)
+    per_head.accumulate_per_head(pk, pv, accs[1].dk_accum, accs[1].dv_accum, deterministic, cu, batch)
     torch.cuda.synchronize()
     for name in ("dk_accum", "dv_accum"):
         ours, theirs, mag = (getattr(acc, name) for acc in accs)

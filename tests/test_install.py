@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import nvcc, run_checked
-from test_custom_kernel_example import EXAMPLE, build
+from conftest import EXAMPLE, example_build, nvcc, run_checked
 
 ROOT = Path(__file__).resolve().parent.parent
 # an editable install of the checkout in this environment answers for flash_epilogue.* through its own finder
@@ -55,7 +54,7 @@ print("INCLUDE", *fe.get_include())
 """, FLASH_EPILOGUE_SKIP_CUDA_BUILD="1")
     assert source_tree_state() == before, "the install wrote into the source tree"
     if nvcc():  # the example kernel compiles against the installed headers
-        run_checked([nvcc(), *build.NVCC_FLAGS, "-c", str(EXAMPLE / "epilogue_example.cu"), "-o",
+        run_checked([nvcc(), *example_build().NVCC_FLAGS, "-c", str(EXAMPLE / "epilogue_example.cu"), "-o",
                      str(tmp_path / "kernel.o"), *[f"-I{d}" for d in out.split("INCLUDE ", 1)[1].split()]], timeout=600)
 
 

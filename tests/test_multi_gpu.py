@@ -7,12 +7,12 @@ import itertools
 import pytest
 import torch
 
-import conftest
 import flash_epilogue as fe
-from conftest import HAVE_SM90, arch_param, generator, int32, same
+from conftest import HAVE_SM90, arch_param, every_op_launches, run_in_child
+from flash_epilogue import testing
 from flash_epilogue.reference import (gqa_accumulate_reference, gqa_reduce_reference, store_reference,
                                       store_zero_reference)
-from test_big_concurrent import every_op, run_in_child
+from flash_epilogue.testing import generator, int32, same
 
 BF16, F16 = torch.bfloat16, torch.float16
 SLEEP_CYCLES = 200_000_000  # ~100 ms at the H200's clock: far longer than enqueueing one op
@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.skipif(not _OK, rea
 
 
 def rand(shape, seed, dtype=torch.float32):
-    return conftest.rand(shape, generator(seed, D1), dtype, binades=6)
+    return testing.rand(shape, generator(seed, D1), dtype, binades=6)
 
 
 def run_on_device1(call, real, outputs=()):
@@ -132,8 +132,8 @@ def test_gqa_ops_and_repeat_kv_on_device1(arch, deterministic):
 def hdim_80_96_workload():
     torch.cuda.set_device(0)
     for dev, arch, d in itertools.product((1, 0), (0, 80), (96, 80)):
-        _, launches, check = every_op(d, generator(d + arch, torch.device("cuda", dev)), lead=(2, 200), h=2, g=3,
-                                      arch=arch, store_dtype=F16)
+        gen = generator(d + arch, torch.device("cuda", dev))
+        _, launches, check = every_op_launches(d, gen, lead=(2, 200), h=2, g=3, arch=arch, store_dtype=F16)
         for launch in launches:
             launch()
         assert torch.cuda.current_device() == 0

@@ -82,6 +82,13 @@ def test_sm80_path_one_cta_per_tile_predicated(op):
         assert p["tile"] == (fe.tile_config(d, arch=80).head_dim, fe.tile_config(d, arch=80).block_n)
 
 
+@needs(64)
+def test_store_one_cta_per_tile_is_one_kernel_on_both_paths():
+    sm90 = plan("store", 64, rows=4096)
+    assert sm90["driver"] == "one_cta_per_tile"
+    assert all(plan("store", d, rows=8192, arch=80)["ctas_per_sm"] == sm90["ctas_per_sm"] for d in BUILT)
+
+
 def test_gqa_accumulate_ordered_only_on_the_sm80_path():
     for d in fe.COMPILED_HEAD_DIMS:
         for det in (False, True):

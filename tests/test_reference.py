@@ -4,9 +4,9 @@ from functools import partial
 import pytest
 import torch
 
-from conftest import CANARY_BITS, bits, canary, int32, same
 from flash_epilogue.reference import (gqa_accumulate_reference, gqa_reduce_reference, gqa_reduce_sequential_fp32,
                                       sequence_bounds, store_reference, store_zero_reference)
+from flash_epilogue.testing import CANARY_BITS, bits, canary, int32, same
 
 F16, BF16 = torch.float16, torch.bfloat16
 i32 = partial(int32, device="cpu")

@@ -24,8 +24,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile
 
 import flash_epilogue as fe
-from conftest import bits, cuda_graph, generator, same
+from conftest import cuda_graph
 from flash_epilogue.reference import gqa_reduce_reference
+from flash_epilogue.testing import bits, generator, same
 
 F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
 UNIT_ROUNDOFF = {BF16: 2.0**-8, F16: 2.0**-11, F32: 2.0**-24}

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 import flash_epilogue as fe
-from conftest import (CANARY_BITS, DTYPES, LAYOUTS, arch_param, assert_bits, bits, block_n, canary, carve, cu_seqlens,
-                      cuda_graph, int32, rand, same_view)
+from conftest import DTYPES, arch_param, cuda_graph
 from flash_epilogue.reference import store_reference, store_zero_reference
+from flash_epilogue.testing import (CANARY_BITS, LAYOUTS, assert_bits, bits, block_n, canary, carve, cu_seqlens, int32,
+                                    rand, same_view)
 
 pytestmark = pytest.mark.gpu
 

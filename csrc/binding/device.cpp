@@ -3,6 +3,7 @@
 #include "device.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <mutex>
@@ -20,16 +21,33 @@ struct DeviceInfo {
   int multiprocessors = 0;
 };
 
-DeviceInfo const& device_info(int device) {  // read once per device
-  static std::mutex mutex;
-  static std::map<int, DeviceInfo> cache;
-  std::lock_guard<std::mutex> lock(mutex);
-  if (auto const it = cache.find(device); it != cache.end()) { return it->second; }
+DeviceInfo read_device_info(int device) {
   DeviceInfo info;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&info.capability.first, cudaDevAttrComputeCapabilityMajor, device));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&info.capability.second, cudaDevAttrComputeCapabilityMinor, device));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&info.multiprocessors, cudaDevAttrMultiProcessorCount, device));
-  return cache[device] = info;
+  return info;
+}
+
+// Read once per device; every op call reads it, so the first kMaxCached devices take no lock once read.
+DeviceInfo const& device_info(int device) {
+  constexpr int kMaxCached = 64;
+  static DeviceInfo cached[kMaxCached];
+  static std::atomic<bool> ready[kMaxCached] = {};
+  static std::mutex mutex;
+  static std::map<int, DeviceInfo> others;
+  bool const in_array = device >= 0 && device < kMaxCached;
+  if (in_array && ready[device].load(std::memory_order_acquire)) { return cached[device]; }
+  std::lock_guard<std::mutex> lock(mutex);
+  if (!in_array) {
+    auto const it = others.find(device);
+    return it != others.end() ? it->second : others[device] = read_device_info(device);
+  }
+  if (!ready[device].load(std::memory_order_relaxed)) {
+    cached[device] = read_device_info(device);
+    ready[device].store(true, std::memory_order_release);
+  }
+  return cached[device];
 }
 
 }  // namespace

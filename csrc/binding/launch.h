@@ -12,7 +12,6 @@
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/Exception.h>
 
-#include "checks.h"
 #include "device.h"
 #include "launch_args.h"
 #include "static_switch.h"

@@ -44,12 +44,13 @@ TileKey store_rows64_tile(int head_dim) {
 }
 
 LaunchPlan plan_store(Problem const& p, LaunchPlan plan) {
-  if (p.arch < 90) { return plan; }  // one CTA per tile (no TMA), predicated
   int const hd = plan.tile.head_dim;
   ProblemShape const& s = p.shape;
-  int64_t const output_tiles = 2 * s.tiles(plan.tile.block_n);
+  int64_t const output_tiles = 2 * s.tiles(plan.tile.block_n);  // dK's and dV's, of FA3's tile
   int64_t const sms = std::max(p.num_sms, 1);
-  if (hd <= 64) {
+  if (p.arch < 90) {
+    // one CTA per tile (no TMA)
+  } else if (hd <= 64) {
     if (s.varlen && s.rows >= kStoreRows64MinAverageRows * s.batch) { plan.tile = store_rows64_tile(hd); }
   } else if (hd > 128 && output_tiles <= kStoreTilesPerSmUnstreamed * sms) {
     // one CTA per tile

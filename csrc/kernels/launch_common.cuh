@@ -67,7 +67,9 @@ template <class Kernel>
 char const* launch_kernel(dim3 grid, typename Kernel::Params const& params, cudaStream_t stream) {
   if (grid.x == 0 || grid.y == 0 || grid.z == 0) { return nullptr; }
   int const smem_bytes = Kernel::kSharedStorageSize;
-  if (set_smem_limit_once<Kernel>(smem_bytes) != cudaSuccess) { return nullptr; }  // reported by cudaGetLastError
+  if constexpr (Kernel::kSharedStorageSize > 0) {  // none asked for: the default limit holds
+    if (set_smem_limit_once<Kernel>(smem_bytes) != cudaSuccess) { return nullptr; }  // reported by cudaGetLastError
+  }
   epilogue_device_kernel<Kernel><<<grid, Kernel::kNumThreads, smem_bytes, stream>>>(params);
   return nullptr;
 }

@@ -16,7 +16,7 @@ enum class Driver : int {
 struct TileKey {
   int head_dim = 0;
   int block_n = 0;
-  bool operator==(TileKey const&) const = default;
+  bool operator==(TileKey const& o) const { return head_dim == o.head_dim && block_n == o.block_n; }
 };
 
 struct LaunchPlan {

@@ -24,22 +24,32 @@ fe::AccumDesc accum(at::Tensor const& t) {
 }
 
 void accumulate_per_head(at::Tensor dk_partial, at::Tensor dv_partial, at::Tensor dk_accum, at::Tensor dv_accum,
-                         std::optional<at::Tensor> semaphores, std::optional<at::Tensor> cu_seqlens, int64_t batch) {
+                         bool deterministic, std::optional<at::Tensor> cu_seqlens, int64_t batch) {
   bool const varlen = cu_seqlens.has_value();
-  fe::GqaAccumulateLaunchArgs args;
-  args.dk_partial = describe(dk_partial, varlen);
-  args.dv_partial = describe(dv_partial, varlen);
-  args.dk_accum = accum(dk_accum);
-  args.dv_accum = accum(dv_accum);
-  args.rows = static_cast<int>(dk_partial.size(varlen ? 0 : 1));
-  args.num_heads_q = static_cast<int>(dk_partial.size(-2));
-  args.num_heads_kv = static_cast<int>(dk_accum.size(1));
-  args.batch = static_cast<int>(batch);
-  args.cu_seqlens = varlen ? cu_seqlens->data_ptr<int>() : nullptr;
-  args.semaphores = semaphores.has_value() ? semaphores->data_ptr<int>() : nullptr;
+  int const head_dim = static_cast<int>(dk_partial.size(-1));
+  fe::Geometry geometry;
+  geometry.rows = static_cast<int>(dk_partial.size(varlen ? 0 : 1));
+  geometry.batch = static_cast<int>(batch);
+  geometry.num_heads_kv = static_cast<int>(dk_accum.size(1));
+  geometry.varlen = varlen;
+  geometry.cu_seqlens = varlen ? cu_seqlens->data_ptr<int>() : nullptr;
+  fe::LaunchPlan plan;  // the sm_90 collective's adds by query head, as the sm_80 path's plan runs them
+  plan.tile = plan.dv_tile = {head_dim, 128};
+  plan.driver = fe::Driver::kPerQueryHead;
+  plan.ctas_per_sm = fe::gqa_tile_ctas_per_sm(256, /*staged=*/false);
+  plan.ordered = deterministic;
+  // the ordered adds' counters and ticket, as the collective's sm_90 deterministic mode takes them
+  at::Tensor const semaphores =
+      at::zeros({fe::SemaphoreWorkspace::of(geometry, plan.tile.block_n).numel()}, dk_accum.options().dtype(at::kInt));
+  fe::GqaAccumulateLaunchArgs const args{
+      .geometry = geometry,
+      .plan = plan,
+      .num_heads_q = static_cast<int>(dk_partial.size(-2)),
+      .tensors = {{describe(dk_partial, varlen), accum(dk_accum)}, {describe(dv_partial, varlen), accum(dv_accum)}},
+      .semaphores = deterministic ? semaphores.data_ptr<int>() : nullptr};
   cudaStream_t const stream = c10::cuda::getCurrentCUDAStream();
   char const* why = nullptr;
-  switch (dk_partial.size(-1)) {
+  switch (head_dim) {
     case 64: why = fe::launch_gqa_accumulate_per_head<64, 90>(args, stream); break;
     case 128: why = fe::launch_gqa_accumulate_per_head<128, 90>(args, stream); break;
     default: TORCH_CHECK(false, "accumulate_per_head: head dims 64 and 128 only");
