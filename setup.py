@@ -2,15 +2,18 @@
 
 Environment:
   FLASH_EPILOGUE_SKIP_CUDA_BUILD=1   pure-Python install: the reference functions and repeat_kv in plain torch, no
-                                     kernels or ops (the headers are shipped all the same)
+                                     kernels or ops (the headers are shipped all the same); 1/true/yes/on, or
+                                     0/false/no/off/empty to build
   FLASH_EPILOGUE_HEAD_DIMS           ';'-separated tile head dims to build, of 64;96;128;192;256 (default all); a call
                                      needing a tile left out raises an error naming this knob
-  FLASH_EPILOGUE_CUDA_ARCHS          ';'-separated gencode archs, default "90a"; "90a;80" adds sm_80 code. Unset,
-                                     TORCH_CUDA_ARCH_LIST is honoured ("9.0" meaning sm_90a, "+PTX" ignored). sm_90a
-                                     must be among them: the sm_90 kernels are the product
+  FLASH_EPILOGUE_CUDA_ARCHS          ';'-separated gencode archs of 80, 86, 89, 90a (90 means 90a, as TORCH_CUDA_ARCH_LIST's
+                                     "9.0" does), default "90a"; "90a;80" adds sm_80 code. Unset, TORCH_CUDA_ARCH_LIST
+                                     is honoured ("+PTX" ignored). sm_90a must be among them: the sm_90 kernels are the
+                                     product
   FLASH_EPILOGUE_CUTLASS_DIR         a CUTLASS checkout (its include/) instead of the nvidia-cutlass wheel's headers
   MAX_JOBS                           parallel compile jobs (torch's BuildExtension reads it)
-  CUDA_HOME                          the CUDA toolkit (on the CPU machines: /usr/local/cuda)
+  CUDA_HOME                          the CUDA toolkit; unset, the toolkit of the nvcc on PATH where its headers are,
+                                     else /usr/local/cuda. Its nvcc's CUDA major must be torch's
 
 Install with `pip install --no-build-isolation .`: the extension must be compiled against the
 torch that will import it (the C++ ABI is per torch build), so the build has to see the
@@ -42,7 +45,20 @@ def _load(path: str):
 
 cutlass_include_dirs = _load("flash_epilogue/_cutlass.py").cutlass_include_dirs
 ALL_HEAD_DIMS = _load("scripts/generate_instantiations.py").HEAD_DIMS  # the tile head dims (static_switch.h's)
-SKIP_CUDA = os.environ.get("FLASH_EPILOGUE_SKIP_CUDA_BUILD", "0") not in ("", "0")
+
+
+def flag(name: str) -> bool:
+    """An on/off knob, strictly: a value that is neither is refused, listing both."""
+    value = os.environ.get(name, "")
+    if value.strip().lower() in ("", "0", "false", "no", "off"):
+        return False
+    if value.strip().lower() in ("1", "true", "yes", "on"):
+        return True
+    sys.exit(f"{name}={value!r}: expected 1, true, yes or on (set), or 0, false, no, off or empty (unset)")
+
+
+SKIP_CUDA = flag("FLASH_EPILOGUE_SKIP_CUDA_BUILD")
+ARCHS_KNOWN = ("80", "86", "89", "90a")  # the gencode archs the kernels compile for
 
 
 def head_dims() -> list[int]:
@@ -60,24 +76,65 @@ def head_dims() -> list[int]:
 
 
 def cuda_archs() -> list[str]:
-    """FLASH_EPILOGUE_CUDA_ARCHS, else TORCH_CUDA_ARCH_LIST translated, else 90a."""
+    """FLASH_EPILOGUE_CUDA_ARCHS, else TORCH_CUDA_ARCH_LIST, else 90a; 9.0 and 90 mean 90a (the kernels use its
+    instructions) in both spellings."""
     ours, torchs = os.environ.get("FLASH_EPILOGUE_CUDA_ARCHS", ""), os.environ.get("TORCH_CUDA_ARCH_LIST", "")
     if ours:
-        archs, source = [a for a in ours.split(";") if a], "FLASH_EPILOGUE_CUDA_ARCHS"
+        entries, source = ours.split(";"), "FLASH_EPILOGUE_CUDA_ARCHS"
     elif torchs:
-        archs, source = [], "TORCH_CUDA_ARCH_LIST"
-        for entry in torchs.replace(",", ";").replace(" ", ";").split(";"):
-            entry = entry.strip().removesuffix("+PTX")
-            if entry:
-                arch = entry.replace(".", "").rstrip("a")
-                archs.append("90a" if arch == "90" else arch)
+        entries, source = torchs.replace(",", ";").replace(" ", ";").split(";"), "TORCH_CUDA_ARCH_LIST"
+        entries = [e.strip().removesuffix("+PTX").replace(".", "") for e in entries]
     else:
         return ["90a"]
+    archs = ["90a" if e.strip() in ("90", "90a") else e.strip() for e in entries if e.strip()]
+    unknown = [a for a in archs if a not in ARCHS_KNOWN]
+    if unknown or not archs:
+        sys.exit(f"{source}={ours or torchs!r}: expected ';'-separated archs of {', '.join(ARCHS_KNOWN)} "
+                 f"(TORCH_CUDA_ARCH_LIST: 8.0, 8.6, 8.9, 9.0 or 9.0a), got {', '.join(unknown) or 'none'}")
     if "90a" not in archs:
         sys.exit(f"{source}={ours or torchs!r}: flash_epilogue's kernels need sm_90a; add 90a "
                  "(FLASH_EPILOGUE_CUDA_ARCHS) or 9.0a (TORCH_CUDA_ARCH_LIST)")
-    print(f"flash_epilogue: building for {';'.join(archs)} (from {source})")
     return list(dict.fromkeys(archs))
+
+
+def cuda_home() -> Path:
+    """The CUDA toolkit, found as torch users expect: CUDA_HOME, else the toolkit of the nvcc on PATH where its
+    headers are (a wrapper script's directory has none), else /usr/local/cuda. Set into CUDA_HOME before torch's
+    cpp_extension reads it; otherwise the build stops at once, naming CUDA_HOME."""
+    if os.environ.get("CUDA_HOME"):
+        home = Path(os.environ["CUDA_HOME"])
+        if not (home / "bin" / "nvcc").is_file() or not (home / "include" / "cuda_runtime_api.h").is_file():
+            sys.exit(f"CUDA_HOME={home}: no CUDA toolkit there (bin/nvcc and include/cuda_runtime_api.h): point "
+                     "CUDA_HOME at one, or set FLASH_EPILOGUE_SKIP_CUDA_BUILD=1 for the pure-Python install")
+        return home
+    nvcc = shutil.which("nvcc")
+    for home in ([Path(os.path.realpath(nvcc)).parent.parent] if nvcc else []) + [Path("/usr/local/cuda")]:
+        if (home / "bin" / "nvcc").is_file() and (home / "include" / "cuda_runtime_api.h").is_file():
+            os.environ["CUDA_HOME"] = str(home)
+            return home
+    sys.exit("flash_epilogue: no CUDA toolkit found (none in CUDA_HOME, beside the nvcc on PATH or in /usr/local/cuda): "
+             "set CUDA_HOME to one, or FLASH_EPILOGUE_SKIP_CUDA_BUILD=1 for the pure-Python install")
+
+
+def check_cuda_major(home: Path) -> None:
+    """nvcc's CUDA major must be torch's: an extension built with another does not load."""
+    import re
+    import subprocess
+
+    import torch
+
+    out = subprocess.run([str(home / "bin" / "nvcc"), "--version"], capture_output=True, text=True).stdout
+    found = re.search(r"release (\d+\.\d+)", out)
+    nvcc_cuda = found.group(1) if found else "unknown"
+    if not torch.version.cuda:
+        sys.exit(f"torch {torch.__version__} is a CPU-only build: install a CUDA {nvcc_cuda} build of torch "
+                 "(https://pytorch.org/get-started/locally/), or set FLASH_EPILOGUE_SKIP_CUDA_BUILD=1 for the "
+                 "pure-Python install")
+    if nvcc_cuda.split(".")[0] != torch.version.cuda.split(".")[0]:
+        sys.exit(f"{home}/bin/nvcc is CUDA {nvcc_cuda} but torch was built with CUDA {torch.version.cuda}: the "
+                 f"extension must be built with torch's CUDA major. Point CUDA_HOME at a CUDA "
+                 f"{torch.version.cuda.split('.')[0]}.x toolkit, or install a torch built for CUDA "
+                 f"{nvcc_cuda.split('.')[0]} (https://pytorch.org/get-started/locally/)")
 
 
 def version() -> str:
@@ -104,10 +161,11 @@ class BuildPy(build_py):
 ext_modules = []
 cmdclass = {"build_py": BuildPy}
 if not SKIP_CUDA:
+    ARCHS, HEAD_DIMS = cuda_archs(), head_dims()
+    CUDA_HOME = cuda_home()
+    check_cuda_major(CUDA_HOME)
     import torch
     from torch.utils.cpp_extension import BuildExtension, CUDAExtension
-
-    ARCHS, HEAD_DIMS = cuda_archs(), head_dims()
 
     class BuildExt(BuildExtension.with_options(use_ninja=True)):
         """The extension, and beside it _build_info.py: the torch and CUDA it was built with, read before loading it
@@ -115,6 +173,12 @@ if not SKIP_CUDA:
         holds, its archs and head dims, the extension itself reports: _C.build_info())."""
 
         def run(self):
+            units = sum(len(ext.sources) for ext in self.extensions)
+            jobs = os.environ.get("MAX_JOBS") or str(os.cpu_count() or 1)
+            parallel = min(int(jobs), os.cpu_count() or 1) if jobs.isdigit() and int(jobs) > 0 else 1
+            minutes = max(1, round(units * 20 / 60 / parallel))  # about 20 s a unit on a core of the CPU machines
+            print(f"flash_epilogue: building {units} units (head dims {';'.join(map(str, HEAD_DIMS))}, archs "
+                  f"{';'.join(ARCHS)}) with {jobs} jobs and {CUDA_HOME}/bin/nvcc: about {minutes} min", flush=True)
             super().run()
             info = (f"# Generated by setup.py's build_ext; do not edit.\n"
                     f"TORCH_VERSION = {torch.__version__!r}\nCUDA_VERSION = {torch.version.cuda!r}\n")

@@ -100,3 +100,48 @@ if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
     fe.store(a, a, o, o.clone())
     assert torch.equal(o, a.bfloat16())
 """, FLASH_EPILOGUE_HEAD_DIMS="64", CUDA_HOME=os.environ.get("CUDA_HOME", "/usr/local/cuda"))
+
+
+def setup_py(**env) -> "subprocess.CompletedProcess":
+    """`python setup.py --version` under env: the knobs are read (and the toolkit found) before anything is built."""
+    import subprocess
+
+    return subprocess.run([sys.executable, "setup.py", "--version"], cwd=ROOT, env=dict(os.environ, **env),
+                          capture_output=True, text=True, timeout=300)
+
+
+ON_OFF = "expected 1, true, yes or on (set), or 0, false, no, off or empty (unset)"
+ARCH_LIST = "expected ';'-separated archs of 80, 86, 89, 90a (TORCH_CUDA_ARCH_LIST: 8.0, 8.6, 8.9, 9.0 or 9.0a), got "
+NO_TOOLKIT = "CUDA_HOME=/nonexistent: no CUDA toolkit there (bin/nvcc and include/cuda_runtime_api.h): point CUDA_HOME"
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"FLASH_EPILOGUE_SKIP_CUDA_BUILD": "maybe"}, "FLASH_EPILOGUE_SKIP_CUDA_BUILD='maybe': " + ON_OFF),
+    ({"FLASH_EPILOGUE_CUDA_ARCHS": "90a;xyz"}, "FLASH_EPILOGUE_CUDA_ARCHS='90a;xyz': " + ARCH_LIST + "xyz"),
+    ({"FLASH_EPILOGUE_CUDA_ARCHS": "", "TORCH_CUDA_ARCH_LIST": "9.0;7.5"}, "TORCH_CUDA_ARCH_LIST='9.0;7.5': " + ARCH_LIST
+     + "75"),
+    ({"FLASH_EPILOGUE_CUDA_ARCHS": "80"}, "FLASH_EPILOGUE_CUDA_ARCHS='80': flash_epilogue's kernels need sm_90a"),
+    ({"CUDA_HOME": "/nonexistent"}, NO_TOOLKIT),
+    # "false" builds: it goes on to look for the toolkit
+    ({"FLASH_EPILOGUE_SKIP_CUDA_BUILD": "false", "CUDA_HOME": "/nonexistent"}, NO_TOOLKIT)])
+def test_build_knobs_are_refused_listing_what_is_accepted(env, message):
+    out = setup_py(**{"FLASH_EPILOGUE_SKIP_CUDA_BUILD": "", "FLASH_EPILOGUE_CUDA_ARCHS": "", **env})
+    assert out.returncode != 0 and message in out.stderr, out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("skip", ["1", "true", "YES", "on"])
+def test_skip_knob_spellings_skip_the_build(skip):
+    out = setup_py(FLASH_EPILOGUE_SKIP_CUDA_BUILD=skip, CUDA_HOME="/nonexistent")  # no toolkit looked for
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_both_arch_spellings_of_sm90a_agree():
+    import torch
+
+    if not torch.version.cuda or not nvcc():
+        pytest.skip("needs a CUDA build of torch and nvcc (the build's checks run before --version answers)")
+    for env in ({"FLASH_EPILOGUE_CUDA_ARCHS": "90"}, {"FLASH_EPILOGUE_CUDA_ARCHS": "90a;80"},
+                {"FLASH_EPILOGUE_CUDA_ARCHS": "", "TORCH_CUDA_ARCH_LIST": "9.0"},
+                {"FLASH_EPILOGUE_CUDA_ARCHS": "", "TORCH_CUDA_ARCH_LIST": "9.0a+PTX 8.0"}):
+        out = setup_py(FLASH_EPILOGUE_SKIP_CUDA_BUILD="", **env)
+        assert out.returncode == 0, (env, out.stderr[-2000:])
