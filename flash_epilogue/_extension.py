@@ -40,7 +40,9 @@ def compiled_archs() -> tuple[str, ...]:
 
 def unavailable(op: str) -> FlashEpilogueBuildError:
     reason = UNAVAILABLE_REASON or "the loaded flash_epilogue._C does not define it (a stale build: rebuild it)"
-    return FlashEpilogueBuildError(f"flash_epilogue.{op}: the CUDA kernels are not available: {reason}")
+    return FlashEpilogueBuildError(f"flash_epilogue.{op}: the CUDA kernels are not available: {reason}. The ops run "
+                                   "on an sm_90 GPU (H100, H200); on any device, flash_epilogue.reference computes "
+                                   "each of them in plain PyTorch, with the same bits")
 
 
 def op_error(op: str, e: Exception) -> Exception:
