@@ -176,7 +176,7 @@ if not SKIP_CUDA:
             units = sum(len(ext.sources) for ext in self.extensions)
             jobs = os.environ.get("MAX_JOBS") or str(os.cpu_count() or 1)
             parallel = min(int(jobs), os.cpu_count() or 1) if jobs.isdigit() and int(jobs) > 0 else 1
-            minutes = max(1, round(units * 20 / 60 / parallel))  # about 20 s a unit on a core of the CPU machines
+            minutes = max(1, round(units * 20 / 60 / parallel))  # about 20 s a unit on one core
             print(f"flash_epilogue: building {units} units (head dims {';'.join(map(str, HEAD_DIMS))}, archs "
                   f"{';'.join(ARCHS)}) with {jobs} jobs and {CUDA_HOME}/bin/nvcc: about {minutes} min", flush=True)
             super().run()
