@@ -98,22 +98,11 @@ def cuda_archs() -> list[str]:
 
 
 def cuda_home() -> Path:
-    """The CUDA toolkit, found as torch users expect: CUDA_HOME, else the toolkit of the nvcc on PATH where its
-    headers are (a wrapper script's directory has none), else /usr/local/cuda. Set into CUDA_HOME before torch's
-    cpp_extension reads it; otherwise the build stops at once, naming CUDA_HOME."""
-    if os.environ.get("CUDA_HOME"):
-        home = Path(os.environ["CUDA_HOME"])
-        if not (home / "bin" / "nvcc").is_file() or not (home / "include" / "cuda_runtime_api.h").is_file():
-            sys.exit(f"CUDA_HOME={home}: no CUDA toolkit there (bin/nvcc and include/cuda_runtime_api.h): point "
-                     "CUDA_HOME at one, or set FLASH_EPILOGUE_SKIP_CUDA_BUILD=1 for the pure-Python install")
-        return home
-    nvcc = shutil.which("nvcc")
-    for home in ([Path(os.path.realpath(nvcc)).parent.parent] if nvcc else []) + [Path("/usr/local/cuda")]:
-        if (home / "bin" / "nvcc").is_file() and (home / "include" / "cuda_runtime_api.h").is_file():
-            os.environ["CUDA_HOME"] = str(home)
-            return home
-    sys.exit("flash_epilogue: no CUDA toolkit found (none in CUDA_HOME, beside the nvcc on PATH or in /usr/local/cuda): "
-             "set CUDA_HOME to one, or FLASH_EPILOGUE_SKIP_CUDA_BUILD=1 for the pure-Python install")
+    """The CUDA toolkit (flash_epilogue/_toolkit.py), or a stop naming CUDA_HOME."""
+    try:
+        return _load("flash_epilogue/_toolkit.py").cuda_home()
+    except RuntimeError as e:
+        sys.exit(str(e))
 
 
 def check_cuda_major(home: Path) -> None:

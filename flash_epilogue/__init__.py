@@ -1,6 +1,8 @@
 """flash_epilogue: FlashAttention-3's backward dK/dV epilogue for Hopper (sm_90) as PyTorch ops: store, store_zero, the
 GQA reduce (gqa_reduce, or gqa_accumulator, gqa_accumulate and gqa_postprocess) and repeat_kv (with its autograd).
-The C++ collectives are a header library: see `get_include()`. docs/semantics.md documents the semantics."""
+The ops run on an sm_90 GPU; flash_epilogue.reference computes each on any device, with the same bits, and
+flash_epilogue.testing holds the helpers that compare kernels with it bitwise. The C++ collectives are a header
+library: see `get_include()`. The repository's docs/ document the semantics, the collectives and the speed."""
 __version__ = "0.1.0"
 
 from . import reference

@@ -157,8 +157,9 @@ def gqa_accumulator(num_heads_kv: int, head_dim: int, head_dim_v: int | None = N
     """A zeroed :class:`GQAAccumulator` for dK (``head_dim``) and dV (``head_dim_v``) of ``num_heads_kv`` KV heads:
     batched (``batch``, ``seqlen``) or varlen (``total_tokens`` and ``cu_seqlens``, only its size read, or ``batch``);
     ``deterministic`` (default: torch.are_deterministic_algorithms_enabled()) becomes gqa_accumulate's default, and on
-    the sm_80 path allocates its semaphores; ``arch`` 80 selects the sm_80 layout (tests). docs/semantics.md, "What
-    each op writes" and "Determinism"."""
+    the sm_80 path allocates its semaphores; ``device`` (default: cu_seqlens's, else the current CUDA device);
+    ``arch`` 80 selects the sm_80 layout (tests). The accumulators are opaque tiles in the order of FA3's dK/dV MMA
+    fragment: only the GQA ops read them (:meth:`GQAAccumulator.to_dense` for a dense view)."""
     if _extension._C is None:
         raise _extension.unavailable(_OP)
     num_heads_kv = as_count(_OP, "num_heads_kv", num_heads_kv, "a positive int", 1)

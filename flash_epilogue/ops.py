@@ -24,8 +24,16 @@ IndexArg = None | int | Sequence[int] | torch.Tensor
 def store(dk_accum: torch.Tensor, dv_accum: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, *,
           cu_seqlens: torch.Tensor | None = None, seqused: torch.Tensor | None = None,
           check_inputs: bool | None = None, _arch: int = 0) -> None:
-    """In place: the valid rows of dk/dv (bf16 or fp16) get the fp32 accumulators of their shapes, rounded to nearest
-    even; batched or varlen (``cu_seqlens``), ``seqused``: docs/semantics.md, "Layouts"."""
+    """In place: dk and dv (bf16 or fp16) get the fp32 ``dk_accum``/``dv_accum`` of their shapes, rounded to nearest
+    even, in their valid rows only.
+
+    Layouts: batched, (batch, seqlen, num_heads_kv, head_dim); or varlen, (total_tokens, num_heads_kv, head_dim) with
+    ``cu_seqlens`` (int32, (batch + 1,), on the tensors' device) giving each sequence's rows. ``seqused`` (int32,
+    (batch,)) keeps the first seqused[b] rows of sequence b valid. Head dims: multiples of 8 up to 256, dv may differ
+    from d. Any strides with the last dim contiguous and 16-byte multiples elsewhere. Runs on an sm_90 GPU (H100,
+    H200); ``flash_epilogue.reference.store_reference`` computes the same bits on any device. Bad arguments raise
+    FlashEpilogueInputError (FlashEpilogueTypeError for types and dtypes); ``check_inputs=True`` also checks the
+    contents of cu_seqlens/seqused (a host sync)."""
     _arch = _arch if type(_arch) is int and INT64_MIN <= _arch <= INT64_MAX else as_int("store", "_arch", _arch)
     _extension.call_op("store", check_inputs, dk, dk_accum, dv_accum, dk, dv, cu_seqlens=cu_seqlens, seqused=seqused,
                        _arch=_arch)
@@ -60,8 +68,10 @@ def store_zero(dk: torch.Tensor, dv: torch.Tensor, *, cu_seqlens: torch.Tensor |
                seqused: torch.Tensor | None = None, batch_idx: IndexArg = None, head_idx: IndexArg = None,
                row_start: int = 0, row_end: int | None = None, check_inputs: bool | None = None,
                _arch: int = 0) -> None:
-    """In place: zeros in rows [row_start, row_end) of the valid rows of the sequences ``batch_idx`` and heads
-    ``head_idx`` (None: all; ints or an int32 tensor) of dk and dv: docs/semantics.md, "What each op writes"."""
+    """In place: zeros in dk and dv (bf16 or fp16, layouts as :func:`store`'s) in rows [row_start, row_end) (counted
+    from each sequence's start, clipped to its valid rows) of the sequences ``batch_idx`` and heads ``head_idx``
+    (None: all; an int, ints, or an int32 tensor on dk's device; out-of-range entries are skipped). Runs on an sm_90
+    GPU; ``flash_epilogue.reference.store_zero_reference`` is the same on any device."""
     op = "store_zero"
     if (batch_idx is not None or head_idx is not None) and isinstance(dk, torch.Tensor):
         batch_idx = _index_tensor("batch_idx", batch_idx, dk.device)
@@ -112,10 +122,14 @@ def _check_acc(op: str, acc, k, v, cu_seqlens, k_name: str, v_name: str) -> None
 def gqa_accumulate(dk_partial: torch.Tensor, dv_partial: torch.Tensor, acc: GQAAccumulator, *,
                    deterministic: bool | None = None, cu_seqlens: torch.Tensor | None = None,
                    seqused: torch.Tensor | None = None, check_inputs: bool | None = None) -> None:
-    """In place: add fp32 per-query-head partials into ``acc``'s valid rows (query head j to KV head j // (h_q / h_k));
+    """In place: add the fp32 per-query-head partials ``dk_partial``/``dv_partial`` ((batch, seqlen, num_heads_q,
+    d) or varlen (total_tokens, num_heads_q, d)) into ``acc`` (a :class:`GQAAccumulator` of this problem), in their
+    valid rows: query head j adds into KV head j // (num_heads_q / num_heads_kv), a group's heads in head order.
+
     ``deterministic`` (default: as ``acc`` was allocated, or torch's deterministic-algorithms switch) selects the
     sm_80 path's ordered mode, which needs ``acc`` allocated with it; the sm_90 path is deterministic in both modes.
-    docs/semantics.md, "Determinism"."""
+    Runs on an sm_90 GPU; ``flash_epilogue.reference.gqa_accumulate_reference`` gives the dense sums on any
+    device."""
     op = "gqa_accumulate"
     _check_acc(op, acc, dk_partial, dv_partial, cu_seqlens, "dk_partial", "dv_partial")
     if deterministic is None:  # with warn_only, an accumulator allocated without it runs the atomic mode, warning
@@ -136,8 +150,9 @@ def gqa_accumulate(dk_partial: torch.Tensor, dv_partial: torch.Tensor, acc: GQAA
 def gqa_postprocess(acc: GQAAccumulator, dk: torch.Tensor, dv: torch.Tensor, *, scale_dk: float = 1.0,
                     scale_dv: float = 1.0, cu_seqlens: torch.Tensor | None = None,
                     seqused: torch.Tensor | None = None, check_inputs: bool | None = None) -> None:
-    """In place: the valid rows of dk/dv (bf16 or fp16, h_k heads) get ``(accum * fp32(scale)).to(dtype)``; ``acc`` is
-    unchanged (``acc.reset()`` before reusing it)."""
+    """In place: the valid rows of dk/dv (bf16 or fp16, num_heads_kv heads, layouts as :func:`store`'s) get
+    ``(accum * fp32(scale)).to(dtype)`` of ``acc``'s accumulators, bitwise; ``acc`` is unchanged (``acc.reset()``
+    before reusing it). Runs on an sm_90 GPU."""
     op = "gqa_postprocess"
     _check_acc(op, acc, dk, dv, cu_seqlens, "dk", "dv")
     scale_dk = scale_dk if type(scale_dk) is float else as_float(op, "scale_dk", scale_dk)
@@ -163,8 +178,14 @@ def gqa_reduce(dk_partial: torch.Tensor, dv_partial: torch.Tensor | None = None,
                cu_seqlens: torch.Tensor | None = None, seqused: torch.Tensor | None = None,
                out: torch.Tensor | tuple | None = None, out_dtype: torch.dtype | None = None,
                scale_dk: float = 1.0, scale_dv: float = 1.0, check_inputs: bool | None = None, _arch: int = 0):
-    """Each group of query-head partials summed in fp32 in head order, times the scale, into dk (and dv): ``out`` (dk,
-    or (dk, dv)), else new tensors of ``out_dtype``; returns them. docs/semantics.md, "What each op writes"."""
+    """dK (and dV) of the KV heads from per-query-head partials in one call: each group of ``num_heads_q /
+    num_heads_kv`` heads summed in fp32 in head order (0 + p_0 + ... + p_{g-1}), times the fp32 scale, rounded once.
+
+    Partials: (batch, seqlen, num_heads_q, d), or varlen (total_tokens, num_heads_q, d) with ``cu_seqlens``; fp32, or
+    the outputs' bf16/fp16. Outputs: ``out`` (dk, or (dk, dv) when dv_partial is given; num_heads_kv heads), else new
+    tensors of ``out_dtype`` (default: the partials' dtype if 16-bit, else bf16) whose rows outside the valid ones
+    are uninitialized. Returns dk, or (dk, dv). Runs on an sm_90 GPU;
+    ``flash_epilogue.reference.gqa_reduce_reference`` gives the same bits on any device."""
     op = "gqa_reduce"
     if type(num_heads_kv) is not int or num_heads_kv < 1:
         num_heads_kv = as_count(op, "num_heads_kv", num_heads_kv, "a positive int", 1)
@@ -195,7 +216,9 @@ def gqa_reduce(dk_partial: torch.Tensor, dv_partial: torch.Tensor | None = None,
 
 def repeat_kv(x: torch.Tensor, n_rep: int, dim: int = 1) -> torch.Tensor:
     """``x.repeat_interleave(n_rep, dim)`` of x (batch, kv_heads, seqlen, d) with ``dim=1`` (transformers' repeat_kv) or
-    (batch, seqlen, kv_heads, d) with ``dim=2``; backward: the group sum (docs/semantics.md, "Autograd")."""
+    (batch, seqlen, kv_heads, d) with ``dim=2``, differentiable in every torch tool; its backward is the group sum
+    in fp32 (or the gradient's wider dtype) in head order, rounded once (gqa_reduce's kernel on an sm_90 GPU, the
+    same bits in plain PyTorch elsewhere). Runs on any device."""
     op = "repeat_kv"
     if not isinstance(x, torch.Tensor):
         fail(op, "x", "a torch.Tensor", type(x).__name__, FlashEpilogueTypeError)

@@ -18,6 +18,9 @@ NVCC_FLAGS = ["-std=c++20", "-O3", "--expt-relaxed-constexpr", "-gencode=arch=co
 
 
 def load(verbose: bool = False):
+    from flash_epilogue._toolkit import cuda_home
+
+    cuda_home()  # the toolkit into CUDA_HOME before torch's cpp_extension guesses it from nvcc's directory
     from torch.utils.cpp_extension import load as load_extension
 
     return load_extension(name="flash_epilogue_custom_kernel_example",
