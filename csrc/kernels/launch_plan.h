@@ -38,7 +38,7 @@ inline constexpr int kStoreTileCtasPerSm = 2;
 // The GQA one-CTA-per-tile drivers: two up to 256 threads, and for the staged reduce (its fragment fills from shared
 // memory); a 384-thread CTA (head dim 192 on sm_90) holding more spills at two.
 constexpr int gqa_tile_ctas_per_sm(int num_threads, bool staged) { return num_threads <= 256 || staged ? 2 : 1; }
-// store_zero writes zeros from registers of nothing: one.
+// store_zero holds no fragment and no shared memory: its launch bounds ask for no minimum.
 inline constexpr int kStoreZeroCtasPerSm = 1;
 // The streaming drivers take the SM's shared memory for their ring: one, or two on `store`'s 64-row tiles (half the
 // stages each).

@@ -4,8 +4,6 @@
 // (BwdTileConfig: its C fragment fixes the GQA accumulator's order), and `store`'s 64-row sm_90 tiles, which the
 // plan picks for small problems: no mainloop produces them, so no accumulator takes their order.
 
-#include <type_traits>
-
 #include "flash_epilogue/bwd_config.h"
 
 namespace flash_epilogue {
@@ -14,11 +12,5 @@ namespace flash_epilogue {
 template <int kHeadDim>
 using StoreRows64Config = BwdTileConfigSm90Base<kHeadDim, 64, 256, /*kSwapAB=*/false, /*kAtomLayoutNdKV=*/1>;
 constexpr bool has_store_rows64_tile(int head_dim) { return head_dim == 64 || head_dim == 128; }
-
-// The config of a tile of head dim kHeadDim on the kArch path with kBlockN rows: FA3's, or store's 64-row one.
-template <int kHeadDim, int kArch, int kBlockN>
-using TileConfigOf =
-    std::conditional_t<kBlockN == BwdTileConfig<kHeadDim, arch_tag_of<kArch>>::kBlockN,
-                       BwdTileConfig<kHeadDim, arch_tag_of<kArch>>, StoreRows64Config<kHeadDim>>;
 
 }  // namespace flash_epilogue
