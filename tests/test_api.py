@@ -108,7 +108,7 @@ def test_accumulator_dv_own_tile(d, dv, own):
     def accumulator(heads, arch=90, **geometry):
         return fe.gqa_accumulator(heads, d, dv, device="meta", arch=arch, **geometry)
 
-    gate = C.plan_thresholds()["dv_own_tile_min_tiles"]
+    gate = C.plan_thresholds()["dv_own_tile_min_tiles_accumulator"]
     rows6, rows4 = -(-gate // 6), -(-gate // 4)  # the fewest row tiles reaching it with 6 and 4 heads x batch
     cs = torch.tensor([0, 3000, 3000, 6000], dtype=I32)  # 3 sequences: (total + 3 * 80) // 80 tiles
     below = [dict(heads=2, batch=3, seqlen=80 * (rows6 - 1)), dict(heads=1, batch=1, seqlen=80 * (gate - 1)),

@@ -98,17 +98,22 @@ def test_gqa_dv_differs_from_d(d, dv, arch):
 @pytest.mark.parametrize("dv", (128, 72))
 @pytest.mark.parametrize("layout", ("batched", "varlen"))
 def test_gqa_dv_own_tile(layout, dv):
-    # from the plan's gate of hdim-256 tiles x KV heads x batch on, a dV of <= 128 columns beside dK of head dim 256
-    # runs on its own tile on sm_90 (80 rows for dK's tiles, 128 for dV's): accumulate in both modes, postprocess and reduce with row
-    # edges of both tiles and seqused, bitwise the reference
-    d, h_k, g = 256, 8, 2
+    # from the plan's gates of hdim-256 tiles x KV heads x batch on, a dV of <= 128 columns beside dK of head dim 256
+    # runs on its own tile on sm_90 (80 rows for dK's tiles, 128 for dV's): accumulate in both modes, postprocess and
+    # reduce with row edges of both tiles and seqused, bitwise the reference
+    d, h_k, g = 256, 16, 2
     if layout == "batched":
         geometry = {"batch": 2, "seqlen": 80 * 64 + 3, "lens": None, "slack": 0,
                     "seqused": [80 * 64 - 126, 2 * 128 + 5]}
+        rows, batch = 80 * 64 + 3, 2
     else:
         lens = [128 * 20 + 1, 0, 80 * 17 - 1, 37, 1, 128 * 15]
         geometry = {"batch": None, "seqlen": None, "lens": lens, "slack": 5,
                     "seqused": [x - 3 * (x > 40) for x in lens]}
+        rows, batch = sum(lens) + 5, len(lens)
+    for op in ("gqa_accumulate", "gqa_reduce"):  # past both gates
+        assert fe._extension._C.plan(op, 90, rows, batch, h_k, layout == "varlen", False, d, dv, False, 132)[
+            "dv_own_launch"]
     for i, deterministic in enumerate((True, False)):
         acc = accumulate_case(d, dv, 0, h_k, g, layout, deterministic, seed=dv + i, geometry=geometry,
                               posts=[(DTYPES[i], ("padded", "transposed"), (0.5, 1.0 / 3.0), i == 0)])

@@ -23,7 +23,8 @@ def needs(*head_dims):
 
 def test_thresholds_are_named():
     assert set(T) == {"store_rows64_min_average_rows", "store_tiles_per_sm_unstreamed", "store_tiles_per_sm_rows64",
-                      "dv_own_tile_min_tiles", "dv_own_tile_shared_head_dim", "dv_own_tile_max_head_dim"}
+                      "dv_own_tile_min_tiles_accumulator", "dv_own_tile_min_tiles_reduce", "dv_own_tile_shared_head_dim",
+                      "dv_own_tile_max_head_dim"}
     assert all(isinstance(v, int) and v > 0 for v in T.values())
 
 
@@ -57,13 +58,19 @@ def test_store_wide_tiles_unstreamed_up_to_a_few_tiles_per_sm(d, block_n):
 
 @needs(128)
 def test_store_hdim128_rows64_tiles_in_small_problems():
+    # batched: one CTA per 64-row tile; with cu_seqlens: 64-row tiles streamed; both two CTAs to an SM
     most = T["store_tiles_per_sm_rows64"] * SMS // 2
     for heads, batch in ((1, 1), (2, 3)):
         per = heads * batch
         at = plan("store", 128, rows=128 * (most // per), heads=heads, batch=batch)
         above = plan("store", 128, rows=128 * (most // per + 1), heads=heads, batch=batch)
-        assert (at["tile"], at["driver"], at["ctas_per_sm"]) == ((128, 64), "stream", 2)
+        assert (at["tile"], at["driver"], at["ctas_per_sm"]) == ((128, 64), "one_cta_per_tile", 2)
         assert (above["tile"], above["driver"], above["ctas_per_sm"]) == ((128, 128), "stream", 1)
+    varlen_most = most - 1  # varlen: rows // 128 + batch tiles
+    at = plan("store", 128, rows=128 * varlen_most, varlen=True)
+    above = plan("store", 128, rows=128 * (varlen_most + 1), varlen=True)
+    assert (at["tile"], at["driver"], at["ctas_per_sm"]) == ((128, 64), "stream", 2)
+    assert (above["tile"], above["driver"], above["ctas_per_sm"]) == ((128, 128), "stream", 1)
     # the rule counts SMs: the same problem on a smaller GPU is above it
     assert plan("store", 128, rows=128 * most, sms=SMS // 2)["tile"] == (128, 128)
 
@@ -103,7 +110,9 @@ def test_gqa_accumulate_ordered_only_on_the_sm80_path():
 def test_gqa_dv_own_tile_from_the_gate(op, dv):
     if fe.tile_config(dv).head_dim not in BUILT:
         pytest.skip("dv's tile not built")
-    gate, block_n = T["dv_own_tile_min_tiles"], fe.tile_config(256).block_n
+    # one gate for the accumulator ops (they share its layout), one for gqa_reduce
+    gate = T["dv_own_tile_min_tiles_reduce" if op == "gqa_reduce" else "dv_own_tile_min_tiles_accumulator"]
+    block_n = fe.tile_config(256).block_n
     own = (fe.tile_config(dv).head_dim, fe.tile_config(dv).block_n)
     shapes = [dict(heads=1, batch=1), dict(heads=4, batch=2)]
     for s in shapes:
@@ -112,10 +121,11 @@ def test_gqa_dv_own_tile_from_the_gate(op, dv):
         at = plan(op, 256, dv, rows=block_n * -(-gate // per), **s)
         assert below["dv_tile"] == below["tile"] == (256, block_n) and not below["dv_own_launch"]
         assert at["tile"] == (256, block_n) and at["dv_tile"] == own and at["dv_own_launch"]
-        # the accumulators follow the plan
+        # the accumulators follow the plan of the accumulator ops
         for p, rows in ((below, block_n * (gate // per) - block_n), (at, block_n * -(-gate // per))):
             layout = C.gqa_accum_layout(s["heads"], 256, dv, s["batch"], rows, False, 90, torch.device("cpu"))
-            assert layout["tile_head_dims"] == (p["tile"][0], p["dv_tile"][0])
+            accumulator = p if op != "gqa_reduce" else plan("gqa_accumulate", 256, dv, rows=rows, **s)
+            assert layout["tile_head_dims"] == (accumulator["tile"][0], accumulator["dv_tile"][0])
     # never on the sm_80 path, beside a narrower dK, or for a dv past the rule's widest tile
     big = dict(rows=block_n * gate)
     assert not plan(op, 256, dv, arch=80, **big)["dv_own_launch"]

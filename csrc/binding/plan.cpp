@@ -24,15 +24,19 @@ constexpr int64_t kStoreRows64MinAverageRows = 2048;
 // two 72-80 KB tiles per SM the streaming driver's prologue is not paid back. Above it, streamed.
 constexpr int64_t kStoreTilesPerSmUnstreamed = 2;
 
-// store, sm_90, head dim 128: up to this many output tiles (dK's and dV's, of FA3's 128-row tile) per SM, the
-// streaming driver on store's 64-row tiles with two CTAs per SM; above it, FA3's tiles, one CTA per SM.
+// store, sm_90, head dim 128: up to this many output tiles (dK's and dV's, of FA3's 128-row tile) per SM, store's
+// 64-row tiles two CTAs to an SM: batched, one CTA per tile; with cu_seqlens, streamed. Above it, FA3's tiles
+// streamed, one CTA per SM.
 constexpr int64_t kStoreTilesPerSmRows64 = 1;
 
 // The GQA ops on sm_90 at a d served by head dim 256 beside a dv of at most 128: dV on the FA3 tile serving dv (a
 // launch of its own; an accumulator of that tile) once the problem has at least this many of dK's 80-row tiles
-// (row tiles x KV heads x batch extent), about four per SM. The 256 columns of dK's tile would leave half of each
-// stage and accumulator tile idle on dV's columns; below the gate the second launch costs more than it saves.
-constexpr int64_t kDvOwnTileMinTiles = 512;
+// (row tiles x KV heads x batch extent). The 256 columns of dK's tile would leave half of each stage and
+// accumulator tile idle on dV's columns; below the gate the second launch costs more than it saves.
+// gqa_accumulate and gqa_postprocess (one accumulator layout, so one gate): from about 2.7 tiles per SM.
+constexpr int64_t kDvOwnTileMinTilesAccumulator = 352;
+// gqa_reduce, whose dV launch saves only idle stage columns: from about 9 tiles per SM.
+constexpr int64_t kDvOwnTileMinTilesReduce = 1152;
 constexpr int kDvOwnTileSharedHeadDim = 256;  // dK's tile head dim the rule applies to
 constexpr int kDvOwnTileMaxHeadDim = 128;     // the largest dv tile head dim it applies to
 
@@ -56,8 +60,10 @@ LaunchPlan plan_store(Problem const& p, LaunchPlan plan) {
     // one CTA per tile
   } else if (hd == 128 && output_tiles <= kStoreTilesPerSmRows64 * sms) {
     plan.tile = store_rows64_tile(hd);
-    plan.driver = Driver::kStream;
-    plan.ctas_per_sm = kStreamSmallTileCtasPerSm;
+    if (s.varlen) {
+      plan.driver = Driver::kStream;
+      plan.ctas_per_sm = kStreamSmallTileCtasPerSm;
+    }
   } else {
     plan.driver = Driver::kStream;
     plan.ctas_per_sm = kStreamCtasPerSm;
@@ -67,11 +73,12 @@ LaunchPlan plan_store(Problem const& p, LaunchPlan plan) {
   return plan;
 }
 
-// dV's tile for the GQA ops (see kDvOwnTileMinTiles).
+// dV's tile for the GQA ops (see kDvOwnTileMinTilesAccumulator and kDvOwnTileMinTilesReduce).
 TileKey gqa_dv_tile(Problem const& p, TileKey shared) {
   if (p.arch < 90 || p.head_dim_v == 0 || shared.head_dim != kDvOwnTileSharedHeadDim) { return shared; }
   if (serving_head_dim(p.head_dim_v) > kDvOwnTileMaxHeadDim || !head_dim_built(p.head_dim_v)) { return shared; }
-  return p.shape.tiles(shared.block_n) >= kDvOwnTileMinTiles ? fa3_tile(p.head_dim_v, p.arch) : shared;
+  int64_t const gate = p.op == Op::kGqaReduce ? kDvOwnTileMinTilesReduce : kDvOwnTileMinTilesAccumulator;
+  return p.shape.tiles(shared.block_n) >= gate ? fa3_tile(p.head_dim_v, p.arch) : shared;
 }
 
 }  // namespace
@@ -80,7 +87,8 @@ std::vector<std::pair<char const*, int64_t>> plan_thresholds() {
   return {{"store_rows64_min_average_rows", kStoreRows64MinAverageRows},
           {"store_tiles_per_sm_unstreamed", kStoreTilesPerSmUnstreamed},
           {"store_tiles_per_sm_rows64", kStoreTilesPerSmRows64},
-          {"dv_own_tile_min_tiles", kDvOwnTileMinTiles},
+          {"dv_own_tile_min_tiles_accumulator", kDvOwnTileMinTilesAccumulator},
+          {"dv_own_tile_min_tiles_reduce", kDvOwnTileMinTilesReduce},
           {"dv_own_tile_shared_head_dim", kDvOwnTileSharedHeadDim},
           {"dv_own_tile_max_head_dim", kDvOwnTileMaxHeadDim}};
 }

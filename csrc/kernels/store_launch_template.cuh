@@ -53,9 +53,11 @@ char const* launch_store(StoreLaunchArgs const& args, cudaStream_t stream) {
   } else if constexpr (kHeadDim == 64) {  // one CTA per tile; the 64-row tile with cu_seqlens only
     return fa3_tile ? launch_store_tiles<Fa3, Element, kArch, false>(args, stream)
                     : launch_store_tiles<StoreRows64Config<kHeadDim>, Element, kArch, true>(args, stream);
-  } else if constexpr (kHeadDim == 128) {  // streamed; the 64-row tile two CTAs to an SM
-    return fa3_tile ? launch_store_stream<Fa3, Element, kStreamCtasPerSm>(args, stream)
-                    : launch_store_stream<StoreRows64Config<kHeadDim>, Element, kStreamSmallTileCtasPerSm>(args, stream);
+  } else if constexpr (kHeadDim == 128) {  // streamed; small problems on the 64-row tile, one CTA each or streamed
+    if (fa3_tile) { return launch_store_stream<Fa3, Element, kStreamCtasPerSm>(args, stream); }
+    return args.plan.driver == Driver::kOneCtaPerTile
+               ? launch_store_tiles<StoreRows64Config<kHeadDim>, Element, kArch, false>(args, stream)
+               : launch_store_stream<StoreRows64Config<kHeadDim>, Element, kStreamSmallTileCtasPerSm>(args, stream);
   } else if constexpr (kHeadDim > 128) {  // streamed, or one CTA per tile for small problems
     return args.plan.driver == Driver::kOneCtaPerTile ? launch_store_tiles<Fa3, Element, kArch, false>(args, stream)
                                                       : launch_store_stream<Fa3, Element, kStreamCtasPerSm>(args, stream);
