@@ -215,6 +215,7 @@ setup(
     name="flash_epilogue",
     version=version(),
     packages=find_packages(include=["flash_epilogue", "flash_epilogue.*"]),
+    package_data={"flash_epilogue": ["schema.inc"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
 )

@@ -1,8 +1,10 @@
 """Loads flash_epilogue._C or records why not (a build for another torch is named from _build_info.py before it fails
 to load), and calls the ops as every wrapper does (call_op): the opt-in content checks (a host sync: never under
 torch.compile or CUDA-graph capture), the op, its error as the package's, and FLASH_EPILOGUE_DEBUG's sync."""
+import ast
 import importlib
 import os
+from pathlib import Path
 
 import torch
 
@@ -43,6 +45,29 @@ def unavailable(op: str) -> FlashEpilogueBuildError:
     return FlashEpilogueBuildError(f"flash_epilogue.{op}: the CUDA kernels are not available: {reason}. The ops run "
                                    "on an sm_90 GPU (H100, H200); on any device, flash_epilogue.reference computes "
                                    "each of them in plain PyTorch, with the same bits")
+
+
+def schemas() -> list[str]:
+    """The op schemas, read from their one definition (schema.inc, which the extension's registration includes)."""
+    lines = Path(__file__).with_name("schema.inc").read_text().splitlines()
+    return ast.literal_eval("[" + "\n".join(line for line in lines if not line.lstrip().startswith("//")) + "]")
+
+
+def _raising(op: str):
+    def kernel(*args, **kwargs):
+        raise unavailable(op)
+    return kernel
+
+
+# Without the extension the ops still exist: torch.ops.flash_epilogue.<op> has its schema and raises unavailable(op)
+# (before autograd, and while torch.compile traces it). The library object must live as long as the module.
+_LIBRARY = None
+if _C is None:
+    _LIBRARY = torch.library.Library("flash_epilogue", "DEF")
+    for _schema in schemas():
+        _op = _schema.split("(", 1)[0]
+        _LIBRARY.define(_schema)
+        _LIBRARY.impl(_op, _raising(_op), "CompositeImplicitAutograd")
 
 
 def op_error(op: str, e: Exception) -> Exception:

@@ -88,6 +88,17 @@ for f in (lambda: fe.store(a, a.clone(), o, o.clone()), lambda: fe.store_zero(o,
         f()
     except fe.FlashEpilogueBuildError as e:
         print("RAISED", e, isinstance(e, RuntimeError))
+ops = torch.ops.flash_epilogue  # every op exists, with its schema, and raises the same
+for schema in fe._extension.schemas():
+    name = schema.split("(")[0]
+    assert getattr(ops, name).default._schema == torch._C.parse_schema("flash_epilogue::" + schema), name
+calls = {"store": lambda: ops.store(a, a, o, o.clone()), "gqa_reduce": lambda: ops.gqa_reduce(p, None, o, None),
+         "repeat_kv": lambda: ops.repeat_kv(a, 2, 1)}
+for name, call in calls.items():
+    try:
+        call()
+    except fe.FlashEpilogueBuildError as e:
+        print("OPS RAISED", e)
 fe.reference.store_reference(a, a, o, o.clone())
 x = torch.randn(1, 2, 8, 64, requires_grad=True)
 y = fe.repeat_kv(x, 3)
@@ -99,7 +110,17 @@ print("REFERENCE OK")
         assert re.search(rf"RAISED flash_epilogue\.{name}: the CUDA kernels are not available: .*\. The ops run on an "
                          r"sm_90 GPU \(H100, H200\); on any device, flash_epilogue\.reference computes each of them "
                          r"in plain PyTorch, with the same bits True\n", out), out
+    for name in ("store", "gqa_reduce", "repeat_kv"):
+        assert f"OPS RAISED flash_epilogue.{name}: the CUDA kernels are not available" in out, out
     assert "REFERENCE OK" in out
+
+
+@pytest.mark.skipif(not fe.kernels_available(), reason="needs the extension")
+def test_the_extension_registers_the_schemas_of_schema_inc():
+    # their one definition: the extension's registration includes the list Python defines them from without it
+    for schema in fe._extension.schemas():
+        op = getattr(torch.ops.flash_epilogue, schema.split("(")[0]).default
+        assert op._schema == torch._C.parse_schema("flash_epilogue::" + schema)
 
 
 def test_a_build_for_another_torch_is_named(tmp_path):

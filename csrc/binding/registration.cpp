@@ -1,4 +1,5 @@
-// The op schemas (their one definition) and the kernels registered for them, by dispatch key.
+// The op schemas (their one definition is flash_epilogue/schema.inc) and the kernels registered for them, by
+// dispatch key.
 
 #include <torch/library.h>
 
@@ -7,21 +8,11 @@
 #include "repeat_kv.h"
 
 TORCH_LIBRARY(flash_epilogue, m) {
-  m.def("store(Tensor dk_accum, Tensor dv_accum, Tensor(a!) dk, Tensor(b!) dv, *, Tensor? cu_seqlens=None, "
-        "Tensor? seqused=None, int _arch=0) -> ()");
-  m.def("store_zero(Tensor(a!) dk, Tensor(b!) dv, *, Tensor? cu_seqlens=None, Tensor? seqused=None, "
-        "Tensor? batch_idx=None, Tensor? head_idx=None, int row_start=0, int? row_end=None, int _arch=0) -> ()");
-  m.def("gqa_accumulate(Tensor dk_partial, Tensor dv_partial, Tensor(a!) dk_accum, Tensor(b!) dv_accum, "
-        "Tensor(c!)? semaphores=None, *, Tensor? cu_seqlens=None, Tensor? seqused=None, bool deterministic=False, "
-        "int _arch=0) -> ()");
-  m.def("gqa_postprocess(Tensor dk_accum, Tensor dv_accum, Tensor(a!) dk, Tensor(b!) dv, *, float scale_dk=1.0, "
-        "float scale_dv=1.0, Tensor? cu_seqlens=None, Tensor? seqused=None, int _arch=0) -> ()");
-  m.def("gqa_accum_to_dense(Tensor accum, Tensor(a!) out, *, int head_dim, Tensor? cu_seqlens=None, "
-        "Tensor? seqused=None, int _arch=0) -> ()");
-  m.def("gqa_reduce(Tensor dk_partial, Tensor? dv_partial, Tensor(a!) dk, Tensor(b!)? dv, *, Tensor? cu_seqlens=None, "
-        "Tensor? seqused=None, float scale_dk=1.0, float scale_dv=1.0, int _arch=0) -> ()");
-  m.def("repeat_kv(Tensor x, int n_rep, int dim) -> Tensor");
-  m.def("repeat_kv_backward(Tensor grad, int n_rep, int dim, int[] layout) -> Tensor");
+  for (char const* schema : {
+#include "../../flash_epilogue/schema.inc"
+       }) {
+    m.def(schema);
+  }
 }
 
 namespace {
