@@ -50,8 +50,13 @@ x = torch.randn(2, 2, 5, 8, requires_grad=True)
 y = fe.repeat_kv(x, 3)
 assert torch.equal(y, x.repeat_interleave(3, 1))
 assert torch.equal(torch.autograd.grad(y, x, y)[0], fe.reference.group_sum_reference(y.detach(), 3))
+try:  # the ops exist (the schemas ship with the package) and say why they cannot run
+    torch.ops.flash_epilogue.store(x, x, x, x)
+except fe.FlashEpilogueBuildError as e:
+    print("OPS", e)
 print("INCLUDE", *fe.get_include())
 """, FLASH_EPILOGUE_SKIP_CUDA_BUILD="1")
+    assert "OPS flash_epilogue.store: the CUDA kernels are not available" in out, out
     assert source_tree_state() == before, "the install wrote into the source tree"
     if nvcc():  # the example kernel compiles against the installed headers with the README's flags, warning-free
         built = run_checked([nvcc(), *example_build().NVCC_FLAGS, "-c", str(EXAMPLE / "epilogue_example.cu"), "-o",
