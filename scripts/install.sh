@@ -26,7 +26,18 @@ if [ ! -x "${CUDA_HOME:-/usr/local/cuda}/bin/cuobjdump" ] && ! command -v cuobjd
   pip_install nvidia-cuda-cuobjdump==13.2.86 nvidia-cuda-nvdisasm==13.2.86
 fi
 # setup.py finds the toolkit (CUDA_HOME, else nvcc's where its headers are, else /usr/local/cuda) and checks that its
-# CUDA major is torch's
+# CUDA major is torch's. Of pip's verbose output only the build's summary line shows (units, head dims, archs, jobs,
+# a time estimate); the whole of it goes to a log, whose end shows if the build fails.
 start=$(date +%s)
-MAX_JOBS=${MAX_JOBS:-$(nproc)} $PY -m pip install -q --no-build-isolation --no-deps -e .
-echo "flash_epilogue build: $(( $(date +%s) - start )) s"
+log=$(mktemp /tmp/flash_epilogue_build.XXXXXX)
+set +e
+MAX_JOBS=${MAX_JOBS:-$(nproc)} $PY -m pip install -v --no-build-isolation --no-deps -e . 2>&1 | tee "$log" |
+  { grep --line-buffered -o "flash_epilogue: building .*" || true; }
+status=${PIPESTATUS[0]}
+set -e
+if [ "$status" != 0 ]; then
+  tail -40 "$log"
+  echo "install.sh: the build failed (exit $status); the whole log: $log"
+  exit "$status"
+fi
+echo "flash_epilogue build: $(( $(date +%s) - start )) s (log: $log)"
