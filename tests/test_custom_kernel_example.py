@@ -1,5 +1,7 @@
 """examples/custom_kernel: a user's own extension that includes the collective. CI compiles it
 (CPU); on an sm_90 GPU it is built with torch's JIT loader and must give `.to(bf16)` bitwise."""
+import shutil
+import sys
 import sysconfig
 
 import pytest
@@ -23,6 +25,18 @@ def test_example_compiles(tmp_path):
     run_checked([nvcc(), "-x", "c++", "-std=c++20", "-DTORCH_EXTENSION_NAME=example", "-DTORCH_API_INCLUDE_EXTENSION_H",
                  "-c", str(EXAMPLE / "example_binding.cpp"), "-o", str(tmp_path / "binding.o"),
                  *[f"-I{d}" for d in (*include_paths(), sysconfig.get_paths()["include"])]])
+
+
+@pytest.mark.skipif(nvcc() is None or shutil.which("cmake") is None, reason="needs nvcc and cmake")
+def test_example_kernel_builds_with_cmake(tmp_path):
+    # the README's CMake line, from another directory, with this Python's flash_epilogue: no warning
+    build_dir = tmp_path / "build"
+    configure = run_checked(["cmake", "-S", str(EXAMPLE), "-B", str(build_dir), "-DCMAKE_BUILD_TYPE=Release",
+                             f"-DPython3_EXECUTABLE={sys.executable}", f"-DCMAKE_CUDA_COMPILER={nvcc()}"],
+                            cwd=tmp_path, timeout=600)
+    built = run_checked(["cmake", "--build", str(build_dir)], cwd=tmp_path, timeout=900)
+    assert (build_dir / "libepilogue_example.a").is_file()
+    assert "warning" not in (configure.stderr + built.stdout + built.stderr).lower(), built.stdout[-3000:]
 
 
 @pytest.mark.gpu

@@ -1,4 +1,4 @@
-"""Every code block of README.md and docs/*.md: each ```python block runs as written, in a fresh namespace from the
+"""Every code block of README.md, docs/*.md and examples/*/README.md: each ```python block runs as written, in a fresh namespace from the
 repository root, so every name it uses is defined in the block itself. A block preceded by `<!-- gpu -->` needs an
 sm_90 GPU with the kernels (skipped elsewhere); a CPU block must also run without the extension. Blocks in other
 languages (shell, C++) are not run and must say so with `<!-- no-run -->`."""
@@ -12,7 +12,7 @@ import pytest
 from conftest import HAVE_SM90, WHY_NOT
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "examples").glob("*/README.md"))]
 # an optional marker comment on the line before the fence, the language, the code
 BLOCK = re.compile(r"(?:^<!--\s*([\w-]+)\s*-->\n)?^```(\w*)\n(.*?)^```", re.S | re.M)
 
