@@ -8,6 +8,9 @@
 #   build       the extension in place (MAX_JOBS, default 16) -> build.log
 #   test        pytest, GPU tests included (TEST_FILES, default tests; TEST_ARGS, more pytest options split on
 #               spaces, e.g. "-x"; TEST_TIMEOUT_S; TEST_MAXFAIL, default 30) -> junit.xml, tests.log, gpu_tests.json
+#   no_kernels  the test command without the kernels, as a pure-Python install runs it (FLASH_EPILOGUE_DISABLE_KERNELS=1;
+#               no build needed), on this machine's torch: where that is the oldest torch pyproject.toml claims, the
+#               claim's check -> no_kernels.log, no_kernels.json (TEST_ARGS, TEST_TIMEOUT_S as for test)
 #   sanitize    scripts/sanitize.sh: compute-sanitizer over every op -> sanitize.json (budget SANITIZE_BUDGET_S)
 #   bench_host  benchmarks/bench_host.py: the wrappers' host time -> host_time.json
 #   bench_ops   benchmarks/bench_ops.py: every op against its baselines -> h200.json/csv/png (BENCH_OPS_ARGS)
@@ -79,6 +82,18 @@ except FileNotFoundError:
 json.dump(summary, open(f"{out}/gpu_tests.json", "w"), indent=1)
 print(summary)
 PY
+fi
+
+if has no_kernels; then
+  # shellcheck disable=SC2086 (TEST_ARGS is a list)
+  FLASH_EPILOGUE_DISABLE_KERNELS=1 timeout -s INT -k 20 "$(fits_in 30 "${TEST_TIMEOUT_S:-1800}")" python3 -m pytest tests \
+    ${TEST_ARGS:-} -q -p no:cacheprovider > "$OUT/no_kernels.log" 2>&1
+  rc=$?
+  (( rc != 0 )) && status=1
+  tail -3 "$OUT/no_kernels.log"
+  python3 -c "import json, sys, torch; json.dump({'commit': sys.argv[1], 'torch': torch.__version__, 'rc': int(sys.argv[2]),
+    'summary': open(sys.argv[3]).read().strip().splitlines()[-1]}, open(sys.argv[4], 'w'), indent=1)" \
+    "$COMMIT" "$rc" "$OUT/no_kernels.log" "$OUT/no_kernels.json"
 fi
 
 if has sanitize; then
