@@ -6,10 +6,14 @@ Environment:
                                      0/false/no/off/empty to build
   FLASH_EPILOGUE_HEAD_DIMS           ';'-separated tile head dims to build, of 64;96;128;192;256 (default all); a call
                                      needing a tile left out raises an error naming this knob
-  FLASH_EPILOGUE_CUDA_ARCHS          ';'-separated gencode archs of 80, 86, 89, 90a (90 means 90a, as TORCH_CUDA_ARCH_LIST's
-                                     "9.0" does), default "90a"; "90a;80" adds sm_80 code. Unset, TORCH_CUDA_ARCH_LIST
-                                     is honoured ("+PTX" ignored). sm_90a must be among them: the sm_90 kernels are the
-                                     product
+  FLASH_EPILOGUE_CUDA_ARCHS          ';'-separated gencode archs of 80, 86, 89, 90a (90 means 90a, as
+                                     TORCH_CUDA_ARCH_LIST's "9.0" does), default "90a"; "90a;80" adds sm_80 code.
+                                     Unset, TORCH_CUDA_ARCH_LIST is honoured ("+PTX" ignored). sm_90a must be among
+                                     them: the sm_90 kernels are the product
+  FLASH_EPILOGUE_SM80_PATH           the sm_80 code path (FA3's Ampere epilogue): built with an sm_8x arch (the code an
+                                     sm_8x GPU runs), else left out (unset or auto); 1/true/yes/on also builds it for
+                                     sm_90a, where the tests run it (`_arch=80`; the GPU check sets it); 0/false/no/off
+                                     leaves it out (refused beside an sm_8x arch)
   FLASH_EPILOGUE_CUTLASS_DIR         a CUTLASS checkout (its include/) instead of the nvidia-cutlass wheel's headers
   MAX_JOBS                           parallel compile jobs (torch's BuildExtension reads it)
   CUDA_HOME                          the CUDA toolkit; unset, the toolkit of the nvcc on PATH where its headers are,
@@ -47,14 +51,15 @@ cutlass_include_dirs = _load("flash_epilogue/_cutlass.py").cutlass_include_dirs
 ALL_HEAD_DIMS = _load("scripts/generate_instantiations.py").HEAD_DIMS  # the tile head dims (static_switch.h's)
 
 
-def flag(name: str) -> bool:
-    """An on/off knob, strictly: a value that is neither is refused, listing both."""
+def flag(name: str, auto: bool = False) -> bool:
+    """An on/off knob, strictly: a value that is neither is refused, listing both (and "auto" where it has one)."""
     value = os.environ.get(name, "")
     if value.strip().lower() in ("", "0", "false", "no", "off"):
         return False
     if value.strip().lower() in ("1", "true", "yes", "on"):
         return True
-    sys.exit(f"{name}={value!r}: expected 1, true, yes or on (set), or 0, false, no, off or empty (unset)")
+    sys.exit(f"{name}={value!r}: expected 1, true, yes or on (set), or 0, false, no, off or empty (unset)"
+             + (", or auto" if auto else ""))
 
 
 SKIP_CUDA = flag("FLASH_EPILOGUE_SKIP_CUDA_BUILD")
@@ -95,6 +100,19 @@ def cuda_archs() -> list[str]:
         sys.exit(f"{source}={ours or torchs!r}: flash_epilogue's kernels need sm_90a; add 90a "
                  "(FLASH_EPILOGUE_CUDA_ARCHS) or 9.0a (TORCH_CUDA_ARCH_LIST)")
     return list(dict.fromkeys(archs))
+
+
+def sm80_path(archs: list[str]) -> bool:
+    """Whether the build compiles the sm_80 code path (FLASH_EPILOGUE_SM80_PATH; unset or auto: with an sm_8x arch)."""
+    ampere = [a for a in archs if a.startswith("8")]
+    value = os.environ.get("FLASH_EPILOGUE_SM80_PATH", "")
+    if value.strip().lower() in ("", "auto"):
+        return bool(ampere)
+    wanted = flag("FLASH_EPILOGUE_SM80_PATH", auto=True)
+    if not wanted and ampere:
+        sys.exit(f"FLASH_EPILOGUE_SM80_PATH={value!r} beside sm_{', sm_'.join(ampere)} in the archs: those GPUs run "
+                 "the sm_80 path; leave it unset (auto) or set it on, or build for 90a alone")
+    return wanted
 
 
 def cuda_home() -> Path:
@@ -151,6 +169,7 @@ ext_modules = []
 cmdclass = {"build_py": BuildPy}
 if not SKIP_CUDA:
     ARCHS, HEAD_DIMS = cuda_archs(), head_dims()
+    SM80_PATH = sm80_path(ARCHS)
     CUDA_HOME = cuda_home()
     check_cuda_major(CUDA_HOME)
     import torch
@@ -166,8 +185,10 @@ if not SKIP_CUDA:
             jobs = os.environ.get("MAX_JOBS") or str(os.cpu_count() or 1)
             parallel = min(int(jobs), os.cpu_count() or 1) if jobs.isdigit() and int(jobs) > 0 else 1
             minutes = max(1, round(units * 20 / 60 / parallel))  # about 20 s a unit on one core
+            paths = "sm_90 and sm_80" if SM80_PATH else "sm_90"
             print(f"flash_epilogue: building {units} units (head dims {';'.join(map(str, HEAD_DIMS))}, archs "
-                  f"{';'.join(ARCHS)}) with {jobs} jobs and {CUDA_HOME}/bin/nvcc: about {minutes} min", flush=True)
+                  f"{';'.join(ARCHS)}, code paths {paths}) with {jobs} jobs and {CUDA_HOME}/bin/nvcc: about "
+                  f"{minutes} min", flush=True)
             super().run()
             info = (f"# Generated by setup.py's build_ext; do not edit.\n"
                     f"TORCH_VERSION = {torch.__version__!r}\nCUDA_VERSION = {torch.version.cuda!r}\n")
@@ -176,7 +197,8 @@ if not SKIP_CUDA:
 
     gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in ARCHS]
     defines = ['-DFLASH_EPILOGUE_COMPILED_ARCHS="' + ",".join("sm_" + a for a in ARCHS) + '"',
-               *[f"-DFLASH_EPILOGUE_DISABLE_HDIM{d}" for d in ALL_HEAD_DIMS if d not in HEAD_DIMS]]
+               *[f"-DFLASH_EPILOGUE_DISABLE_HDIM{d}" for d in ALL_HEAD_DIMS if d not in HEAD_DIMS],
+               *([] if SM80_PATH else ["-DFLASH_EPILOGUE_NO_SM80_PATH"])]
     nvcc_flags = [
         "-std=c++20",  # the kernels' own standard (the host files take torch's, from BuildExtension)
         "-O3",
@@ -197,9 +219,9 @@ if not SKIP_CUDA:
         return sorted(str(p.relative_to(ROOT)) for p in (ROOT / folder).glob(pattern))
 
     # the torch binding (checks, ops, registration), the tile table, the generated instantiations of the head dims
-    # built
+    # and code paths built
     instantiations = [f for f in glob("csrc/instantiations", "*.cu") if int(f.split("_hdim")[1].split("_")[0])
-                      in HEAD_DIMS]
+                      in HEAD_DIMS and (SM80_PATH or not f.endswith("_sm80.cu"))]
     sources = [*glob("csrc/binding", "*.cpp"), "csrc/kernels/config_table.cu", *instantiations]
     ext_modules.append(
         CUDAExtension(

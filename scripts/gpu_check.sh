@@ -5,7 +5,8 @@
 #   scripts/gpu_check.sh test,bench_ops      any stages, comma-separated
 # Results go to $OUT (default /tmp/flash_epilogue_out), labelled with the git commit (else $FLASH_EPILOGUE_COMMIT).
 # Stages:
-#   build       the extension in place (MAX_JOBS, default 16) -> build.log
+#   build       the extension in place (MAX_JOBS, default 16), with the sm_80 code path that the tests run on the GPU
+#               (FLASH_EPILOGUE_SM80_PATH, default 1 here) -> build.log
 #   test        pytest, GPU tests included (TEST_FILES, default tests; TEST_ARGS, more pytest options split on
 #               spaces, e.g. "-x"; TEST_TIMEOUT_S; TEST_MAXFAIL, default 30) -> junit.xml, tests.log, gpu_tests.json
 #   no_kernels  the test command without the kernels, as a pure-Python install runs it (FLASH_EPILOGUE_DISABLE_KERNELS=1;
@@ -39,7 +40,8 @@ fits_in() {
 
 if has build; then
   start=$(date +%s)
-  if ! MAX_JOBS=${MAX_JOBS:-16} python3 setup.py build_ext --inplace > "$OUT/build.log" 2>&1; then
+  if ! FLASH_EPILOGUE_SM80_PATH=${FLASH_EPILOGUE_SM80_PATH:-1} MAX_JOBS=${MAX_JOBS:-16} python3 setup.py build_ext \
+       --inplace > "$OUT/build.log" 2>&1; then
     echo "BUILD FAILED"; tail -50 "$OUT/build.log"; exit 1
   fi
   echo "build: $(( $(date +%s) - start )) s"

@@ -45,6 +45,18 @@ def _why_no_sm90_kernels() -> str:
 
 WHY_NOT = _why_no_sm90_kernels()
 HAVE_SM90 = not WHY_NOT
+# The sm_80 code path runs on the GPU where the build has it (FLASH_EPILOGUE_SM80_PATH; the GPU check builds it): a GPU
+# test of it skips elsewhere (pytest_collection_modifyitems). Without the kernels nothing launches, and the checks of
+# `_arch=80` calls are those of every build.
+SM80_PATH = not fe.kernels_available() or 80 in fe._extension._C.build_info()["code_paths"]
+NO_SM80_PATH = "this build has no sm_80 code path (FLASH_EPILOGUE_SM80_PATH=1 builds it)"
+PATHS = (0, 80) if SM80_PATH else (0,)  # the code paths a GPU workload loops over (0: the GPU's own)
+
+
+def runs_sm80_path(item) -> bool:
+    """A test instance of the sm_80 path: its `arch` is 80, or a parameter names it (an id with "sm80")."""
+    params = item.callspec.params if hasattr(item, "callspec") else {}
+    return params.get("arch") == 80 or any(isinstance(v, str) and "sm80" in v for v in params.values())
 
 
 def nvcc() -> str | None:
@@ -89,6 +101,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not HAVE_SM90:
             item.add_marker(pytest.mark.skip(reason=WHY_NOT))
+        elif "gpu" in item.keywords and not SM80_PATH and runs_sm80_path(item):
+            item.add_marker(pytest.mark.skip(reason=NO_SM80_PATH))
         elif "ops" in item.keywords and not fe.kernels_available():
             item.add_marker(pytest.mark.skip(reason=f"needs the ops of flash_epilogue._C: {fe.UNAVAILABLE_REASON}"))
 

@@ -1,7 +1,7 @@
-"""Every code block of README.md, docs/*.md and examples/*/README.md: each ```python block runs as written, in a fresh namespace from the
-repository root, so every name it uses is defined in the block itself. A block preceded by `<!-- gpu -->` needs an
-sm_90 GPU with the kernels (skipped elsewhere); a CPU block must also run without the extension. Blocks in other
-languages (shell, C++) are not run and must say so with `<!-- no-run -->`."""
+"""Every code block of README.md, docs/*.md and examples/*/README.md: each ```python block runs as written, in a
+fresh namespace from the repository root, so every name it uses is defined in the block itself. A block preceded by
+`<!-- gpu -->` needs an sm_90 GPU with the kernels (skipped elsewhere); a CPU block must also run without the
+extension. Blocks in other languages (shell, C++) are not run and must say so with `<!-- no-run -->`."""
 import re
 import sys
 import types

@@ -5,6 +5,7 @@ build of one head dim (FLASH_EPILOGUE_HEAD_DIMS=64, a real compile run with the 
 """
 import os
 import shutil
+import subprocess
 import sys
 import tarfile
 from pathlib import Path
@@ -87,7 +88,7 @@ def test_a_source_distribution_holds_what_the_build_reads(tmp_path):
 @pytest.mark.gpu  # a real build: run where the GPU suite runs (a many-core machine)
 @pytest.mark.slow
 @pytest.mark.skipif(nvcc() is None, reason="no nvcc")
-def test_a_build_of_one_head_dim_names_the_knob(tmp_path):
+def test_a_build_of_one_head_dim_names_the_knobs(tmp_path):
     install_and_run(tmp_path / "site", """
 import re, pytest, torch, flash_epilogue as fe
 assert fe.kernels_available(), fe.UNAVAILABLE_REASON
@@ -106,13 +107,18 @@ if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
     o = torch.empty(1, 300, 2, 64, dtype=torch.bfloat16, device="cuda")
     fe.store(a, a, o, o.clone())
     assert torch.equal(o, a.bfloat16())
-""", FLASH_EPILOGUE_HEAD_DIMS="64", CUDA_HOME=os.environ.get("CUDA_HOME", "/usr/local/cuda"))
+    # the default build leaves the sm_80 path out, and says how to build it
+    assert fe._extension._C.build_info()["code_paths"] == [90]
+    with pytest.raises(fe.FlashEpilogueInputError, match=re.escape(
+            "_arch: expected 0 or 90: this build has no sm_80 code path (FLASH_EPILOGUE_SM80_PATH=1 builds it), "
+            "got 80")):
+        fe.store(a, a, o, o.clone(), _arch=80)
+""", FLASH_EPILOGUE_HEAD_DIMS="64", FLASH_EPILOGUE_SM80_PATH="",
+       CUDA_HOME=os.environ.get("CUDA_HOME", "/usr/local/cuda"))
 
 
-def setup_py(**env) -> "subprocess.CompletedProcess":
+def setup_py(**env) -> subprocess.CompletedProcess:
     """`python setup.py --version` under env: the knobs are read (and the toolkit found) before anything is built."""
-    import subprocess
-
     return subprocess.run([sys.executable, "setup.py", "--version"], cwd=ROOT, env=dict(os.environ, **env),
                           capture_output=True, text=True, timeout=300)
 
@@ -125,14 +131,19 @@ NO_TOOLKIT = "CUDA_HOME=/nonexistent: no CUDA toolkit there (bin/nvcc and includ
 @pytest.mark.parametrize("env, message", [
     ({"FLASH_EPILOGUE_SKIP_CUDA_BUILD": "maybe"}, "FLASH_EPILOGUE_SKIP_CUDA_BUILD='maybe': " + ON_OFF),
     ({"FLASH_EPILOGUE_CUDA_ARCHS": "90a;xyz"}, "FLASH_EPILOGUE_CUDA_ARCHS='90a;xyz': " + ARCH_LIST + "xyz"),
-    ({"FLASH_EPILOGUE_CUDA_ARCHS": "", "TORCH_CUDA_ARCH_LIST": "9.0;7.5"}, "TORCH_CUDA_ARCH_LIST='9.0;7.5': " + ARCH_LIST
-     + "75"),
+    ({"FLASH_EPILOGUE_CUDA_ARCHS": "", "TORCH_CUDA_ARCH_LIST": "9.0;7.5"},
+     "TORCH_CUDA_ARCH_LIST='9.0;7.5': " + ARCH_LIST + "75"),
     ({"FLASH_EPILOGUE_CUDA_ARCHS": "80"}, "FLASH_EPILOGUE_CUDA_ARCHS='80': flash_epilogue's kernels need sm_90a"),
+    ({"FLASH_EPILOGUE_SM80_PATH": "maybe"}, "FLASH_EPILOGUE_SM80_PATH='maybe': " + ON_OFF + ", or auto"),
+    # an sm_8x GPU runs the sm_80 path: it cannot be left out of a build for one
+    ({"FLASH_EPILOGUE_SM80_PATH": "off", "FLASH_EPILOGUE_CUDA_ARCHS": "90a;86"},
+     "FLASH_EPILOGUE_SM80_PATH='off' beside sm_86 in the archs: those GPUs run the sm_80 path"),
     ({"CUDA_HOME": "/nonexistent"}, NO_TOOLKIT),
     # "false" builds: it goes on to look for the toolkit
     ({"FLASH_EPILOGUE_SKIP_CUDA_BUILD": "false", "CUDA_HOME": "/nonexistent"}, NO_TOOLKIT)])
 def test_build_knobs_are_refused_listing_what_is_accepted(env, message):
-    out = setup_py(**{"FLASH_EPILOGUE_SKIP_CUDA_BUILD": "", "FLASH_EPILOGUE_CUDA_ARCHS": "", **env})
+    out = setup_py(**{"FLASH_EPILOGUE_SKIP_CUDA_BUILD": "", "FLASH_EPILOGUE_CUDA_ARCHS": "",
+                      "FLASH_EPILOGUE_SM80_PATH": "", **env})
     assert out.returncode != 0 and message in out.stderr, out.stderr[-2000:]
 
 

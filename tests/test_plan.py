@@ -23,8 +23,8 @@ def needs(*head_dims):
 
 def test_thresholds_are_named():
     assert set(T) == {"store_rows64_min_average_rows", "store_tiles_per_sm_unstreamed", "store_tiles_per_sm_rows64",
-                      "dv_own_tile_min_tiles_accumulator", "dv_own_tile_min_tiles_reduce", "dv_own_tile_shared_head_dim",
-                      "dv_own_tile_max_head_dim"}
+                      "dv_own_tile_min_tiles_accumulator", "dv_own_tile_min_tiles_reduce",
+                      "dv_own_tile_shared_head_dim", "dv_own_tile_max_head_dim"}
     assert all(isinstance(v, int) and v > 0 for v in T.values())
 
 

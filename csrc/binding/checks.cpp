@@ -270,10 +270,8 @@ at::Device Checker::devices(Names ts) const {
   return (*ref)->device();
 }
 
-// The code path: 90 on an sm_90 GPU (sm_90a kernels), 80 on an sm_8x GPU when the build has sm_80 code;
-// `requested` = 80 forces the sm_80 path on an sm_90 GPU (a testing knob). After devices().
 // The code path: 90 on an sm_90 GPU (sm_90a kernels), 80 on an sm_8x GPU when the build has sm_80 code; _arch = 80
-// forces the sm_80 path on an sm_90 GPU (a testing knob). After devices().
+// forces the sm_80 path on an sm_90 GPU (a testing knob), where the build has that path. After devices().
 int Checker::resolve_arch(at::Device device) const {
   arch_value(arch_);
   std::pair<int, int> const capability = device_capability(device.index());
@@ -286,7 +284,11 @@ int Checker::resolve_arch(at::Device device) const {
          device.str() + " with compute capability " + name);
   }
   if (arch_ == 90 && !sm90) { fail("_arch", "0 or 80 on " + device.str() + " (compute capability " + name + ")", "90"); }
-  return code_path(arch_, capability);
+  int const path = code_path(arch_, capability);
+  if (path == 80 && !kFlashEpilogueSm80Path) {
+    fail("_arch", "0 or 90: this build has no sm_80 code path (FLASH_EPILOGUE_SM80_PATH=1 builds it)", "80");
+  }
+  return path;
 }
 
 ProblemShape Checker::shape(int64_t num_heads_kv) const {

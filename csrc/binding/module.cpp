@@ -99,7 +99,8 @@ py::dict build_info() {
       "torch_version"_a = TORCH_VERSION, "cuda_runtime_version"_a = CUDART_VERSION,
       "cutlass_version"_a = version(CUTLASS_MAJOR, CUTLASS_MINOR, CUTLASS_PATCH),
       "compiled_archs"_a = compiled_archs(), "tile_head_dims"_a = std::vector<int>{FLASH_EPILOGUE_ALL_HEAD_DIMS},
-      "compiled_head_dims"_a = std::vector<int>(std::begin(kFlashEpilogueHeadDims), std::end(kFlashEpilogueHeadDims)));
+      "compiled_head_dims"_a = std::vector<int>(std::begin(kFlashEpilogueHeadDims), std::end(kFlashEpilogueHeadDims)),
+      "code_paths"_a = kFlashEpilogueSm80Path ? std::vector<int>{90, 80} : std::vector<int>{90});
 }
 
 }  // namespace

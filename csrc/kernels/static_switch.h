@@ -64,6 +64,18 @@ inline constexpr int kFlashEpilogueHeadDims[] = {FLASH_EPILOGUE_HEAD_DIMS};  // 
     return __VA_ARGS__();                                              \
   }()
 
-// The code path: 90 (sm_90: TMA collectives) or 80 (sm_80 collectives, also runnable on sm_90).
+// The code path: 90 (sm_90: TMA collectives) or 80 (sm_80 collectives, also runnable on sm_90). A build may leave the
+// sm_80 path out (FLASH_EPILOGUE_NO_SM80_PATH, from setup.py's FLASH_EPILOGUE_SM80_PATH); the checks then refuse it
+// before any launch, and ARCH_SWITCH instantiates the sm_90 path alone.
+#ifdef FLASH_EPILOGUE_NO_SM80_PATH
+inline constexpr bool kFlashEpilogueSm80Path = false;
+#define ARCH_SWITCH(VALUE, NAME, ...) \
+  [&] {                               \
+    constexpr static int NAME = 90;   \
+    return __VA_ARGS__();             \
+  }()
+#else
+inline constexpr bool kFlashEpilogueSm80Path = true;
 #define ARCH_SWITCH(VALUE, NAME, ...) FE_CONDITION_SWITCH((VALUE) == 90, int, NAME, 90, 80, __VA_ARGS__)
+#endif
 #define BOOL_SWITCH(COND, NAME, ...) FE_CONDITION_SWITCH(COND, bool, NAME, true, false, __VA_ARGS__)
