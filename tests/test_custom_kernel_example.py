@@ -1,13 +1,16 @@
 """examples/custom_kernel: a user's own extension that includes the collective. CI compiles it
 (CPU); on an sm_90 GPU it is built with torch's JIT loader and must give `.to(bf16)` bitwise."""
+import os
 import shutil
 import sys
 import sysconfig
+from pathlib import Path
 
 import pytest
 import torch
 from torch.utils.cpp_extension import include_paths
 
+import flash_epilogue as fe
 from conftest import EXAMPLE, HAVE_SM90, example_build, nvcc, run_checked
 from flash_epilogue.testing import same
 
@@ -31,9 +34,11 @@ def test_example_compiles(tmp_path):
 def test_example_kernel_builds_with_cmake(tmp_path):
     # the README's CMake line, from another directory, with this Python's flash_epilogue: no warning
     build_dir = tmp_path / "build"
+    # the package this test imports, installed or not (a checkout built in place is importable from its root only)
+    path = os.pathsep.join([str(Path(fe.__file__).parent.parent), os.environ.get("PYTHONPATH", "")])
     configure = run_checked(["cmake", "-S", str(EXAMPLE), "-B", str(build_dir), "-DCMAKE_BUILD_TYPE=Release",
                              f"-DPython3_EXECUTABLE={sys.executable}", f"-DCMAKE_CUDA_COMPILER={nvcc()}"],
-                            cwd=tmp_path, timeout=600)
+                            cwd=tmp_path, timeout=600, env=dict(os.environ, PYTHONPATH=path))
     built = run_checked(["cmake", "--build", str(build_dir)], cwd=tmp_path, timeout=900)
     assert (build_dir / "libepilogue_example.a").is_file()
     assert "warning" not in (configure.stderr + built.stdout + built.stderr).lower(), built.stdout[-3000:]
