@@ -62,8 +62,10 @@ def test_info_and_main_run():
     if fe.kernels_available():
         assert "sm_90a" in d["compiled_archs"] and "sm_90a" in C.compiled_archs() and isinstance(C.build_info(), dict)
         got = {(c["op"], c["dtype"], c["head_dim"], c["path"]) for c in d["compiled_configs"]}
-        assert got == {(op, dt, hd, path) for op in OP_NAMES[:4] + OP_NAMES[5:6] for dt in ("bfloat16", "float16")
-                       for hd in fe.COMPILED_HEAD_DIMS for path in ("sm90", "sm80")}
+        paths = {90: "sm90", 80: "sm80"}
+        assert d["code_paths"] == C.build_info()["code_paths"] and 90 in d["code_paths"]
+        assert got == {(op, dt, hd, paths[path]) for op in OP_NAMES[:4] + OP_NAMES[5:6]
+                       for dt in ("bfloat16", "float16") for hd in fe.COMPILED_HEAD_DIMS for path in d["code_paths"]}
     for module in ("flash_epilogue.info", "flash_epilogue"):
         out = subprocess.run([sys.executable, "-m", module], cwd=ROOT, capture_output=True, text=True)
         assert out.returncode == 0, out.stderr

@@ -23,15 +23,15 @@ using namespace pybind11::literals;
 using flash_epilogue::compiled_archs;
 using flash_epilogue::compiled_tile_configs;
 
-// Every (op, dtype, head dim, path) with a kernel. path: sm90 (TMA collectives) or sm80 (the Ampere collectives,
-// compiled for every arch of the build); archs: the GPU code the build holds.
+// Every (op, dtype, head dim, path) with a kernel. path: sm90 (TMA collectives) or, where the build has it, sm80 (the
+// Ampere collectives, compiled for every arch of the build); archs: the GPU code the build holds.
 std::vector<py::dict> compiled_configs() {
   std::vector<py::dict> configs;
   for (char const* op : {"store", "store_zero", "gqa_accumulate", "gqa_postprocess", "gqa_reduce"}) {
     for (char const* dtype : {"bfloat16", "float16"}) {
       for (auto const& t : compiled_tile_configs()) {
-        if (!t.fa3) { continue; }  // store's other tiles serve the same head dims
         bool const sm90 = t.arch == 90;
+        if (!t.fa3 || (!sm90 && !kFlashEpilogueSm80Path)) { continue; }  // store's other tiles: the same head dims
         configs.emplace_back("op"_a = op, "dtype"_a = dtype, "head_dim"_a = t.head_dim,
                              "path"_a = sm90 ? "sm90" : "sm80",
                              "archs"_a = sm90 ? std::vector<std::string>{"sm_90a"} : compiled_archs());
