@@ -51,9 +51,12 @@ cutlass_include_dirs = _load("flash_epilogue/_cutlass.py").cutlass_include_dirs
 ALL_HEAD_DIMS = _load("scripts/generate_instantiations.py").HEAD_DIMS  # the tile head dims (static_switch.h's)
 
 
-def flag(name: str, auto: bool = False) -> bool:
-    """An on/off knob, strictly: a value that is neither is refused, listing both (and "auto" where it has one)."""
+def flag(name: str, auto: bool = False) -> bool | None:
+    """An on/off knob, strictly: a value that is neither is refused, listing both. With ``auto``, unset or "auto" is
+    None (the caller decides), and the refusal lists it too."""
     value = os.environ.get(name, "")
+    if auto and value.strip().lower() in ("", "auto"):
+        return None
     if value.strip().lower() in ("", "0", "false", "no", "off"):
         return False
     if value.strip().lower() in ("1", "true", "yes", "on"):
@@ -105,13 +108,13 @@ def cuda_archs() -> list[str]:
 def sm80_path(archs: list[str]) -> bool:
     """Whether the build compiles the sm_80 code path (FLASH_EPILOGUE_SM80_PATH; unset or auto: with an sm_8x arch)."""
     ampere = [a for a in archs if a.startswith("8")]
-    value = os.environ.get("FLASH_EPILOGUE_SM80_PATH", "")
-    if value.strip().lower() in ("", "auto"):
-        return bool(ampere)
     wanted = flag("FLASH_EPILOGUE_SM80_PATH", auto=True)
+    if wanted is None:
+        return bool(ampere)
     if not wanted and ampere:
-        sys.exit(f"FLASH_EPILOGUE_SM80_PATH={value!r} beside sm_{', sm_'.join(ampere)} in the archs: those GPUs run "
-                 "the sm_80 path; leave it unset (auto) or set it on, or build for 90a alone")
+        sys.exit(f"FLASH_EPILOGUE_SM80_PATH={os.environ['FLASH_EPILOGUE_SM80_PATH']!r} beside "
+                 f"sm_{', sm_'.join(ampere)} in the archs: those GPUs run the sm_80 path; leave it unset (auto) or set "
+                 "it on, or build for 90a alone")
     return wanted
 
 

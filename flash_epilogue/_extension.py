@@ -40,6 +40,15 @@ def compiled_archs() -> tuple[str, ...]:
     return _COMPILED_ARCHS
 
 
+# The code paths the build has kernels of: 90, and 80 where it was built (FLASH_EPILOGUE_SM80_PATH; a build older than
+# that knob has both); none without the extension.
+_CODE_PATHS: tuple[int, ...] = tuple(_C.build_info().get("code_paths", (90, 80))) if _C is not None else ()
+
+
+def code_paths() -> tuple[int, ...]:
+    return _CODE_PATHS
+
+
 def unavailable(op: str) -> FlashEpilogueBuildError:
     reason = UNAVAILABLE_REASON or "the loaded flash_epilogue._C does not define it (a stale build: rebuild it)"
     return FlashEpilogueBuildError(f"flash_epilogue.{op}: the CUDA kernels are not available: {reason}. The ops run "

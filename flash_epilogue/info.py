@@ -12,7 +12,7 @@ def info() -> dict:
         "built_with_torch": getattr(build, "TORCH_VERSION", None),
         "built_with_cuda": getattr(build, "CUDA_VERSION", None),
         "compiled_archs": list(_extension.compiled_archs()),
-        "code_paths": list(C.build_info().get("code_paths", (90, 80))) if C is not None else [],
+        "code_paths": list(_extension.code_paths()),
         "torch": torch.__version__, "torch_cuda": torch.version.cuda,
         "device": torch.cuda.get_device_name() if cuda else None,
         "compute_capability": "sm_{}{}".format(*torch.cuda.get_device_capability()) if cuda else None,

@@ -47,8 +47,8 @@ WHY_NOT = _why_no_sm90_kernels()
 HAVE_SM90 = not WHY_NOT
 # The sm_80 code path runs on the GPU where the build has it (FLASH_EPILOGUE_SM80_PATH; the GPU check builds it): a GPU
 # test of it skips elsewhere (pytest_collection_modifyitems). Without the kernels nothing launches, and the checks of
-# `_arch=80` calls are those of every build. (A build older than the knob has both paths.)
-SM80_PATH = not fe.kernels_available() or 80 in fe._extension._C.build_info().get("code_paths", (90, 80))
+# `_arch=80` calls are those of every build.
+SM80_PATH = not fe.kernels_available() or 80 in fe._extension.code_paths()
 NO_SM80_PATH = "this build has no sm_80 code path (FLASH_EPILOGUE_SM80_PATH=1 builds it)"
 PATHS = (0, 80) if SM80_PATH else (0,)  # the code paths a GPU workload loops over (0: the GPU's own)
 

@@ -30,8 +30,9 @@ std::vector<py::dict> compiled_configs() {
   for (char const* op : {"store", "store_zero", "gqa_accumulate", "gqa_postprocess", "gqa_reduce"}) {
     for (char const* dtype : {"bfloat16", "float16"}) {
       for (auto const& t : compiled_tile_configs()) {
+        if (!t.fa3) { continue; }  // store's other tiles serve the same head dims
         bool const sm90 = t.arch == 90;
-        if (!t.fa3 || (!sm90 && !kFlashEpilogueSm80Path)) { continue; }  // store's other tiles: the same head dims
+        if (!sm90 && !kFlashEpilogueSm80Path) { continue; }  // a build without the sm_80 path
         configs.emplace_back("op"_a = op, "dtype"_a = dtype, "head_dim"_a = t.head_dim,
                              "path"_a = sm90 ? "sm90" : "sm80",
                              "archs"_a = sm90 ? std::vector<std::string>{"sm_90a"} : compiled_archs());
