@@ -23,7 +23,7 @@ IndexArg = None | int | Sequence[int] | torch.Tensor
 
 def store(dk_accum: torch.Tensor, dv_accum: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, *,
           cu_seqlens: torch.Tensor | None = None, seqused: torch.Tensor | None = None,
-          check_inputs: bool | None = None, _arch: int = 0) -> None:
+          check_inputs: bool | None = None) -> None:
     """In place: dk and dv (bf16 or fp16) get the fp32 ``dk_accum``/``dv_accum`` of their shapes, rounded to nearest
     even, in their valid rows only.
 
@@ -34,9 +34,19 @@ def store(dk_accum: torch.Tensor, dv_accum: torch.Tensor, dk: torch.Tensor, dv: 
     H200); ``flash_epilogue.reference.store_reference`` computes the same bits on any device. Bad arguments raise
     FlashEpilogueInputError (FlashEpilogueTypeError for types and dtypes); ``check_inputs=True`` also checks the
     contents of cu_seqlens/seqused (a host sync)."""
-    _arch = _arch if type(_arch) is int and INT64_MIN <= _arch <= INT64_MAX else as_int("store", "_arch", _arch)
+    _store(dk_accum, dv_accum, dk, dv, cu_seqlens=cu_seqlens, seqused=seqused, check_inputs=check_inputs)
+
+
+def _arch_of(op: str, arch) -> int:
+    """The ops' private `_arch`: 0 runs the device's code path; 80 the sm_80 one on an sm_90 GPU, in a build that has it
+    (the tests use it through the private twins _store, _store_zero and _gqa_reduce; the op checks the value)."""
+    return arch if type(arch) is int and INT64_MIN <= arch <= INT64_MAX else as_int(op, "_arch", arch)
+
+
+def _store(dk_accum, dv_accum, dk, dv, *, cu_seqlens=None, seqused=None, check_inputs=None, _arch=0) -> None:
+    """:func:`store` on the code path `_arch` (see _arch_of)."""
     _extension.call_op("store", check_inputs, dk, dk_accum, dv_accum, dk, dv, cu_seqlens=cu_seqlens, seqused=seqused,
-                       _arch=_arch)
+                       _arch=_arch_of("store", _arch))
 
 
 def _index_tensor(name: str, idx: IndexArg, device) -> torch.Tensor | None:
@@ -66,12 +76,18 @@ def _index_tensor(name: str, idx: IndexArg, device) -> torch.Tensor | None:
 
 def store_zero(dk: torch.Tensor, dv: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None,
                seqused: torch.Tensor | None = None, batch_idx: IndexArg = None, head_idx: IndexArg = None,
-               row_start: int = 0, row_end: int | None = None, check_inputs: bool | None = None,
-               _arch: int = 0) -> None:
+               row_start: int = 0, row_end: int | None = None, check_inputs: bool | None = None) -> None:
     """In place: zeros in dk and dv (bf16 or fp16, layouts as :func:`store`'s) in rows [row_start, row_end) (counted
     from each sequence's start, clipped to its valid rows) of the sequences ``batch_idx`` and heads ``head_idx``
     (None: all; an int, ints, or an int32 tensor on dk's device; out-of-range entries are skipped). Runs on an sm_90
     GPU; ``flash_epilogue.reference.store_zero_reference`` is the same on any device."""
+    _store_zero(dk, dv, cu_seqlens=cu_seqlens, seqused=seqused, batch_idx=batch_idx, head_idx=head_idx,
+                row_start=row_start, row_end=row_end, check_inputs=check_inputs)
+
+
+def _store_zero(dk, dv, *, cu_seqlens=None, seqused=None, batch_idx=None, head_idx=None, row_start=0, row_end=None,
+                check_inputs=None, _arch=0) -> None:
+    """:func:`store_zero` on the code path `_arch` (see _arch_of)."""
     op = "store_zero"
     if (batch_idx is not None or head_idx is not None) and isinstance(dk, torch.Tensor):
         batch_idx = _index_tensor("batch_idx", batch_idx, dk.device)
@@ -80,9 +96,8 @@ def store_zero(dk: torch.Tensor, dv: torch.Tensor, *, cu_seqlens: torch.Tensor |
         row_start = as_int(op, "row_start", row_start)
     if row_end is not None and (type(row_end) is not int or not INT64_MIN <= row_end <= INT64_MAX):
         row_end = as_int(op, "row_end", row_end, "None or an int")
-    _arch = _arch if type(_arch) is int and INT64_MIN <= _arch <= INT64_MAX else as_int(op, "_arch", _arch)
     _extension.call_op(op, check_inputs, dk, dk, dv, cu_seqlens=cu_seqlens, seqused=seqused, batch_idx=batch_idx,
-                       head_idx=head_idx, row_start=row_start, row_end=row_end, _arch=_arch)
+                       head_idx=head_idx, row_start=row_start, row_end=row_end, _arch=_arch_of(op, _arch))
 
 
 def _check_acc(op: str, acc, k, v, cu_seqlens, k_name: str, v_name: str) -> None:
@@ -177,7 +192,7 @@ def _new_output(name: str, partial, num_heads_kv: int, varlen: bool, out_dtype):
 def gqa_reduce(dk_partial: torch.Tensor, dv_partial: torch.Tensor | None = None, *, num_heads_kv: int,
                cu_seqlens: torch.Tensor | None = None, seqused: torch.Tensor | None = None,
                out: torch.Tensor | tuple | None = None, out_dtype: torch.dtype | None = None,
-               scale_dk: float = 1.0, scale_dv: float = 1.0, check_inputs: bool | None = None, _arch: int = 0):
+               scale_dk: float = 1.0, scale_dv: float = 1.0, check_inputs: bool | None = None):
     """dK (and dV) of the KV heads from per-query-head partials in one call: each group of ``num_heads_q /
     num_heads_kv`` heads summed in fp32 in head order (0 + p_0 + ... + p_{g-1}), times the fp32 scale, rounded once.
 
@@ -186,6 +201,13 @@ def gqa_reduce(dk_partial: torch.Tensor, dv_partial: torch.Tensor | None = None,
     tensors of ``out_dtype`` (default: the partials' dtype if 16-bit, else bf16) whose rows outside the valid ones
     are uninitialized. Returns dk, or (dk, dv). Runs on an sm_90 GPU;
     ``flash_epilogue.reference.gqa_reduce_reference`` gives the same bits on any device."""
+    return _gqa_reduce(dk_partial, dv_partial, num_heads_kv=num_heads_kv, cu_seqlens=cu_seqlens, seqused=seqused,
+                       out=out, out_dtype=out_dtype, scale_dk=scale_dk, scale_dv=scale_dv, check_inputs=check_inputs)
+
+
+def _gqa_reduce(dk_partial, dv_partial=None, *, num_heads_kv, cu_seqlens=None, seqused=None, out=None, out_dtype=None,
+                scale_dk=1.0, scale_dv=1.0, check_inputs=None, _arch=0):
+    """:func:`gqa_reduce` on the code path `_arch` (see _arch_of)."""
     op = "gqa_reduce"
     if type(num_heads_kv) is not int or num_heads_kv < 1:
         num_heads_kv = as_count(op, "num_heads_kv", num_heads_kv, "a positive int", 1)
@@ -208,9 +230,8 @@ def gqa_reduce(dk_partial: torch.Tensor, dv_partial: torch.Tensor | None = None,
         fail(op, "out", "None, a tensor (dk) or a (dk, dv) pair", f"a {type(out).__name__}{length}")
     scale_dk = scale_dk if type(scale_dk) is float else as_float(op, "scale_dk", scale_dk)
     scale_dv = scale_dv if type(scale_dv) is float else as_float(op, "scale_dv", scale_dv)
-    _arch = _arch if type(_arch) is int and INT64_MIN <= _arch <= INT64_MAX else as_int(op, "_arch", _arch)
     _extension.call_op(op, check_inputs, dk_partial, dk_partial, dv_partial, dk, dv, cu_seqlens=cu_seqlens,
-                       seqused=seqused, scale_dk=scale_dk, scale_dv=scale_dv, _arch=_arch)
+                       seqused=seqused, scale_dk=scale_dk, scale_dv=scale_dv, _arch=_arch_of(op, _arch))
     return dk if dv_partial is None else (dk, dv)
 
 

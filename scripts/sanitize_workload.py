@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """The workload scripts/sanitize.sh runs under compute-sanitizer: every op on small shapes over a
-representative set of configurations, each result checked against the reference. Only the public
-API: the wrappers (their `_arch=80` selects the sm_80 path), fe.gqa_accumulator, fe.tile_config,
-flash_epilogue.reference and flash_epilogue.testing (buffers, problems, the bitwise comparison).
+representative set of configurations, each result checked against the reference. Only the package's
+API: the wrappers (the sm_80 path through their private twins' `_arch=80`), fe.gqa_accumulator,
+fe.tile_config, flash_epilogue.reference and flash_epilogue.testing (buffers, problems, the bitwise
+comparison).
 
     python3 scripts/sanitize_workload.py --tool memcheck [--group store|gqa|all] [--list]
     python3 scripts/sanitize_workload.py --device cpu      # dry run: every call must pass the op's checks
@@ -35,6 +36,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import flash_epilogue as fe  # noqa: E402
+from flash_epilogue.ops import _gqa_reduce, _store, _store_zero  # noqa: E402
 from flash_epilogue.reference import (  # noqa: E402
     gqa_accumulate_reference,
     gqa_reduce_reference,
@@ -109,7 +111,7 @@ def run_store(d, dv=None, layout="batched", seqused=False, dtype="bf16", arch=0,
     (buf_k, dk), (buf_v, dv_out) = output(p.lead + (h, d), dtype), output(p.lead + (h, dv), dtype, "transposed")
     want_k, want_v = buf_k.clone(), buf_v.clone()
     store_reference(acc_k, acc_v, same_view(want_k, dk), same_view(want_v, dv_out), **p.seq_used)
-    call_op(DEV, fe.store, acc_k, acc_v, dk, dv_out, _arch=arch, **p.seq_used)
+    call_op(DEV, _store, acc_k, acc_v, dk, dv_out, _arch=arch, **p.seq_used)
     if executed():
         expect_equal(("dk", buf_k, want_k), ("dv", buf_v, want_v))
 
@@ -127,7 +129,7 @@ def run_store_zero(d, dv=None, layout="batched", seqused=False, dtype="bf16", ar
            "row_end": 2 * n + 1}
     want_k, want_v = buf_k.clone(), buf_v.clone()
     store_zero_reference(want_k, want_v, **sel, **p.seq_used)
-    call_op(DEV, fe.store_zero, dk, dv_out, _arch=arch, **sel, **p.seq_used)
+    call_op(DEV, _store_zero, dk, dv_out, _arch=arch, **sel, **p.seq_used)
     if executed():
         expect_equal(("dk", buf_k, want_k), ("dv", buf_v, want_v))
 
@@ -182,13 +184,13 @@ def run_gqa_reduce(d, dv=None, layout="batched", seqused=False, partial="fp32", 
         for part, buf, view, scale in ((pk, want_k, dk, 0.5), (pv, want_v, dv_out, 1.0)):
             gqa_reduce_reference(part, num_heads_kv=h_k, out=same_view(buf, view), scale_dk=scale, sequential=True,
                                  **p.seq_used)
-        call_op(DEV, fe.gqa_reduce, pk, pv, out=(dk, dv_out), **kw)
+        call_op(DEV, _gqa_reduce, pk, pv, out=(dk, dv_out), **kw)
         if executed():
             expect_equal(("dk", buf_k, want_k), ("dv", buf_v, want_v))
         return
     # new outputs: only with every row valid (batched, no seqused), so all of it is written
     assert layout == "batched" and not seqused
-    out = call_op(DEV, fe.gqa_reduce, pk, pv, out_dtype=DT[dtype] if partial == "fp32" else None, **kw)
+    out = call_op(DEV, _gqa_reduce, pk, pv, out_dtype=DT[dtype] if partial == "fp32" else None, **kw)
     if executed():
         want = gqa_reduce_reference(pk, pv, num_heads_kv=h_k, out_dtype=DT[dtype], scale_dk=0.5, sequential=True)
         expect_equal(("dk", out[0], want[0]), ("dv", out[1], want[1]))
@@ -202,9 +204,9 @@ def run_bad_metadata(d, arch=0, seed=0):
         seq = {"cu_seqlens": int32(*cu, device=DEV)}
         acc_k, acc_v = padded((300, 2, d), gen), rand((300, 2, d), gen)
         (_, dk), (_, dv) = output((300, 2, d), "bf16"), output((300, 2, d), "bf16", "transposed")
-        call_op(DEV, fe.store, acc_k, acc_v, dk, dv, _arch=arch, **seq)
+        call_op(DEV, _store, acc_k, acc_v, dk, dv, _arch=arch, **seq)
         pk, pv = padded((300, 8, d), gen), rand((300, 8, d), gen)
-        call_op(DEV, fe.gqa_reduce, pk, pv, num_heads_kv=2, out=(dk, dv), _arch=arch, **seq)
+        call_op(DEV, _gqa_reduce, pk, pv, num_heads_kv=2, out=(dk, dv), _arch=arch, **seq)
         acc = fe.gqa_accumulator(2, d, deterministic=True, device=DEV, arch=arch, total_tokens=300, **seq)
         call_op(DEV, fe.gqa_accumulate, pk, pv, acc, deterministic=True, **seq)
         call_op(DEV, fe.gqa_postprocess, acc, dk, dv, **seq)

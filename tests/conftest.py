@@ -22,6 +22,7 @@ import torch
 import torch.utils._pytree as pytree
 
 import flash_epilogue as fe
+from flash_epilogue.ops import _gqa_reduce, _store, _store_zero
 from flash_epilogue.reference import (gqa_accumulate_reference, gqa_reduce_reference, gqa_reduce_sequential_fp32,
                                       group_sum_reference, store_reference, store_zero_reference)
 from flash_epilogue.testing import (assert_bits, bits, call_op, canary, carve, generator, input_view, int32, problem,
@@ -214,7 +215,7 @@ def check_reduce(d, dv, with_dv, arch, h_k, g, partial_dtype, out_dtype, batch, 
     pv = pv if with_dv else None
     kw = {"num_heads_kv": h_k, "scale_dk": scales[0], "scale_dv": scales[1], **p.seq_used}
     if not give_out:
-        ret = call_op(dev, fe.gqa_reduce, pk, pv, out_dtype=out_dtype if partial_dtype == torch.float32 else None,
+        ret = call_op(dev, _gqa_reduce, pk, pv, out_dtype=out_dtype if partial_dtype == torch.float32 else None,
                       _arch=arch, **kw)
         if dev == "cuda":
             for name, out, part, scale in zip(("dk", "dv"), list(ret) if with_dv else [ret], (pk, pv), scales):
@@ -227,7 +228,7 @@ def check_reduce(d, dv, with_dv, arch, h_k, g, partial_dtype, out_dtype, batch, 
                                     for w, layout in zip((d, dv if with_dv else d), out_layouts))
     expect_k, expect_v = buf_k.clone(), buf_v.clone()
     gqa_reduce_reference(pk, pv, out=(same_view(expect_k, dk), same_view(expect_v, dv_out)), sequential=True, **kw)
-    ret = call_op(dev, fe.gqa_reduce, pk, pv, out=(dk, dv_out) if with_dv else dk, _arch=arch, **kw)
+    ret = call_op(dev, _gqa_reduce, pk, pv, out=(dk, dv_out) if with_dv else dk, _arch=arch, **kw)
     if dev == "cuda":
         assert (ret[0] is dk and ret[1] is dv_out) if with_dv else ret is dk
     assert_written(dev, ("dk", buf_k, expect_k), ("dv", buf_v, expect_v))
@@ -249,11 +250,11 @@ def every_op_launches(d, gen, lead=(2, 300), h=4, g=2, arch=0, store_dtype=BF16,
     sel = {"batch_idx": int32(1, device=dev), "row_start": s // 2}  # a list: a CUDA copy first
     acc = fe.gqa_accumulator(h, d, batch=b, seqlen=s, deterministic=deterministic, device=dev, arch=arch)
     got = {}
-    launches = [lambda: fe.store(ak, av, out[0], out[1], _arch=arch),
-                lambda: fe.store_zero(out[0], out[1], **sel, _arch=arch),
-                lambda: fe.gqa_reduce(pk, pv, num_heads_kv=h, out=(out[2], out[3]), _arch=arch),
-                lambda: fe.gqa_reduce(pk, num_heads_kv=h, out=out[4], _arch=arch),
-                lambda: got.update(reduce16=fe.gqa_reduce(p16, num_heads_kv=h, _arch=arch)),
+    launches = [lambda: _store(ak, av, out[0], out[1], _arch=arch),
+                lambda: _store_zero(out[0], out[1], **sel, _arch=arch),
+                lambda: _gqa_reduce(pk, pv, num_heads_kv=h, out=(out[2], out[3]), _arch=arch),
+                lambda: _gqa_reduce(pk, num_heads_kv=h, out=out[4], _arch=arch),
+                lambda: got.update(reduce16=_gqa_reduce(p16, num_heads_kv=h, _arch=arch)),
                 lambda: fe.gqa_accumulate(pk, pv, acc),
                 lambda: fe.gqa_postprocess(acc, out[5], out[6], scale_dk=0.5),
                 lambda: got.update(repeat_kv=torch.autograd.grad(fe.repeat_kv(x, g), x, grad))]

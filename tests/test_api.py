@@ -268,3 +268,16 @@ def test_debug_switch_reaches_the_extension(monkeypatch):
     monkeypatch.setenv("FLASH_EPILOGUE_DEBUG", "0")
     fe.refresh_env_flags()
     assert not C._debug_sync()
+
+
+def test_public_signatures_have_no_private_arguments():
+    """The code-path switch `_arch` is the tests' (ops._store, _store_zero, _gqa_reduce): no public function has it."""
+    import inspect
+    public = [getattr(m, n) for m in (fe, fe.reference, fe.testing) for n in m.__all__]
+    public = [f for f in public if inspect.isfunction(f)]
+    assert {f.__name__ for f in public} >= {"store", "store_zero", "gqa_reduce", "gqa_accumulate", "repeat_kv"}
+    for f in public:
+        private = [p for p in inspect.signature(f).parameters if p.startswith("_")]
+        assert not private, f"{f.__module__}.{f.__name__} shows {private}"
+    with pytest.raises(TypeError, match="_arch"):
+        fe.store(torch.zeros(1), torch.zeros(1), torch.zeros(1), torch.zeros(1), _arch=80)

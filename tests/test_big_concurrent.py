@@ -12,6 +12,7 @@ import torch
 
 import flash_epilogue as fe
 from conftest import PATHS, cuda_graph, every_op_launches, run_in_child
+from flash_epilogue.ops import _gqa_reduce, _store, _store_zero
 from flash_epilogue.reference import (gqa_accumulate_reference, gqa_reduce_reference, gqa_reduce_sequential_fp32,
                                       sequence_bounds, store_zero_reference)
 from flash_epilogue.testing import CANARY_BITS, bits, canary, first_diff, generator, int32, rand, same, same_view
@@ -82,7 +83,7 @@ def test_store_and_store_zero_beyond_int32(layout, arch):
         dk, dv = canary(acc_k.shape), canary(acc_v.shape)
         kw = {"cu_seqlens": cu, "seqused": used, "check_inputs": True}
         zero_kw = {"cu_seqlens": cu, "seqused": used, "head_idx": [0, H_BIG - 1], "row_start": 3}
-    fe.store(acc_k, acc_v, dk, dv, _arch=arch, **kw)
+    _store(acc_k, acc_v, dk, dv, _arch=arch, **kw)
     row_dim, rows = dk.dim() - 3, dk.shape[dk.dim() - 3]
     for name, out, acc in (("dk", dk, acc_k), ("dv", dv, acc_v)):
         check_rows(name, out, lambda a, b: acc.narrow(row_dim, a, b - a).to(BF16), mask, row_dim)
@@ -91,7 +92,7 @@ def test_store_and_store_zero_beyond_int32(layout, arch):
     for zk, zv in pairs:  # batched: dv heads-major, then a contiguous dv of head dim 64
         ref_k, ref_v = zk.clone(), zv.clone()
         store_zero_reference(ref_k, ref_v, **zero_kw)
-        fe.store_zero(zk, zv, _arch=arch, **zero_kw)
+        _store_zero(zk, zv, _arch=arch, **zero_kw)
         for name, got, want in (("dk", zk, ref_k), ("dv", zv, ref_v)):
             check_rows(name, got, lambda a, b: want.narrow(row_dim, a, b - a), None, row_dim)
             last = got.narrow(row_dim, rows - 1, 1)  # zeroed (and so the reference too), past 2^31 elements
@@ -150,13 +151,13 @@ def bad_metadata_call(op, cu, arch, check_inputs):
     k, v = (buf[4 : total + 4, 1 : h_k + 1, 8:] for buf in bufs)
     if op in ("store", "store_d64"):
         a = rand((total, h_k, d), gen)
-        fe.store(a, a, k, v, _arch=arch, **kw)
+        _store(a, a, k, v, _arch=arch, **kw)
         return [(buf, view, a[:valid].to(BF16)) for buf, view in zip(bufs, (k, v))]
     p = rand((total, h_k * g, d), gen)
     want = gqa_reduce_sequential_fp32(p[:valid], h_k)
     outs = [(buf, view, want.to(BF16)) for buf, view in zip(bufs, (k, v))]
     if op == "gqa_reduce":
-        fe.gqa_reduce(p, num_heads_kv=h_k, out=k, _arch=arch, **kw)
+        _gqa_reduce(p, num_heads_kv=h_k, out=k, _arch=arch, **kw)
         return outs[:1]
     # accumulators carved out of NaN buffers (contiguous views) so that writes past them show
     acc = fe.gqa_accumulator(h_k, d, cu_seqlens=cu_t, total_tokens=total, deterministic=True, device=DEV, arch=arch)
@@ -218,12 +219,12 @@ def test_varlen_offsets_near_int32_limit(op, arch):
     bounds, outs = sequence_bounds(batch, total, cu, used), [canary((total, 1, d))]
     if op == "store_zero":
         outs.append(canary((total, 1, d)))
-        fe.store_zero(*outs, row_start=3, **kw)
+        _store_zero(*outs, row_start=3, **kw)
         bounds = [(s + 3, n - 3) for s, n in bounds]
         expected = lambda a, b: torch.zeros((b - a, 1, d), dtype=BF16, device=DEV)  # noqa: E731
     else:
         p = torch.randn((total, 1, d), dtype=BF16, device=DEV)
-        fe.gqa_reduce(p, num_heads_kv=1, out=outs[0], scale_dk=0.5, **kw)
+        _gqa_reduce(p, num_heads_kv=1, out=outs[0], scale_dk=0.5, **kw)
         expected = lambda a, b: gqa_reduce_sequential_fp32(p[a:b], 1, 0.5).to(BF16)  # noqa: E731
     mask = row_mask(total, bounds)
     assert mask[cu[-2].item() + 3 : cu[-2].item() + 6].all()  # rows of the last sequence, past the 32-bit wrap

@@ -23,6 +23,7 @@ from hypothesis import strategies as st  # noqa: E402
 import conftest  # noqa: E402
 import flash_epilogue as fe  # noqa: E402
 from conftest import HAVE_SM90, SM80_PATH, assert_written, check_postprocess  # noqa: E402
+from flash_epilogue.ops import _gqa_reduce, _store, _store_zero  # noqa: E402
 from flash_epilogue.reference import store_reference, store_zero_reference  # noqa: E402
 from flash_epilogue.testing import (LAYOUTS, assert_bits, block_n, call_op, canary, carve, input_view,  # noqa: E402
                                     int32, problem, rand, same_view)
@@ -173,7 +174,7 @@ def check_store(dtype, d, dv, arch, heads, layouts, seed, dev="cuda", **geometry
     acc_k, acc_v = (input_view(lead + (heads, w), layout, gen, binades=20) for w, layout in zip((d, dv), layouts[2:]))
     expect_k, expect_v = buf_k.clone(), buf_v.clone()
     store_reference(acc_k, acc_v, same_view(expect_k, dk), same_view(expect_v, dv_out), **seq)
-    call_op(dev, fe.store, acc_k, acc_v, dk, dv_out, _arch=arch, **seq)
+    call_op(dev, _store, acc_k, acc_v, dk, dv_out, _arch=arch, **seq)
     assert_written(dev, ("dk", buf_k, expect_k), ("dv", buf_v, expect_v))
 
 
@@ -187,7 +188,7 @@ def check_store_zero(dtype, d, dv, arch, heads, batch_idx, head_idx, row_start, 
     expect_k, expect_v = buf_k.clone(), buf_v.clone()
     store_zero_reference(same_view(expect_k, dk), same_view(expect_v, dv_out), row_start=row_start, row_end=row_end,
                          **sel, **seq)
-    call_op(dev, fe.store_zero, dk, dv_out, row_start=row_start, row_end=row_end, _arch=arch, **sel, **seq)
+    call_op(dev, _store_zero, dk, dv_out, row_start=row_start, row_end=row_end, _arch=arch, **sel, **seq)
     assert_written(dev, ("dk", buf_k, expect_k), ("dv", buf_v, expect_v))
 
 
@@ -221,12 +222,12 @@ def check_unchecked_metadata(op, d, dv, arch, total, cu, used, deterministic, se
     if op == "store":
         dk, dv_out = out(d), out(dv)
         ak, av = input_view((total, h_k, d), "padded", gen), input_view((total, h_k, dv), "padded", gen)
-        call_op(dev, fe.store, ak, av, dk, dv_out, _arch=arch, **seq)
+        call_op(dev, _store, ak, av, dk, dv_out, _arch=arch, **seq)
     elif op == "store_zero":
-        call_op(dev, fe.store_zero, out(d), out(dv), row_start=1, _arch=arch, **seq)
+        call_op(dev, _store_zero, out(d), out(dv), row_start=1, _arch=arch, **seq)
     elif op == "gqa_reduce":
         pk = input_view((total, h_k * g, d), "padded", gen)
-        call_op(dev, fe.gqa_reduce, pk, num_heads_kv=h_k, out=out(d), _arch=arch, **seq)
+        call_op(dev, _gqa_reduce, pk, num_heads_kv=h_k, out=out(d), _arch=arch, **seq)
     else:
         acc = fe.gqa_accumulator(h_k, d, dv, cu_seqlens=seq["cu_seqlens"], total_tokens=total,
                                  deterministic=deterministic, device=dev, arch=arch)

@@ -10,6 +10,7 @@ import torch
 import flash_epilogue as fe
 from conftest import (DTYPES, U32, arch_param, check_accumulate, check_postprocess, check_reduce, cuda_graph,
                       deterministic_algorithms, scaled)
+from flash_epilogue.ops import _gqa_reduce
 from flash_epilogue.reference import gqa_accumulate_reference, gqa_reduce_reference, store_reference
 from flash_epilogue.testing import CANARY_BITS, assert_bits, bits, block_n, canary, generator, int32, problem, rand
 
@@ -220,7 +221,7 @@ def test_gqa_reduce_equals_accumulate_then_postprocess(d, layout, arch):
         fe.gqa_accumulate(pk, pv, acc, deterministic=True, **kw)
         two, one = ([canary(p.lead + (h_k, d), torch.bfloat16) for _ in range(2)] for _ in range(2))
         fe.gqa_postprocess(acc, *two, **scales, **kw)
-        fe.gqa_reduce(pk, pv, num_heads_kv=h_k, out=tuple(one), _arch=arch, **scales, **kw)
+        _gqa_reduce(pk, pv, num_heads_kv=h_k, out=tuple(one), _arch=arch, **scales, **kw)
         for a, b in zip(one, two):
             assert_bits(a, b)
         for t in (*assert_dense_is_reference(acc, [(pk, pv, kw)], h_k, kw), *two):
@@ -240,7 +241,7 @@ def test_gqa_empty_and_huge_problems(arch):
         fe.gqa_accumulate(pk, pv, acc, deterministic=False, **seq)
         dk, dv = canary(lead + (1, 64), torch.float16), canary(lead + (1, 64), torch.float16)
         fe.gqa_postprocess(acc, dk, dv, **seq)
-        fe.gqa_reduce(pk, pv, num_heads_kv=1, out=(dk, dv), _arch=arch, **seq)
+        _gqa_reduce(pk, pv, num_heads_kv=1, out=(dk, dv), _arch=arch, **seq)
         assert (bits(dk) == CANARY_BITS).all() and (bits(dv) == CANARY_BITS).all()
         assert all((x == 0).all() for x in (*acc.to_dense(**seq), acc.dk_accum, acc.dv_accum))
     # far more CTAs than fit on the GPU at once, 16 query heads waiting on each KV tile in turn, deterministic: must
@@ -268,7 +269,7 @@ def test_gqa_cuda_graph(arch):
         fe.gqa_accumulate(pk, pv, acc, deterministic=True, seqused=used, check_inputs=True)
         fe.gqa_accumulate(pv, pk, acc, deterministic=True)
         fe.gqa_postprocess(acc, dk, dv, scale_dk=0.5)
-        fe.gqa_reduce(pk, num_heads_kv=h_k, out=rk, seqused=used, _arch=arch)
+        _gqa_reduce(pk, num_heads_kv=h_k, out=rk, seqused=used, _arch=arch)
 
     graph, _ = cuda_graph(step)  # check_inputs=True: content checks are skipped while capturing
     for _ in range(2):

@@ -91,6 +91,7 @@ def test_a_source_distribution_holds_what_the_build_reads(tmp_path):
 def test_a_build_of_one_head_dim_names_the_knobs(tmp_path):
     install_and_run(tmp_path / "site", """
 import re, pytest, torch, flash_epilogue as fe
+from flash_epilogue.ops import _store
 assert fe.kernels_available(), fe.UNAVAILABLE_REASON
 assert fe.COMPILED_HEAD_DIMS == (64,)
 assert fe.tile_config(40).head_dim == 64
@@ -112,7 +113,7 @@ if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
     with pytest.raises(fe.FlashEpilogueInputError, match=re.escape(
             "_arch: expected 0 or 90: this build has no sm_80 code path (FLASH_EPILOGUE_SM80_PATH=1 builds it), "
             "got 80")):
-        fe.store(a, a, o, o.clone(), _arch=80)
+        _store(a, a, o, o.clone(), _arch=80)
 """, FLASH_EPILOGUE_HEAD_DIMS="64", FLASH_EPILOGUE_SM80_PATH="",
        CUDA_HOME=os.environ.get("CUDA_HOME", "/usr/local/cuda"))
 

@@ -10,6 +10,7 @@ import torch
 import flash_epilogue as fe
 from conftest import HAVE_SM90, PATHS, arch_param, every_op_launches, run_in_child
 from flash_epilogue import testing
+from flash_epilogue.ops import _gqa_reduce, _store, _store_zero
 from flash_epilogue.reference import (gqa_accumulate_reference, gqa_reduce_reference, store_reference,
                                       store_zero_reference)
 from flash_epilogue.testing import generator, int32, same
@@ -67,20 +68,20 @@ def test_store_and_store_zero_on_device1(arch):
     ak, av, used = rand((2, 300, 3, 128), 1), rand((2, 300, 3, 64), 2), int32(300, 131, device=D1)
     dk = torch.zeros(2, 300, 3, 128, dtype=BF16, device=D1)
     dv = torch.zeros(2, 3, 300, 64, dtype=BF16, device=D1).transpose(1, 2)
-    run_on_device1(lambda k, v: fe.store(k, v, dk, dv, seqused=used, _arch=arch), (ak, av), (dk, dv))
+    run_on_device1(lambda k, v: _store(k, v, dk, dv, seqused=used, _arch=arch), (ak, av), (dk, dv))
     want_k, want_v = torch.zeros_like(dk), torch.zeros_like(dv)
     store_reference(ak, av, want_k, want_v, seqused=used)
     assert same(dk, want_k) and same(dv, want_v)
     # store_zero: the selection tensor is the staged input here (0 before the copy: another batch)
-    run_on_device1(lambda idx: fe.store_zero(dk, dv, seqused=used, batch_idx=idx, row_start=100, _arch=arch),
+    run_on_device1(lambda idx: _store_zero(dk, dv, seqused=used, batch_idx=idx, row_start=100, _arch=arch),
                    (int32(1, device=D1),), (dk, dv))
     store_zero_reference(want_k, want_v, seqused=used, batch_idx=[1], row_start=100)
     assert same(dk, want_k) and same(dv, want_v)
     cu, heads = int32(0, 129, 129, 400, device=D1), int32(1, device=D1)  # heads: a list would be copied with a sync
     ak, av = rand((410, 2, 96), 3), rand((410, 2, 96), 4)
     vk, vv = torch.zeros(410, 2, 96, dtype=F16, device=D1), torch.zeros(410, 2, 96, dtype=F16, device=D1)
-    run_on_device1(lambda k, v: (fe.store(k, v, vk, vv, cu_seqlens=cu, _arch=arch),
-                                 fe.store_zero(vk, vv, cu_seqlens=cu, head_idx=heads, row_end=64, _arch=arch)),
+    run_on_device1(lambda k, v: (_store(k, v, vk, vv, cu_seqlens=cu, _arch=arch),
+                                 _store_zero(vk, vv, cu_seqlens=cu, head_idx=heads, row_end=64, _arch=arch)),
                    (ak, av), (vk, vv))
     want_k, want_v = torch.zeros_like(vk), torch.zeros_like(vv)
     store_reference(ak, av, want_k, want_v, cu_seqlens=cu)
@@ -103,7 +104,7 @@ def test_gqa_ops_and_repeat_kv_on_device1(arch, deterministic):
         fe.gqa_accumulate(pk, pv, acc, deterministic=deterministic, seqused=used)
         fe.gqa_postprocess(acc, ok, ov, scale_dk=0.5)
         y = fe.repeat_kv(x.requires_grad_(), 4)
-        return (acc.to_dense(), fe.gqa_reduce(pk, pv, num_heads_kv=hk, out_dtype=F16, _arch=arch), y,
+        return (acc.to_dense(), _gqa_reduce(pk, pv, num_heads_kv=hk, out_dtype=F16, _arch=arch), y,
                 torch.autograd.grad(y, x, gy)[0])
 
     (dense_k, dense_v), (rk, rv), y, gx = run_on_device1(call, (pk_real, pv_real, x_real, gy_real),

@@ -9,6 +9,7 @@ import torch
 
 import flash_epilogue as fe
 from conftest import DTYPES, arch_param, cuda_graph
+from flash_epilogue.ops import _store, _store_zero
 from flash_epilogue.reference import store_reference, store_zero_reference
 from flash_epilogue.testing import (CANARY_BITS, LAYOUTS, assert_bits, bits, block_n, canary, carve, cu_seqlens, int32,
                                     rand, same_view)
@@ -30,10 +31,10 @@ def check(dk_buf, dv_buf, dk, dv, arch=90, acc=None, **kw):
     acc = (accum(dk.shape), accum(dv.shape)) if acc is True else acc
     if acc is None:  # unchecked: some cases pass out-of-range indices on purpose
         store_zero_reference(same_view(expect_k, dk), same_view(expect_v, dv), **kw)
-        fe.store_zero(dk, dv, check_inputs=False, _arch=arch, **kw)
+        _store_zero(dk, dv, check_inputs=False, _arch=arch, **kw)
     else:
         store_reference(*acc, same_view(expect_k, dk), same_view(expect_v, dv), **kw)
-        fe.store(*acc, dk, dv, _arch=arch, **kw)
+        _store(*acc, dk, dv, _arch=arch, **kw)
     assert_bits(dk_buf, expect_k, "dk")
     assert_bits(dv_buf, expect_v, "dv")
     return int((bits(expect_k) == 0).sum())
@@ -142,8 +143,8 @@ def test_store_bad_metadata_unchecked_stays_inside_the_tensor(cu, used, arch):
     before_k, before_v = buf_k.clone(), buf_v.clone()
     seq = {"cu_seqlens": int32(*cu), **({} if used is None else {"seqused": int32(*used)})}
     acc = accum((total, h, d))
-    fe.store(acc, acc, dk, dv, **seq, check_inputs=False, _arch=arch)
-    fe.store_zero(dk, dv, **seq, check_inputs=False, _arch=arch)
+    _store(acc, acc, dk, dv, **seq, check_inputs=False, _arch=arch)
+    _store_zero(dk, dv, **seq, check_inputs=False, _arch=arch)
     for buf, before in ((buf_k, before_k), (buf_v, before_v)):
         assert_bits(buf[:32], before[:32])
         assert_bits(buf[32 + total :], before[32 + total :])
@@ -237,7 +238,7 @@ def test_store_zero_selection_edges(dtype, arch):
     # asked to check contents, the wrapper refuses them instead (host sync), before any write
     dk, dv = canary((b, s, h, d), dtype), canary((b, s, h, d), dtype)
     with pytest.raises(fe.FlashEpilogueInputError, match=r"batch_idx\[1\]: expected a value in \[0, 3\)"):
-        fe.store_zero(dk, dv, batch_idx=[0, 3], check_inputs=True, _arch=arch)
+        _store_zero(dk, dv, batch_idx=[0, 3], check_inputs=True, _arch=arch)
     assert (bits(dk) == CANARY_BITS).all() and (bits(dv) == CANARY_BITS).all()
     # every one of these writes nothing: the buffers keep their canary bit for bit
     d, b, s, h = 64, 2, 40, 2
@@ -248,15 +249,15 @@ def test_store_zero_selection_edges(dtype, arch):
         assert check_carved((b, s, h, d), dtype, "padded", arch, **kw) == 0, kw
     # zero-extent tensors: no batch, no heads, no tokens
     for shape in ((0, s, h, d), (b, s, 0, d), (b, 0, h, d)):
-        fe.store_zero(canary(shape, dtype), canary(shape, dtype), _arch=arch)
+        _store_zero(canary(shape, dtype), canary(shape, dtype), _arch=arch)
     cu = torch.zeros(3, dtype=torch.int32, device="cuda")
-    fe.store_zero(canary((0, h, d), dtype), canary((0, h, d), dtype), cu_seqlens=cu, _arch=arch)
+    _store_zero(canary((0, h, d), dtype), canary((0, h, d), dtype), cu_seqlens=cu, _arch=arch)
     # varlen whose sequences are all empty, with slack rows: nothing written
     assert check_carved((12, h, d), dtype, ("plain", "padded"), arch, cu_seqlens=cu) == 0
     # the default call zeroes every valid element, as zero_() would
     shape = (2, 300, 3, 96)
     dk, dv = canary(shape, dtype), canary(shape[:-1] + (32,), dtype)
-    fe.store_zero(dk, dv, _arch=arch)
+    _store_zero(dk, dv, _arch=arch)
     assert (bits(dk) == 0).all() and (bits(dv) == 0).all()
     # an int, a tuple and a range select like the equivalent tensors
     for batch_idx, head_idx in ((1, 2), ((0,), range(1, 3)), (range(2), (2, 0))):
@@ -272,7 +273,7 @@ def test_store_zero_cuda_graph(arch):
     batch_idx, head_idx = int32(1), int32(0, 1)
     kw = {"seqused": int32(200, 150, 7), "batch_idx": batch_idx, "head_idx": head_idx, "row_start": 5, "row_end": 170}
     # check_inputs=True: the content checks run in the warm-up and are skipped while capturing
-    graph, _ = cuda_graph(lambda: fe.store_zero(dk_buf, dv_buf, check_inputs=True, _arch=arch, **kw))
+    graph, _ = cuda_graph(lambda: _store_zero(dk_buf, dv_buf, check_inputs=True, _arch=arch, **kw))
     # the captured selection, then new contents of the same index tensors (an out-of-range head too)
     for batches, heads in (([1], [0, 1]), ([2], [1, -1]), ([0], [1, 1])):
         batch_idx.copy_(torch.tensor(batches, dtype=torch.int32))
