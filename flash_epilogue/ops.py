@@ -277,6 +277,12 @@ def _layout_of(x) -> list[int]:
     return order
 
 
+def _in_layout(t: torch.Tensor, layout) -> torch.Tensor:
+    """A copy of t with its dims dense in the order layout + [3] (x's layout; the strides of size-1 dims too)."""
+    perm = [int(i) for i in layout] + [3]
+    return t.permute(perm).clone(memory_format=torch.contiguous_format).permute([perm.index(i) for i in range(4)])
+
+
 def _gradient_like(grad, n_rep: int, dim: int, layout) -> torch.Tensor:
     """An empty gradient of x (what the op allocates): its dims dense in the order layout + [3]."""
     shape = list(grad.shape)
@@ -285,8 +291,10 @@ def _gradient_like(grad, n_rep: int, dim: int, layout) -> torch.Tensor:
     return grad.new_empty([shape[i] for i in perm]).permute([perm.index(i) for i in range(4)])
 
 
-def _group_sum(grad, n_rep: int, dim: int, layout) -> torch.Tensor:  # the kernels' bits, in x's layout
-    return _gradient_like(grad, n_rep, dim, layout).copy_(group_sum_reference(grad, n_rep, dim))
+def _group_sum(grad, n_rep: int, dim: int, layout) -> torch.Tensor:
+    """The kernels' bits, in x's layout. Out of place: torch 2.11's compiled backward drops a copy_ into a fresh
+    tensor's permuted view (the gradient came back unwritten)."""
+    return _in_layout(group_sum_reference(grad, n_rep, dim), layout)
 
 
 class _RepeatKvCompiled(torch.autograd.Function):
