@@ -369,16 +369,12 @@ struct GqaDenseKernel {
   }
 };
 
-// Output: OutputTileTraits; ElementIn: float or Output::Element.
+// Output: OutputTileTraits, the kernel's base (as StoreKernel's); ElementIn: float or Output::Element.
 template <class Output, class ElementIn>
-struct GqaReduceKernel {
+struct GqaReduceKernel : Output {
   using Config = typename Output::Config;
-  using Element = typename Output::Element;
-  using ArchTag = typename Output::ArchTag;
   using Epilogue = typename Output::Epilogue;
-  static constexpr int kBlockN = Config::kBlockN;
-  static constexpr int kHeadDim = Config::kHeadDim;
-  static constexpr int kNumThreads = Config::kNumThreads;
+  static constexpr int kBlockN = Output::kBlockN, kHeadDim = Output::kHeadDim, kNumThreads = Output::kNumThreads;
   // swapAB configs stage through StagedTileSum: in fragment order their loads run down columns. The
   // others read the fragment directly (staging was slower: docs/design.md).
   static constexpr bool kStaged = Config::kSwapAB;

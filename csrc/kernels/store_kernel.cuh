@@ -59,14 +59,10 @@ CUTLASS_DEVICE void store_output_tile(DriverParams const& params, char* smem, Fi
                    make_tuple(tile.n_block, tile.head, tile.batch));
 }
 
+// The launch code reads the traits' Element, ArchTag, kBlockN and kNumThreads through the kernel (its base).
 template <class Traits>
-struct StoreKernel {
-  using Element = typename Traits::Element;
-  using ArchTag = typename Traits::ArchTag;
+struct StoreKernel : Traits {
   using Epilogue = typename Traits::Epilogue;
-  static constexpr int kBlockN = Traits::kBlockN;
-  static constexpr int kHeadDim = Traits::kHeadDim;
-  static constexpr int kNumThreads = Traits::kNumThreads;
   static constexpr int kMinBlocksPerSm = kStoreTileCtasPerSm;
 
   struct TensorParams {
@@ -85,6 +81,7 @@ struct StoreKernel {
   CUTLASS_DEVICE void operator()(Params const& params, char* smem) const {
     auto fill = [](auto& frag, auto const& thr_mma, TensorParams const& work, auto const& tile) {
       auto const& ep = work.epilogue;
+      constexpr int kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
       auto const gtile = rows_tile<kBlockN, kHeadDim>(work.ptr_accum, ep.shape_dK, work.stride_accum, tile.head,
                                                       ep.cu_seqlens ? 0 : tile.batch, tile.seqlen_info.offset,
                                                       tile.n_block);  // (BLK_N, BLK_D)
