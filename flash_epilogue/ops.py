@@ -261,9 +261,11 @@ def repeat_kv(x: torch.Tensor, n_rep: int, dim: int = 1) -> torch.Tensor:
 
 
 def _expanded(x, n_rep: int, dim: int) -> torch.Tensor:
+    """x repeated, a new contiguous tensor, copied before the flatten: under torch.compile, torch 2.11 drops the
+    backward of a Function whose output comes out of a no-op .contiguous() (the gradient came back zero)."""
     shape = list(x.shape)
     shape.insert(dim + 1, n_rep)
-    return x.unsqueeze(dim + 1).expand(shape).flatten(dim, dim + 1).contiguous()
+    return x.unsqueeze(dim + 1).expand(shape).clone(memory_format=torch.contiguous_format).flatten(dim, dim + 1)
 
 
 def _layout_of(x) -> list[int]:
@@ -277,12 +279,6 @@ def _layout_of(x) -> list[int]:
     return order
 
 
-def _in_layout(t: torch.Tensor, layout) -> torch.Tensor:
-    """A copy of t with its dims dense in the order layout + [3] (x's layout; the strides of size-1 dims too)."""
-    perm = [int(i) for i in layout] + [3]
-    return t.permute(perm).clone(memory_format=torch.contiguous_format).permute([perm.index(i) for i in range(4)])
-
-
 def _gradient_like(grad, n_rep: int, dim: int, layout) -> torch.Tensor:
     """An empty gradient of x (what the op allocates): its dims dense in the order layout + [3]."""
     shape = list(grad.shape)
@@ -291,10 +287,8 @@ def _gradient_like(grad, n_rep: int, dim: int, layout) -> torch.Tensor:
     return grad.new_empty([shape[i] for i in perm]).permute([perm.index(i) for i in range(4)])
 
 
-def _group_sum(grad, n_rep: int, dim: int, layout) -> torch.Tensor:
-    """The kernels' bits, in x's layout. Out of place: torch 2.11's compiled backward drops a copy_ into a fresh
-    tensor's permuted view (the gradient came back unwritten)."""
-    return _in_layout(group_sum_reference(grad, n_rep, dim), layout)
+def _group_sum(grad, n_rep: int, dim: int, layout) -> torch.Tensor:  # the kernels' bits, in x's layout
+    return _gradient_like(grad, n_rep, dim, layout).copy_(group_sum_reference(grad, n_rep, dim))
 
 
 class _RepeatKvCompiled(torch.autograd.Function):
