@@ -49,6 +49,12 @@ def code_paths() -> tuple[int, ...]:
     return _CODE_PATHS
 
 
+def sm80_path_callable() -> bool:
+    """Whether a workload (the tests, the sanitizer's) may ask for the sm_80 path (the ops' private `_arch=80`): where
+    the build has it, or without the kernels, where no call launches and its checks are those of every build."""
+    return _C is None or 80 in _CODE_PATHS
+
+
 def unavailable(op: str) -> FlashEpilogueBuildError:
     reason = UNAVAILABLE_REASON or "the loaded flash_epilogue._C does not define it (a stale build: rebuild it)"
     return FlashEpilogueBuildError(f"flash_epilogue.{op}: the CUDA kernels are not available: {reason}. The ops run "

@@ -302,7 +302,7 @@ def main(argv=None) -> int:
     DEV = args.device
     ops = GROUPS[args.group]
     # the sm_80 path's configurations where the build has that path (the GPU check builds it)
-    sm80 = not fe.kernels_available() or 80 in fe._extension.code_paths()
+    sm80 = fe._extension.sm80_path_callable()
     cfgs = [(op, fn, kw) for op, fn, kw in SETS[args.tool]()
             if (ops is None or op in ops) and (sm80 or kw.get("arch", 0) != 80)]
     if args.list:

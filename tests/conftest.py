@@ -46,10 +46,9 @@ def _why_no_sm90_kernels() -> str:
 
 WHY_NOT = _why_no_sm90_kernels()
 HAVE_SM90 = not WHY_NOT
-# The sm_80 code path runs on the GPU where the build has it (FLASH_EPILOGUE_SM80_PATH; the GPU check builds it): a GPU
-# test of it skips elsewhere (pytest_collection_modifyitems). Without the kernels nothing launches, and the checks of
-# `_arch=80` calls are those of every build.
-SM80_PATH = not fe.kernels_available() or 80 in fe._extension.code_paths()
+# The sm_80 code path's GPU tests skip in a build without it (FLASH_EPILOGUE_SM80_PATH; the GPU check builds it):
+# pytest_collection_modifyitems.
+SM80_PATH = fe._extension.sm80_path_callable()
 NO_SM80_PATH = "this build has no sm_80 code path (FLASH_EPILOGUE_SM80_PATH=1 builds it)"
 PATHS = (0, 80) if SM80_PATH else (0,)  # the code paths a GPU workload loops over (0: the GPU's own)
 

@@ -1,6 +1,7 @@
 """CPU tests of the package surface: the tile table (as _C, fe.tile_config and the instantiation generator see it),
 the GQA accumulator's geometry, the fake kernels, `python -m flash_epilogue`, the environment switches, and the docs'
 performance table against the results file it cites."""
+import inspect
 import json
 import runpy
 import subprocess
@@ -272,7 +273,6 @@ def test_debug_switch_reaches_the_extension(monkeypatch):
 
 def test_public_signatures_have_no_private_arguments():
     """The code-path switch `_arch` is the tests' (ops._store, _store_zero, _gqa_reduce): no public function has it."""
-    import inspect
     public = [getattr(m, n) for m in (fe, fe.reference, fe.testing) for n in m.__all__]
     public = [f for f in public if inspect.isfunction(f)]
     assert {f.__name__ for f in public} >= {"store", "store_zero", "gqa_reduce", "gqa_accumulate", "repeat_kv"}
