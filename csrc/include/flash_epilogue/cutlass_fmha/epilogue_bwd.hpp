@@ -1,0 +1,132 @@
+#pragma once
+
+// CUTLASS's Hopper FMHA (examples/88_hopper_fmha) storing its backward dK/dV through
+// flash_epilogue::CollectiveEpilogueBwd instead of its own FmhaBwdEpilogueKV. The adapter has
+// FmhaBwdEpilogueKV's template parameters, Arguments, kernel-facing types and call, so the swap is one line of
+// the example's device/fmha_device_bwd.hpp (plus this include, with csrc/include on the include path):
+//
+//   using Epilogue = flash_epilogue::cutlass_fmha::EpilogueBwdKV<Element, ElementAccumulator,
+//                                                                 typename Mainloop::TileShapePV>;
+//
+// scripts/cutlass_fmha_check.py makes that swap in a copy of the example and compares the two builds bitwise.
+//
+// What the example hands its epilogue: each of its two MMA warpgroups calls it once per tile with its own fp32
+// dK/dV C fragments of TiledMmaPV (64 KV rows x D over 128 threads; the kernel numbers the 64-row blocks
+// 2 * kv_block + warpgroup) and its own TensorStorage (epilogue[warpgroup] of a union with the mainloop's
+// shared memory). dK and dV are (B, H, K, D) tensors with int strides (B, H, K, _1). dS already carries the
+// softmax scale, so dK is stored as it comes.
+//
+// Requirement on the kernel: the warpgroups' epilogues run one after the other. Both warpgroups use named
+// barriers BarrierId (128 threads) and BarrierId + 1 (160, the TMA hand-off); concurrent calls would mix the two
+// warpgroups' arrivals on one barrier. And epilogue[0] overlays the K/V stages that warpgroup 1's last dQ GEMM
+// reads. FmhaKernelTmaWarpSpecialized serialises the calls: the `if constexpr (kIsEpilogueLocked)` in front of
+// math_wg_order_barrier.wait() / arrive() ends in a stray `;`, so the ordered barrier around the epilogue is
+// unconditional, and warpgroup 0 waits there for warpgroup 1's arrival from inside the mainloop. Where a kernel
+// lets the epilogues overlap, this adapter must not be used as it is (the check refuses such a checkout).
+//
+// Barrier ids: the example itself syncs only __syncthreads (id 0) and mbarriers (pipelines, ordered barrier);
+// CUTLASS's epilogue that this replaces used id 1. The default ids 8 and 9 are free.
+//
+// Bits: fp16 round-to-nearest of the fp32 fragments, as FmhaBwdEpilogueKV (Sm90Compute with
+// round_to_nearest); rows >= K and columns >= D are clipped by TMA in both.
+//
+// Shared memory: one 64 x D fp16 tile per tensor per warpgroup (the example's own TMA epilogue stages 64 x 32
+// subtiles). Both warpgroups' storage together is 2 * 2 * 64 * D * 2 bytes, the size of the mainloop's K/V stages
+// (smem_k: 4 stages of 64 x D) that it overlays, so the kernel's shared memory does not grow (see TensorStorage).
+
+#include <cassert>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/arch.h>
+#include <cutlass/cutlass.h>
+#include <cutlass/pipeline/pipeline.hpp>
+
+#include "flash_epilogue/epilogue_bwd.h"
+
+namespace flash_epilogue::cutlass_fmha {
+
+// Element: the 16-bit output type; ElementAccumulator: float; TileShape_WG: the mainloop's TileShapePV,
+// (64 KV rows of one warpgroup, D, BlockQO).
+template <class Element_, class ElementAccumulator, class TileShape_WG, int BarrierId = kDefaultEpilogueBarrierId>
+struct EpilogueBwdKV {
+  using Element = Element_;
+  static constexpr int kBlockN = cute::get<0>(TileShape_WG{});    // KV rows of one warpgroup
+  static constexpr int kHeadDim = cute::get<1>(TileShape_WG{});   // the tile's head dim; the problem's may be less
+  static constexpr int kNumThreads = cutlass::NumThreadsPerWarpGroup;
+  static_assert(std::is_same_v<ElementAccumulator, float>, "the dK/dV fragments are fp32");
+
+  // (BLK_M unused, BLK_N, BLK_D): one warpgroup's tile, stored by its 128 threads, TMA path, not varlen.
+  using Collective = CollectiveEpilogueBwd<cute::Shape<cute::tuple_element_t<2, TileShape_WG>, cute::Int<kBlockN>,
+                                                       cute::Int<kHeadDim>>,
+                                           Element, cutlass::arch::Sm90, kNumThreads, /*Varlen=*/false,
+                                           /*dKV_swapAB=*/false, /*AtomLayoutKdKV=*/1, BarrierId>;
+
+  // FmhaBwdEpilogueKV's fields, in its order: strides (batch, head, row, _1).
+  struct Arguments {
+    Element* ptr_K;
+    cute::tuple<int, int, int, cute::_1> dK;
+    Element* ptr_V;
+    cute::tuple<int, int, int, cute::_1> dV;
+  };
+  using Params = typename Collective::Params;
+
+  // The collective's storage as bytes aligned as CUTLASS's own shared-memory arrays (128). The collective's type
+  // asks for its swizzle's alignment (1024 bytes for SW128), which would round the kernel's SharedStorage up by
+  // 512 bytes. The swizzle still holds: epilogue[w] starts w * sizeof(TensorStorage) (a multiple of 1024) after a
+  // shared-memory base that the mainloop's own swizzled TMA buffers need 1024-aligned (checked in debug builds).
+  struct TensorStorage {
+    alignas(128) unsigned char bytes[sizeof(typename Collective::TensorStorage)];
+  };
+  static_assert(sizeof(TensorStorage) % Collective::SmemAlignmentdKV == 0,
+                "consecutive warpgroups' storage must keep the swizzle's alignment");
+
+  // The kernel builds an epilogue load pipeline whatever the epilogue is; nothing is loaded here.
+  using LoadPipeline = cutlass::PipelineTransactionAsync<1>;
+  using PipelineStorage = typename LoadPipeline::SharedStorage;
+  static constexpr int TmaTransactionBytes = 0;
+
+  // problem_size: the example's (B, H, Q, K, D).
+  template <class ProblemShape>
+  static typename Collective::Arguments collective_arguments(ProblemShape const& problem_size, Arguments const& args) {
+    auto const shape = typename Collective::ShapedKV{cute::get<3>(problem_size), cute::get<4>(problem_size),
+                                                     cute::get<1>(problem_size), cute::get<0>(problem_size)};
+    auto const stride = [](cute::tuple<int, int, int, cute::_1> const& s) {  // (b, h, row, 1) -> (row, 1, h, b)
+      return typename Collective::StridedKV{cute::get<2>(s), cute::_1{}, cute::get<1>(s), cute::get<0>(s)};
+    };
+    return {args.ptr_K, shape, stride(args.dK), args.ptr_V, shape, stride(args.dV)};
+  }
+
+  // Why the collective cannot store this problem, or nullptr (the kernel's can_implement checks the mainloop only).
+  template <class ProblemShape>
+  static char const* can_implement(ProblemShape const& problem_size, Arguments const& args) {
+    return Collective::can_implement(collective_arguments(problem_size, args));
+  }
+
+  // Throws std::invalid_argument with can_implement's reason rather than encode TMA descriptors it cannot run.
+  template <class ProblemShape>
+  static Params to_underlying_arguments(ProblemShape const& problem_size, Arguments const& args,
+                                        void* /*workspace*/ = nullptr) {
+    if (char const* why = can_implement(problem_size, args)) {
+      throw std::invalid_argument(std::string("flash_epilogue::cutlass_fmha::EpilogueBwdKV: ") + why);
+    }
+    return Collective::to_underlying_arguments(collective_arguments(problem_size, args));
+  }
+
+  // Called by each MMA warpgroup with wg_coord = (_, 64-row block, (b, h)) and result = (dK, dV) fragments.
+  template <class TileShape, class BlkCoord, class ResultTuple, class TiledMma, class ProblemShape>
+  CUTLASS_DEVICE void operator()(TileShape const&, BlkCoord const& wg_coord, ResultTuple const& result,
+                                 TiledMma const& tiled_mma, ProblemShape const&, Params const& params, LoadPipeline,
+                                 TensorStorage& storage) const {
+    auto const block_coord = cute::make_tuple(int32_t(cute::get<1>(wg_coord)), int32_t(cute::get<2, 1>(wg_coord)),
+                                              int32_t(cute::get<2, 0>(wg_coord)));  // (n_block, head, batch)
+    auto& collective_storage = *reinterpret_cast<typename Collective::TensorStorage*>(storage.bytes);
+    assert(cute::cast_smem_ptr_to_uint(storage.bytes) % Collective::SmemAlignmentdKV == 0);
+    Collective{}.store(params, cute::get<0>(result), cute::get<1>(result), collective_storage, tiled_mma,
+                       int(threadIdx.x) % kNumThreads, block_coord);
+  }
+};
+
+}  // namespace flash_epilogue::cutlass_fmha
