@@ -55,6 +55,10 @@ def test_the_patches_apply_to_the_wheels_example(example):
     device = sources["ours"][str(c.DEVICE_BWD)]
     assert c.SWAP in device and c.SWAP_ANCHOR not in device and c.SWAP_INCLUDE in device
     assert "FmhaBwdEpilogueKV" not in device.split("using Epilogue", 1)[1].split(";", 1)[0]
+    gqa = sources["gqa"]  # every anchor of the GQA build found as often as expected (patched_sources raises else)
+    assert "EpilogueBwdKVGQA" in gqa[str(c.DEVICE_BWD)] and "Postprocess::run" in gqa[str(c.DEVICE_BWD)]
+    assert gqa[str(c.MAINLOOP)].count("fe_kv_coord(blk_coord, params)") == 4
+    assert 'get_cmd_line_argument("h_kv"' in gqa["bwd_only.cu"] and "fe_gqa_reference" in gqa["bwd_only.cu"]
 
 
 def test_a_kernel_whose_epilogues_overlap_is_refused(example, tmp_path):

@@ -30,6 +30,11 @@
 // Bits: fp16 round-to-nearest of the fp32 fragments, as FmhaBwdEpilogueKV (Sm90Compute with
 // round_to_nearest); rows >= K and columns >= D are clipped by TMA in both.
 //
+// GQA (fewer KV heads than query heads; the check's `gqa` build): EpilogueBwdKVGQA adds each query head's
+// fragments into fp32 accumulators of its KV head (CollectiveEpilogueBwdGQA, bulk reduce-add, unordered), and
+// GqaPostprocess converts them to dK/dV after the kernel. The example's grid runs the heads on blockIdx.z with no
+// ticket, so the deterministic mode (whose waits need member g to start after member g - 1) is not offered.
+//
 // Shared memory: one 64 x D fp16 tile per tensor per warpgroup (the example's own TMA epilogue stages 64 x 32
 // subtiles). Both warpgroups' storage together is 2 * 2 * 64 * D * 2 bytes, the size of the mainloop's K/V stages
 // (smem_k: 4 stages of 64 x D) that it overlays, so the kernel's shared memory does not grow (see TensorStorage).
@@ -45,6 +50,7 @@
 #include <cutlass/pipeline/pipeline.hpp>
 
 #include "flash_epilogue/epilogue_bwd.h"
+#include "flash_epilogue/epilogue_bwd_gqa.h"
 
 namespace flash_epilogue::cutlass_fmha {
 
@@ -128,5 +134,155 @@ struct EpilogueBwdKV {
                        int(threadIdx.x) % kNumThreads, block_coord);
   }
 };
+
+// The GQA accumulators: one 64 x kHeadDim fp32 tile per (64-row block, KV head, batch), in register-fragment order
+// (CollectiveEpilogueBwdGQA's), ceil(K / 64) tiles per (KV head, batch); zero them before the kernel.
+template <int kBlockN, int kHeadDim>
+struct AccumLayout {
+  static constexpr int kTileElems = kBlockN * kHeadDim;
+  int num_tiles;
+  int64_t stride_head;   // floats
+  int64_t stride_batch;  // floats
+  int64_t elems;         // of each of dK's and dV's accumulators
+
+  // problem_size: the example's (B, H, Q, K, D); num_heads_kv divides H.
+  template <class ProblemShape>
+  static AccumLayout of(ProblemShape const& problem_size, int num_heads_kv) {
+    int const num_tiles = (cute::get<3>(problem_size) + kBlockN - 1) / kBlockN;
+    int64_t const stride_head = int64_t(num_tiles) * kTileElems;
+    int64_t const stride_batch = stride_head * num_heads_kv;
+    return {num_tiles, stride_head, stride_batch, stride_batch * cute::get<0>(problem_size)};
+  }
+};
+
+// EpilogueBwdKV's interface for GQA: each query head's dK/dV added into its KV head's fp32 accumulators.
+template <class Element_, class ElementAccumulator, class TileShape_WG, int BarrierId = kDefaultEpilogueBarrierId>
+struct EpilogueBwdKVGQA {
+  using Element = float;
+  static constexpr int kBlockN = cute::get<0>(TileShape_WG{});
+  static constexpr int kHeadDim = cute::get<1>(TileShape_WG{});
+  static constexpr int kNumThreads = cutlass::NumThreadsPerWarpGroup;
+  using Layout = AccumLayout<kBlockN, kHeadDim>;
+  static_assert(std::is_same_v<ElementAccumulator, float>, "the dK/dV fragments are fp32");
+
+  using Collective = CollectiveEpilogueBwdGQA<cute::Shape<cute::tuple_element_t<2, TileShape_WG>, cute::Int<kBlockN>,
+                                                          cute::Int<kHeadDim>>,
+                                              cutlass::arch::Sm90, kNumThreads, Layout::kTileElems, BarrierId>;
+
+  struct Arguments {
+    float* ptr_dK_accum;  // AccumLayout::of(problem_size, num_heads_kv).elems floats each, zeroed
+    float* ptr_dV_accum;
+    int num_heads_kv;
+  };
+  using Params = typename Collective::Params;
+  using TensorStorage = typename Collective::TensorStorage;  // 64 x kHeadDim floats: EpilogueBwdKV's size
+  using LoadPipeline = cutlass::PipelineTransactionAsync<1>;
+  using PipelineStorage = typename LoadPipeline::SharedStorage;
+  static constexpr int TmaTransactionBytes = 0;
+
+  template <class ProblemShape>
+  static typename Collective::Arguments collective_arguments(ProblemShape const& problem_size, Arguments const& args) {
+    Layout const layout = Layout::of(problem_size, args.num_heads_kv > 0 ? args.num_heads_kv : 1);
+    return {args.ptr_dK_accum, args.ptr_dV_accum, layout.stride_head, layout.stride_batch, layout.num_tiles,
+            cute::get<0>(problem_size), cute::get<1>(problem_size), args.num_heads_kv, cute::get<3>(problem_size)};
+  }
+
+  template <class ProblemShape>
+  static char const* can_implement(ProblemShape const& problem_size, Arguments const& args) {
+    if (args.ptr_dK_accum == nullptr || args.ptr_dV_accum == nullptr) { return "dK and dV accumulators are needed"; }
+    return Collective::can_implement(collective_arguments(problem_size, args));
+  }
+
+  template <class ProblemShape>
+  static Params to_underlying_arguments(ProblemShape const& problem_size, Arguments const& args,
+                                        void* /*workspace*/ = nullptr) {
+    if (char const* why = can_implement(problem_size, args)) {
+      throw std::invalid_argument(std::string("flash_epilogue::cutlass_fmha::EpilogueBwdKVGQA: ") + why);
+    }
+    return Collective::to_underlying_arguments(collective_arguments(problem_size, args));
+  }
+
+  // wg_coord = (_, 64-row block, (b, query head)); the collective finds the KV head.
+  template <class TileShape, class BlkCoord, class ResultTuple, class TiledMma, class ProblemShape>
+  CUTLASS_DEVICE void operator()(TileShape const&, BlkCoord const& wg_coord, ResultTuple const& result,
+                                 TiledMma const& tiled_mma, ProblemShape const&, Params const& params, LoadPipeline,
+                                 TensorStorage& storage) const {
+    auto const block_coord = cute::make_tuple(int32_t(cute::get<1>(wg_coord)), int32_t(cute::get<2, 1>(wg_coord)),
+                                              int32_t(cute::get<2, 0>(wg_coord)));
+    Collective{}.store(params, cute::get<0>(result), cute::get<1>(result), storage, tiled_mma,
+                       int(threadIdx.x) % kNumThreads, block_coord);
+  }
+};
+
+// The GQA accumulators -> 16-bit dK/dV (B, H_kv, K, D): one CTA of 128 threads per (64-row block, KV head, batch)
+// reads its tile's fragments (TiledMma: the mainloop's TiledMmaPV, as in the kernel) and stores them with
+// CollectiveEpilogueBwd, as EpilogueBwdKV would.
+template <class Element, class TileShape_WG, class TiledMma, int BarrierId = kDefaultEpilogueBarrierId>
+struct GqaPostprocess {
+  using Accumulate = EpilogueBwdKVGQA<Element, float, TileShape_WG, BarrierId>;
+  using Store = typename EpilogueBwdKV<Element, float, TileShape_WG, BarrierId>::Collective;
+  using Layout = typename Accumulate::Layout;
+  static constexpr int kNumThreads = cutlass::NumThreadsPerWarpGroup;
+
+  struct Params {
+    typename Store::Params store;
+    float const* dk_accum;
+    float const* dv_accum;
+    Layout layout;
+    dim3 grid;
+  };
+
+  // problem_size: (B, H, Q, K, D); dK/dV strides (batch, head, row, _1) over num_heads_kv heads.
+  template <class ProblemShape>
+  static Params to_underlying_arguments(ProblemShape const& problem_size, int num_heads_kv, float const* dk_accum,
+                                        float const* dv_accum, Element* ptr_dK,
+                                        cute::tuple<int, int, int, cute::_1> const& stride_dK, Element* ptr_dV,
+                                        cute::tuple<int, int, int, cute::_1> const& stride_dV) {
+    auto const kv_problem = cute::make_tuple(cute::get<0>(problem_size), num_heads_kv, cute::get<2>(problem_size),
+                                             cute::get<3>(problem_size), cute::get<4>(problem_size));
+    using Mha = EpilogueBwdKV<Element, float, TileShape_WG, BarrierId>;
+    typename Mha::Arguments const args{ptr_dK, stride_dK, ptr_dV, stride_dV};
+    Layout const layout = Layout::of(problem_size, num_heads_kv);
+    return {Mha::to_underlying_arguments(kv_problem, args), dk_accum, dv_accum, layout,
+            dim3(layout.num_tiles, num_heads_kv, cute::get<0>(problem_size))};
+  }
+
+  CUTLASS_DEVICE void operator()(Params const& params, char* smem) const {
+    using namespace cute;
+    int const thread_idx = threadIdx.x;
+    int const n_block = blockIdx.x, kv_head = blockIdx.y, batch = blockIdx.z;
+    TiledMma tiled_mma;
+    auto thread_mma = tiled_mma.get_slice(thread_idx);
+    Tensor frag_dk = partition_fragment_C(thread_mma, select<0, 1>(TileShape_WG{}));
+    Tensor frag_dv = partition_fragment_C(thread_mma, select<0, 1>(TileShape_WG{}));
+    int64_t const offset = batch * params.layout.stride_batch + kv_head * params.layout.stride_head +
+                           int64_t(n_block) * Layout::kTileElems;
+    Accumulate::Collective::load_fragment(frag_dk, params.dk_accum + offset, thread_idx);
+    Accumulate::Collective::load_fragment(frag_dv, params.dv_accum + offset, thread_idx);
+    auto& storage = *reinterpret_cast<typename Store::TensorStorage*>(smem);
+    Store{}.store(params.store, frag_dk, frag_dv, storage, tiled_mma, thread_idx,
+                  cute::make_tuple(int32_t(n_block), int32_t(kv_head), int32_t(batch)));
+  }
+
+  static cudaError_t run(Params const& params, cudaStream_t stream = nullptr);
+};
+
+namespace detail {
+template <class Postprocess>
+__global__ void __launch_bounds__(Postprocess::kNumThreads) gqa_postprocess_kernel(
+    CUTLASS_GRID_CONSTANT typename Postprocess::Params const params) {
+  extern __shared__ __align__(1024) char smem[];
+  Postprocess{}(params, smem);
+}
+}  // namespace detail
+
+template <class Element, class TileShape_WG, class TiledMma, int BarrierId>
+cudaError_t GqaPostprocess<Element, TileShape_WG, TiledMma, BarrierId>::run(Params const& params, cudaStream_t stream) {
+  auto kernel = detail::gqa_postprocess_kernel<GqaPostprocess>;
+  int const smem = int(sizeof(typename Store::TensorStorage));
+  if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem)) { return e; }
+  kernel<<<params.grid, kNumThreads, smem, stream>>>(params);
+  return cudaGetLastError();
+}
 
 }  // namespace flash_epilogue::cutlass_fmha
