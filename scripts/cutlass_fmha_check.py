@@ -515,7 +515,7 @@ def cases(dims):
 
 
 def timing_cases(dims):
-    return [dict(name=f"d{d}_{mask}_b4h16q2048k2048", d=d, mask=mask, b=4, h=16, q=2048, k=2048)
+    return [dict(name=f"d{d}_{mask}_b2h16q2048k2048", d=d, mask=mask, b=2, h=16, q=2048, k=2048)
             for d in dims if d in KERNEL_HDIMS for mask in ("no", "causal")]
 
 
