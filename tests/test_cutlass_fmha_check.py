@@ -1,10 +1,11 @@
 """CUTLASS's example 88 (Hopper FMHA) storing its backward dK/dV through flash_epilogue
 (csrc/include/flash_epilogue/cutlass_fmha/epilogue_bwd.hpp, checked by scripts/cutlass_fmha_check.py). On the CPU,
-CI included: the script's patches apply to the example the nvidia-cutlass wheel ships (every anchor found once),
-a kernel that no longer serialises its warpgroups' epilogues is refused, and (where nvcc is) the swapped example
-compiles: tests/header_library/cutlass_fmha_interface.cu (two backward kernels, the shared-memory sizes of all
-five). The whole check (both builds of the backward, then runs on an sm_90 GPU, minutes) runs when
-FLASH_EPILOGUE_CUTLASS_FMHA_CHECK=1."""
+CI included: the script's patches apply to the example the nvidia-cutlass wheel ships (every anchor found once), the
+GQA build's included (both modes), a kernel that no longer serialises its warpgroups' epilogues or builds its tile
+scheduler after touching shared memory is refused, and (where nvcc is) the swapped example compiles:
+tests/header_library/cutlass_fmha_interface.cu (two backward kernels, the shared-memory sizes of all five, and the
+GQA build's deterministic path: ticket scheduler and ordered adds). The whole check (both builds of the backward,
+then runs on an sm_90 GPU, minutes) runs when FLASH_EPILOGUE_CUTLASS_FMHA_CHECK=1."""
 import functools
 import importlib.util
 import os
@@ -59,6 +60,45 @@ def test_the_patches_apply_to_the_wheels_example(example):
     assert "EpilogueBwdKVGQA" in gqa[str(c.DEVICE_BWD)] and "Postprocess::run" in gqa[str(c.DEVICE_BWD)]
     assert gqa[str(c.MAINLOOP)].count("fe_kv_coord(blk_coord, params)") == 4
     assert 'get_cmd_line_argument("h_kv"' in gqa["bwd_only.cu"] and "fe_gqa_reference" in gqa["bwd_only.cu"]
+    # the deterministic mode: the runner's flag reaches the device layer, which takes its tiles by ticket, hands
+    # the epilogue its semaphores and the kernel its ticket counter, both zeroed with the accumulators
+    assert 'check_cmd_line_flag("deterministic")' in gqa["bwd_only.cu"]
+    assert "hw_info, h_kv, options.deterministic" in gqa["bwd_only.cu"]
+    device = gqa[str(c.DEVICE_BWD)]
+    assert c.SCHEDULER_ANCHOR not in device
+    assert "TileSchedulerBwdAdapter<flash_epilogue::cutlass_fmha::TicketTileScheduler>" in device
+    assert "{ dK_accum, dV_accum, kv_heads(args), semaphores }" in device
+    assert "fe_op.tile_scheduler.ticket = params.ticket;" in device and "params.op.run(stream)" not in device
+    assert "Epilogue::num_semaphores(" in device and "sync_ints(args) * sizeof(int)" in device
+
+
+def test_gqa_cases_run_both_modes(example):
+    c = check()
+    cases = c.gqa_cases()
+    assert {case["mode"] for case in cases} == {"atomic", "deterministic"}
+    for mode in c.GQA_MODES:
+        of_mode = [case for case in cases if case["mode"] == mode]
+        assert {case["h"] // case["h_kv"] for case in of_mode} == {1, 2, 4, 8}
+        assert {case["d"] for case in of_mode} == set(c.KERNEL_HDIMS)
+        assert {case["mask"] for case in of_mode} == {"no", "causal"}
+    assert len({case["name"] for case in cases}) == len(cases)
+    assert c.GQA_REPEATS >= 3
+
+
+def test_a_kernel_that_builds_its_scheduler_late_is_refused(example, tmp_path):
+    c = check()
+    copy = tmp_path / "88_hopper_fmha"
+    shutil.copytree(example / c.EXAMPLE, copy)
+    kernel = copy / c.KERNEL
+    text = kernel.read_text()
+    assert c.check_ticket_scheduler(text) is None
+    late = text.replace(c.SCHEDULER_CONSTRUCTED, "").replace(
+        "    CollectiveMainloop collective_mainloop;\n",
+        "    CollectiveMainloop collective_mainloop;\n    " + c.SCHEDULER_CONSTRUCTED + "\n")
+    assert late.count(c.SCHEDULER_CONSTRUCTED) == 1
+    kernel.write_text(late)
+    with pytest.raises(c.PatchError, match="TicketTileScheduler"):
+        c.patched_sources(copy)
 
 
 def test_a_kernel_whose_epilogues_overlap_is_refused(example, tmp_path):

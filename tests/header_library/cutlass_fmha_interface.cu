@@ -3,7 +3,9 @@
 // scripts/cutlass_fmha_check.py patched; nothing runs). For each of the example's backward tiles:
 //   1. the swapped device layer's Epilogue is the adapter;
 //   2. the kernel's shared memory is no larger than with the example's own FmhaBwdEpilogueKV;
-//   3. the adapter's call, as the kernel makes it, compiles for the device.
+//   3. the adapter's call, as the kernel makes it, compiles for the device;
+//   4. the GQA build's deterministic path (TicketTileScheduler as the kernel constructs it, EpilogueBwdKVGQA's
+//      ordered adds with semaphores, their host set-up) compiles, and keeps the kernel's shared memory.
 // Tiles 64x128x32 and 64x128x128 (CI's compile, under a minute on 2 cores); FE_ALL_TILES adds the other three.
 
 #include <type_traits>
@@ -73,3 +75,59 @@ void* kernels[] = {reinterpret_cast<void*>(&call_the_epilogue<Shape<_64, _128, _
                    reinterpret_cast<void*>(&call_the_epilogue<Shape<_128, _128, _32>>),
 #endif
                    reinterpret_cast<void*>(&call_the_epilogue<Shape<_64, _128, _128>>)};
+
+// 4. The GQA build's kernel parts (scripts/cutlass_fmha_check.py's `gqa` copy names them in its device layer): the
+// ticket scheduler, constructed by every thread first thing as FmhaKernelTmaWarpSpecialized does, and the GQA
+// epilogue's call on the tile the scheduler hands out, in deterministic mode when the params carry semaphores.
+using TicketScheduler =
+    cutlass::fmha::kernel::TileSchedulerBwdAdapter<flash_epilogue::cutlass_fmha::TicketTileScheduler>;
+
+template <class TileShape>
+struct Gqa {
+  using Mainloop = typename Swapped<TileShape>::Mainloop;
+  using Epilogue =
+      flash_epilogue::cutlass_fmha::EpilogueBwdKVGQA<cutlass::half_t, float, typename Mainloop::TileShapePV>;
+  using Kernel = cutlass::fmha::kernel::FmhaKernelTmaWarpSpecialized<Mainloop, Epilogue, TicketScheduler>;
+  static_assert(sizeof(typename Kernel::SharedStorage) <=
+                    sizeof(typename Swapped<TileShape>::KernelTheirs::SharedStorage),
+                "the GQA epilogue grows the kernel's shared memory");
+
+  // The device layer's set-up of the deterministic mode: semaphores after both accumulators, the ticket after them.
+  static typename Kernel::Params params(cute::tuple<int, int, int, int, int> problem, int h_kv, float* workspace) {
+    auto const elems = Epilogue::Layout::of(problem, h_kv).elems;
+    int* const semaphores = reinterpret_cast<int*>(workspace + 2 * elems);
+    typename Epilogue::Arguments const args{workspace, workspace + elems, h_kv, semaphores};
+    typename Kernel::Params params;
+    params.epilogue = Epilogue::to_underlying_arguments(problem, args);
+    params.tile_scheduler = TicketScheduler::to_underlying_arguments(problem, cutlass::KernelHardwareInfo{},
+                                                                     typename Mainloop::ClusterShape{}, TileShape{});
+    params.tile_scheduler.ticket = semaphores + Epilogue::num_semaphores(problem, h_kv);
+    return params;
+  }
+};
+
+template <class TileShape>
+__global__ void call_the_gqa_epilogue(typename Gqa<TileShape>::Kernel::Params const params) {
+  using G = Gqa<TileShape>;
+  using Mainloop = typename G::Mainloop;
+  extern __shared__ char smem[];
+  TicketScheduler scheduler{params.tile_scheduler};
+  auto& storage = *reinterpret_cast<typename G::Kernel::SharedStorage*>(smem);
+  typename Mainloop::TiledMmaPV tiled_mma;
+  auto thread_mma = tiled_mma.get_slice(threadIdx.x % cutlass::NumThreadsPerWarpGroup);
+  auto acc_dk = partition_fragment_C(thread_mma, select<0, 1>(typename Mainloop::TileShapePV{}));
+  auto acc_dv = partition_fragment_C(thread_mma, select<0, 1>(typename Mainloop::TileShapePV{}));
+  fill(acc_dk, 1.0f);
+  fill(acc_dv, 2.0f);
+  int const wg = threadIdx.x / cutlass::NumThreadsPerWarpGroup;
+  auto wg_coord = scheduler.get_block_coord();
+  get<1>(wg_coord) = 2 * get<1>(wg_coord) + wg;  // as the kernel does
+  typename G::Epilogue::LoadPipeline::Params pipeline_params;
+  typename G::Epilogue::LoadPipeline pipeline(storage.epi_load, pipeline_params);
+  typename G::Epilogue epilogue;
+  epilogue(typename Mainloop::TileShapePV{}, wg_coord, make_tuple(acc_dk, acc_dv), tiled_mma, params.problem_size,
+           params.epilogue, pipeline, storage.tensors.epilogue[wg]);
+}
+
+void* gqa_kernels[] = {reinterpret_cast<void*>(&call_the_gqa_epilogue<Shape<_64, _128, _128>>)};
+auto* gqa_host = &Gqa<Shape<_64, _128, _128>>::params;

@@ -31,9 +31,21 @@
 // round_to_nearest); rows >= K and columns >= D are clipped by TMA in both.
 //
 // GQA (fewer KV heads than query heads; the check's `gqa` build): EpilogueBwdKVGQA adds each query head's
-// fragments into fp32 accumulators of its KV head (CollectiveEpilogueBwdGQA, bulk reduce-add, unordered), and
-// GqaPostprocess converts them to dK/dV after the kernel. The example's grid runs the heads on blockIdx.z with no
-// ticket, so the deterministic mode (whose waits need member g to start after member g - 1) is not offered.
+// fragments into fp32 accumulators of its KV head (CollectiveEpilogueBwdGQA, bulk reduce-add), and GqaPostprocess
+// converts them to dK/dV after the kernel. Two modes:
+//   atomic (Arguments::semaphores null): unordered adds; the sum's rounding depends on the order they land in.
+//   deterministic (semaphores: num_semaphores() zeroed int32 counters): CollectiveEpilogueBwdGQA's ordered mode,
+//     one counter per (64-row tile, KV head, batch) and accumulator; the group's member g = h % G waits until its
+//     tile's counter reaches g, adds, and releases it to g + 1, so the adds land in head order and dK/dV are the
+//     same bits on every run.
+// Forward progress of the deterministic mode: member g - 1 of a tile is query head h - 1, a CTA of lower blockIdx.z
+// and so of lower linear block index. It runs while member g waits if CTAs start in increasing linear block index,
+// which is what the hardware does with a non-persistent grid (FA3's deterministic backward relies on the same for
+// its non-persistent schedulers), but that is a property of the dispatcher, not something CUDA promises. The
+// kernel therefore takes its tiles from TicketTileScheduler: each CTA draws a ticket from a global counter when it
+// starts and works on the tile the ticket names in linear block order. A CTA that holds ticket t is running, so
+// are the holders of every lower ticket, and every wait is on a lower ticket's tile: the waits end whatever order
+// CTAs start in.
 //
 // Shared memory: one 64 x D fp16 tile per tensor per warpgroup (the example's own TMA epilogue stages 64 x 32
 // subtiles). Both warpgroups' storage together is 2 * 2 * 64 * D * 2 bytes, the size of the mainloop's K/V stages
@@ -47,6 +59,8 @@
 #include <cute/tensor.hpp>
 #include <cutlass/arch/arch.h>
 #include <cutlass/cutlass.h>
+#include <cutlass/fast_math.h>
+#include <cutlass/kernel_hardware_info.h>
 #include <cutlass/pipeline/pipeline.hpp>
 
 #include "flash_epilogue/epilogue_bwd.h"
@@ -173,6 +187,7 @@ struct EpilogueBwdKVGQA {
     float* ptr_dK_accum;  // AccumLayout::of(problem_size, num_heads_kv).elems floats each, zeroed
     float* ptr_dV_accum;
     int num_heads_kv;
+    int* semaphores = nullptr;  // deterministic: num_semaphores(problem_size, num_heads_kv) zeroed int32; null: atomic
   };
   using Params = typename Collective::Params;
   using TensorStorage = typename Collective::TensorStorage;  // 64 x kHeadDim floats: EpilogueBwdKV's size
@@ -180,11 +195,27 @@ struct EpilogueBwdKVGQA {
   using PipelineStorage = typename LoadPipeline::SharedStorage;
   static constexpr int TmaTransactionBytes = 0;
 
+  // The semaphores are the collective's counters in its kPaddedTile order: dK's, then as many for dV.
   template <class ProblemShape>
   static typename Collective::Arguments collective_arguments(ProblemShape const& problem_size, Arguments const& args) {
     Layout const layout = Layout::of(problem_size, args.num_heads_kv > 0 ? args.num_heads_kv : 1);
-    return {args.ptr_dK_accum, args.ptr_dV_accum, layout.stride_head, layout.stride_batch, layout.num_tiles,
-            cute::get<0>(problem_size), cute::get<1>(problem_size), args.num_heads_kv, cute::get<3>(problem_size)};
+    typename Collective::Arguments out{args.ptr_dK_accum, args.ptr_dV_accum, layout.stride_head,
+                                       layout.stride_batch, layout.num_tiles, cute::get<0>(problem_size),
+                                       cute::get<1>(problem_size), args.num_heads_kv, cute::get<3>(problem_size)};
+    if (args.semaphores != nullptr) {
+      int64_t const count = Collective::semaphore_count(out);
+      out.dk_semaphores = args.semaphores;
+      out.dv_semaphores = args.semaphores + count;
+      out.num_semaphores = count;
+    }
+    return out;
+  }
+
+  // The int32 counters the deterministic mode needs (both accumulators'); zero them before each launch.
+  template <class ProblemShape>
+  static int64_t num_semaphores(ProblemShape const& problem_size, int num_heads_kv) {
+    Arguments const shape_only{nullptr, nullptr, num_heads_kv};
+    return 2 * Collective::semaphore_count(collective_arguments(problem_size, shape_only));
   }
 
   template <class ProblemShape>
@@ -202,7 +233,8 @@ struct EpilogueBwdKVGQA {
     return Collective::to_underlying_arguments(collective_arguments(problem_size, args));
   }
 
-  // wg_coord = (_, 64-row block, (b, query head)); the collective finds the KV head.
+  // wg_coord = (_, 64-row block, (b, query head)); the collective finds the KV head. Deterministic: waits for the
+  // group's previous query head to have added this tile (the kernel must take its tiles from TicketTileScheduler).
   template <class TileShape, class BlkCoord, class ResultTuple, class TiledMma, class ProblemShape>
   CUTLASS_DEVICE void operator()(TileShape const&, BlkCoord const& wg_coord, ResultTuple const& result,
                                  TiledMma const& tiled_mma, ProblemShape const&, Params const& params, LoadPipeline,
@@ -284,5 +316,66 @@ cudaError_t GqaPostprocess<Element, TileShape_WG, TiledMma, BarrierId>::run(Para
   kernel<<<params.grid, kNumThreads, smem, stream>>>(params);
   return cudaGetLastError();
 }
+
+// The example's IndividualTileScheduler (one tile per CTA, grid (ceil(rows / tile), B, H); the example wraps it in
+// TileSchedulerBwdAdapter) with a ticket for the deterministic GQA mode. Where Params::ticket points to a zeroed
+// int32, each CTA draws the next ticket when it starts and works on the tile that the ticket's value is the linear
+// block index of (x fastest, then batch, then head): tickets follow the order CTAs start in, whatever order the
+// hardware dispatches them in. With ticket null the tile is blockIdx's, as IndividualTileScheduler's.
+//
+// Requirement on the kernel: every thread of the CTA constructs the scheduler, before the kernel touches its dynamic
+// shared memory: the ticket is passed to the CTA's threads through the first 4 bytes of it, between two
+// __syncthreads. FmhaKernelTmaWarpSpecialized constructs it first thing, before its pipelines' initialisation (the
+// check refuses a checkout where it no longer does).
+struct TicketTileScheduler {
+  struct Params {
+    dim3 grid;
+    int* ticket = nullptr;  // zeroed before each launch; null: blockIdx
+  };
+
+  bool valid_ = true;
+  unsigned int m_block_;
+  unsigned int bidb_;
+  unsigned int bidh_;
+
+  CUTLASS_DEVICE explicit TicketTileScheduler(Params const& params) {
+    if (params.ticket == nullptr) {  // uniform over the grid
+      m_block_ = blockIdx.x;
+      bidb_ = blockIdx.y;
+      bidh_ = blockIdx.z;
+      return;
+    }
+    extern __shared__ int fe_ticket_smem[];  // the kernel's dynamic shared memory, not yet in use
+    if (threadIdx.x == 0 && threadIdx.y == 0 && threadIdx.z == 0) { fe_ticket_smem[0] = atomicAdd(params.ticket, 1); }
+    __syncthreads();
+    unsigned int const ticket = static_cast<unsigned int>(fe_ticket_smem[0]);
+    __syncthreads();  // every thread has read it before the kernel's own use of the word
+    m_block_ = ticket % params.grid.x;
+    bidb_ = ticket / params.grid.x % params.grid.y;
+    bidh_ = ticket / (params.grid.x * params.grid.y);
+  }
+
+  template <class ProblemSize, class ClusterShape, class TileShape>
+  static Params to_underlying_arguments(ProblemSize const& problem_size, cutlass::KernelHardwareInfo,
+                                        ClusterShape const& cluster_shape, TileShape const& tile_shape) {
+    int const blocks = cute::ceil_div(int(cute::size<2>(problem_size)), int(cute::size<0>(tile_shape)));
+    dim3 const grid(cutlass::round_up(blocks, int(cute::size<0>(cluster_shape))), cute::size<0>(problem_size),
+                    cute::size<1>(problem_size));
+    return Params{grid};
+  }
+
+  static dim3 get_grid_shape(Params const& params) { return params.grid; }
+
+  CUTLASS_DEVICE bool is_valid() { return valid_; }
+
+  CUTLASS_DEVICE auto get_block_coord() {
+    return cute::make_coord(m_block_, cute::_0{}, cute::make_coord(bidb_, bidh_));
+  }
+
+  CUTLASS_DEVICE TicketTileScheduler& operator++() {
+    valid_ = false;
+    return *this;
+  }
+};
 
 }  // namespace flash_epilogue::cutlass_fmha
