@@ -590,7 +590,11 @@ def run_gqa_cases(work, all_cases, repeats=GQA_REPEATS, timeout=60):
             continue
         if c["mode"] == "deterministic":
             dumps = [work / "dumps" / c["name"] / f"run{i}" for i in range(repeats)]
-            runs = [run_example(binary, c, i == 0, 1, dumps[i], timeout=timeout) for i in range(repeats)]
+            runs = []
+            for i in range(repeats):
+                runs.append(run_example(binary, c, i == 0, 1, dumps[i], timeout=timeout))
+                if runs[-1]["rc"] == -1:  # timed out: the repeats would too
+                    break
         else:
             runs = [run_example(binary, c, True, 1, timeout=timeout)]
         first = runs[0]
