@@ -544,11 +544,13 @@ def build_all(cmds, trees, jobs, work):
 # ---------------------------------------------------------------- run
 
 def cases(dims):
-    """The verified cases: (b, h, q, k) per mask; causal takes q a multiple of 128 (the example's causal backward
-    visits q / BlockQO query tiles, rounding down), the others ragged q and k too."""
+    """The verified cases: (b, h, q, k) per mask; the others take ragged q and k, causal takes q a multiple of 128
+    (the example's causal backward visits q / BlockQO query tiles, rounding down) and k < q + 128: where k passes q
+    by 256 or more its causal backward does not end, with either epilogue (seen on the H100 at q 512, k 768, 777
+    and 1024)."""
     shapes = {"no": [(2, 4, 1024, 1024), (1, 3, 1000, 1000), (2, 2, 512, 777), (2, 2, 256, 40)],
               "residual": [(2, 4, 1024, 1024), (1, 3, 1000, 1000), (2, 2, 512, 777), (2, 2, 256, 40)],
-              "causal": [(2, 4, 1024, 1024), (1, 3, 1024, 1000), (2, 2, 512, 777), (1, 2, 256, 40)]}
+              "causal": [(2, 4, 1024, 1024), (1, 3, 1024, 1000), (2, 2, 512, 600), (1, 2, 256, 40)]}
     out = []
     for d in dims:
         for mask in MASKS:
@@ -569,7 +571,7 @@ GQA_REPEATS = 3  # processes per deterministic case, whose dK/dV must be the sam
 def gqa_cases():
     """The `gqa` build's cases: groups 1, 2, 4 and 8 (h_kv = h / group), head dims 32, 64 and 128, masks no and
     causal, ragged k; each in both modes."""
-    shapes = [(2, 8, 4, 512, 512), (1, 8, 2, 1024, 777), (2, 8, 1, 256, 1000), (1, 4, 4, 512, 300)]
+    shapes = [(2, 8, 4, 512, 512), (1, 8, 2, 1024, 777), (2, 8, 1, 256, 333), (1, 4, 4, 512, 300)]
     return [dict(name=f"gqa_{mode}_d{d}_{mask}_b{b}h{h}hkv{hkv}q{q}k{k}", mode=mode, d=d, mask=mask, b=b, h=h,
                  h_kv=hkv, q=q, k=k)
             for mode in GQA_MODES for d in KERNEL_HDIMS for mask in ("no", "causal") for b, h, hkv, q, k in shapes]
@@ -630,7 +632,7 @@ RESULT = re.compile(r"^\s*\[(OK|FAIL|--)\]\s+(.*?)\s*:\s*(\S+) TFLOPS/s")
 TIME = re.compile(r"t=([0-9.eE+-]+)ms")
 
 
-def run_example(binary, case, verify, iterations, dump_dir=None, timeout=300):
+def run_example(binary, case, verify, iterations, dump_dir=None, timeout=60):
     """One process: {tile: {status, verified, ms}} from the example's output, and the output."""
     args = [str(binary), "--bwd", "--verbose", f"--iterations={iterations}", f"--b={case['b']}", f"--h={case['h']}",
             f"--q={case['q']}", f"--k={case['k']}", f"--d={case['d']}", f"--mask={case['mask']}"]
@@ -759,7 +761,8 @@ def main():
     ap.add_argument("--dims", default="32,64,96,128", help="head dims of the verified cases")
     ap.add_argument("--iterations", type=int, default=20, help="timed runs per process")
     ap.add_argument("--repeats", type=int, default=5, help="timing processes per build and case")
-    ap.add_argument("--max-ratio", type=float, default=1.01, help="ours / orig backward time allowed (the median of --repeats processes)")
+    ap.add_argument("--max-ratio", type=float, default=1.01,
+                    help="ours / orig backward time allowed (medians of --repeats processes)")
     ap.add_argument("--no-timing", action="store_true")
     ap.add_argument("--gqa", action="store_true", help="also build and verify the GQA build (fewer K/V heads)")
     ap.add_argument("--gqa-only", action="store_true", help="build and verify the GQA build alone")

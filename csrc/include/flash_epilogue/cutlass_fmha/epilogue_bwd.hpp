@@ -68,6 +68,16 @@
 
 namespace flash_epilogue::cutlass_fmha {
 
+// The calling thread's index in its warpgroup, read from %tid.x at the call. The kernel calls its epilogue inside
+// its tile loop, after the mainloop: a plain threadIdx.x lets the compiler compute the index (and the shared-memory
+// offsets that follow from it) before the loop and keep them live across the whole mainloop, which costs that
+// loop register spills (a volatile read cannot be moved out of the call).
+CUTLASS_DEVICE int thread_idx_in_warpgroup() {
+  uint32_t tid;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
+  return int(tid % cutlass::NumThreadsPerWarpGroup);
+}
+
 // Element: the 16-bit output type; ElementAccumulator: float; TileShape_WG: the mainloop's TileShapePV,
 // (64 KV rows of one warpgroup, D, BlockQO).
 template <class Element_, class ElementAccumulator, class TileShape_WG, int BarrierId = kDefaultEpilogueBarrierId>
@@ -145,7 +155,7 @@ struct EpilogueBwdKV {
     auto& collective_storage = *reinterpret_cast<typename Collective::TensorStorage*>(storage.bytes);
     assert(cute::cast_smem_ptr_to_uint(storage.bytes) % Collective::SmemAlignmentdKV == 0);
     Collective{}.store(params, cute::get<0>(result), cute::get<1>(result), collective_storage, tiled_mma,
-                       int(threadIdx.x) % kNumThreads, block_coord);
+                       thread_idx_in_warpgroup(), block_coord);
   }
 };
 
@@ -242,7 +252,7 @@ struct EpilogueBwdKVGQA {
     auto const block_coord = cute::make_tuple(int32_t(cute::get<1>(wg_coord)), int32_t(cute::get<2, 1>(wg_coord)),
                                               int32_t(cute::get<2, 0>(wg_coord)));
     Collective{}.store(params, cute::get<0>(result), cute::get<1>(result), storage, tiled_mma,
-                       int(threadIdx.x) % kNumThreads, block_coord);
+                       thread_idx_in_warpgroup(), block_coord);
   }
 };
 
