@@ -42,6 +42,14 @@ def example():
     return root
 
 
+@pytest.fixture
+def example_copy(example, tmp_path):
+    """A copy of the wheel's example 88, to break."""
+    copy = tmp_path / "88_hopper_fmha"
+    shutil.copytree(example / check().EXAMPLE, copy)
+    return copy
+
+
 def test_the_patches_apply_to_the_wheels_example(example):
     c = check()
     sources = c.patched_sources(example / c.EXAMPLE)
@@ -85,10 +93,19 @@ def test_gqa_cases_run_both_modes(example):
     assert c.GQA_REPEATS >= 3
 
 
-def test_a_kernel_that_builds_its_scheduler_late_is_refused(example, tmp_path):
+def test_causal_cases_stay_where_the_example_ends():
+    """Example 88's causal backward does not end when k passes q by two 128-row tiles (either epilogue), and it
+    visits q / 128 query tiles rounding down: every causal case keeps q a multiple of 128 and k < q + 128."""
     c = check()
-    copy = tmp_path / "88_hopper_fmha"
-    shutil.copytree(example / c.EXAMPLE, copy)
+    causal = [case for case in c.cases([32, 64, 96, 128]) + c.gqa_cases() if case["mask"] == "causal"]
+    assert causal
+    for case in causal:
+        assert case["q"] % 128 == 0 and case["k"] < case["q"] + 128, case["name"]
+    assert any(case["k"] % 64 for case in causal)  # ragged k still covered
+
+
+def test_a_kernel_that_builds_its_scheduler_late_is_refused(example_copy):
+    c, copy = check(), example_copy
     kernel = copy / c.KERNEL
     text = kernel.read_text()
     assert c.check_ticket_scheduler(text) is None
@@ -101,10 +118,8 @@ def test_a_kernel_that_builds_its_scheduler_late_is_refused(example, tmp_path):
         c.patched_sources(copy)
 
 
-def test_a_kernel_whose_epilogues_overlap_is_refused(example, tmp_path):
-    c = check()
-    copy = tmp_path / "88_hopper_fmha"
-    shutil.copytree(example / c.EXAMPLE, copy)
+def test_a_kernel_whose_epilogues_overlap_is_refused(example_copy):
+    c, copy = check(), example_copy
     kernel = copy / c.KERNEL
     text = kernel.read_text()
     assert c.check_serialised(text) is None
@@ -113,10 +128,8 @@ def test_a_kernel_whose_epilogues_overlap_is_refused(example, tmp_path):
         c.patched_sources(copy)
 
 
-def test_a_missing_anchor_is_named(example, tmp_path):
-    c = check()
-    copy = tmp_path / "88_hopper_fmha"
-    shutil.copytree(example / c.EXAMPLE, copy)
+def test_a_missing_anchor_is_named(example_copy):
+    c, copy = check(), example_copy
     device = copy / c.DEVICE_BWD
     device.write_text(device.read_text().replace("FmhaBwdEpilogueKV<Element,", "FmhaBwdEpilogueKV< Element,"))
     with pytest.raises(c.PatchError, match="using Epilogue = cutlass::fmha::collective::FmhaBwdEpilogueKV"):

@@ -41,6 +41,19 @@ static_assert(Swapped<Shape<_128, _128, _32>>::kChecked);
 static_assert(Swapped<Shape<_64, _128, _64>>::kChecked && Swapped<Shape<_128, _128, _64>>::kChecked);
 #endif
 
+// Each MMA warpgroup's dK/dV fragments of the mainloop's TiledMmaPV, as the mainloop hands them over (filled with
+// 1 and 2), and the TiledMma.
+template <class Mainloop>
+__device__ auto warpgroup_fragments() {
+  typename Mainloop::TiledMmaPV tiled_mma;
+  auto thread_mma = tiled_mma.get_slice(threadIdx.x % cutlass::NumThreadsPerWarpGroup);
+  auto acc_dk = partition_fragment_C(thread_mma, select<0, 1>(typename Mainloop::TileShapePV{}));
+  auto acc_dv = partition_fragment_C(thread_mma, select<0, 1>(typename Mainloop::TileShapePV{}));
+  fill(acc_dk, 1.0f);
+  fill(acc_dv, 2.0f);
+  return make_tuple(tiled_mma, make_tuple(acc_dk, acc_dv));
+}
+
 // 3. The adapter's call as the kernel makes it (FmhaKernelTmaWarpSpecialized::operator(): each MMA warpgroup's
 // fragments of the mainloop's TiledMmaPV, wg_coord, epilogue[warpgroup]), for the device. The whole kernels
 // compile in scripts/cutlass_fmha_check.py --build-only (minutes).
@@ -52,18 +65,13 @@ __global__ void call_the_epilogue(typename Swapped<TileShape>::Ours::Params cons
   using Kernel = typename S::Kernel;
   extern __shared__ char smem[];
   auto& storage = *reinterpret_cast<typename Kernel::SharedStorage*>(smem);
-  typename Mainloop::TiledMmaPV tiled_mma;
-  auto thread_mma = tiled_mma.get_slice(threadIdx.x % cutlass::NumThreadsPerWarpGroup);
-  auto acc_dk = partition_fragment_C(thread_mma, select<0, 1>(typename Mainloop::TileShapePV{}));
-  auto acc_dv = partition_fragment_C(thread_mma, select<0, 1>(typename Mainloop::TileShapePV{}));
-  fill(acc_dk, 1.0f);
-  fill(acc_dv, 2.0f);
+  auto [tiled_mma, result] = warpgroup_fragments<Mainloop>();
   int const wg = threadIdx.x / cutlass::NumThreadsPerWarpGroup;
   auto wg_coord = make_coord(_0{}, 2 * kv_block + wg, make_coord(batch, head));  // the scheduler's, per warpgroup
   typename S::Ours::LoadPipeline::Params pipeline_params;
   typename S::Ours::LoadPipeline pipeline(storage.epi_load, pipeline_params);
   typename S::Ours epilogue;
-  epilogue(typename Mainloop::TileShapePV{}, wg_coord, make_tuple(acc_dk, acc_dv), tiled_mma,
+  epilogue(typename Mainloop::TileShapePV{}, wg_coord, result, tiled_mma,
            make_tuple(batch + 1, head + 1, 128, 128, int(get<2>(TileShape{}))), params, pipeline,
            storage.tensors.epilogue[wg]);
 }
@@ -113,19 +121,14 @@ __global__ void call_the_gqa_epilogue(typename Gqa<TileShape>::Kernel::Params co
   extern __shared__ char smem[];
   TicketScheduler scheduler{params.tile_scheduler};
   auto& storage = *reinterpret_cast<typename G::Kernel::SharedStorage*>(smem);
-  typename Mainloop::TiledMmaPV tiled_mma;
-  auto thread_mma = tiled_mma.get_slice(threadIdx.x % cutlass::NumThreadsPerWarpGroup);
-  auto acc_dk = partition_fragment_C(thread_mma, select<0, 1>(typename Mainloop::TileShapePV{}));
-  auto acc_dv = partition_fragment_C(thread_mma, select<0, 1>(typename Mainloop::TileShapePV{}));
-  fill(acc_dk, 1.0f);
-  fill(acc_dv, 2.0f);
+  auto [tiled_mma, result] = warpgroup_fragments<Mainloop>();
   int const wg = threadIdx.x / cutlass::NumThreadsPerWarpGroup;
   auto wg_coord = scheduler.get_block_coord();
   get<1>(wg_coord) = 2 * get<1>(wg_coord) + wg;  // as the kernel does
   typename G::Epilogue::LoadPipeline::Params pipeline_params;
   typename G::Epilogue::LoadPipeline pipeline(storage.epi_load, pipeline_params);
   typename G::Epilogue epilogue;
-  epilogue(typename Mainloop::TileShapePV{}, wg_coord, make_tuple(acc_dk, acc_dv), tiled_mma, params.problem_size,
+  epilogue(typename Mainloop::TileShapePV{}, wg_coord, result, tiled_mma, params.problem_size,
            params.epilogue, pipeline, storage.tensors.epilogue[wg]);
 }
 

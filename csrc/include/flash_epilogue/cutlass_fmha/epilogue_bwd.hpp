@@ -78,6 +78,23 @@ CUTLASS_DEVICE int thread_idx_in_warpgroup() {
   return int(tid % cutlass::NumThreadsPerWarpGroup);
 }
 
+// (n_block, head, batch) of the kernel's per-warpgroup coordinate (_, 64-row block, (b, h)).
+template <class BlkCoord>
+CUTLASS_DEVICE cute::tuple<int32_t, int32_t, int32_t> block_coord_of(BlkCoord const& wg_coord) {
+  return {int32_t(cute::get<1>(wg_coord)), int32_t(cute::get<2, 1>(wg_coord)), int32_t(cute::get<2, 0>(wg_coord))};
+}
+
+// An adapter's collective Params for the problem; throws std::invalid_argument with the adapter's name and its
+// can_implement reason rather than encode TMA descriptors the collective cannot run.
+template <class Adapter, class ProblemShape>
+typename Adapter::Params checked_params(char const* adapter, ProblemShape const& problem_size,
+                                        typename Adapter::Arguments const& args) {
+  if (char const* why = Adapter::can_implement(problem_size, args)) {
+    throw std::invalid_argument(std::string("flash_epilogue::cutlass_fmha::") + adapter + ": " + why);
+  }
+  return Adapter::Collective::to_underlying_arguments(Adapter::collective_arguments(problem_size, args));
+}
+
 // Element: the 16-bit output type; ElementAccumulator: float; TileShape_WG: the mainloop's TileShapePV,
 // (64 KV rows of one warpgroup, D, BlockQO).
 template <class Element_, class ElementAccumulator, class TileShape_WG, int BarrierId = kDefaultEpilogueBarrierId>
@@ -135,14 +152,11 @@ struct EpilogueBwdKV {
     return Collective::can_implement(collective_arguments(problem_size, args));
   }
 
-  // Throws std::invalid_argument with can_implement's reason rather than encode TMA descriptors it cannot run.
+  // Throws std::invalid_argument with can_implement's reason (checked_params).
   template <class ProblemShape>
   static Params to_underlying_arguments(ProblemShape const& problem_size, Arguments const& args,
                                         void* /*workspace*/ = nullptr) {
-    if (char const* why = can_implement(problem_size, args)) {
-      throw std::invalid_argument(std::string("flash_epilogue::cutlass_fmha::EpilogueBwdKV: ") + why);
-    }
-    return Collective::to_underlying_arguments(collective_arguments(problem_size, args));
+    return checked_params<EpilogueBwdKV>("EpilogueBwdKV", problem_size, args);
   }
 
   // Called by each MMA warpgroup with wg_coord = (_, 64-row block, (b, h)) and result = (dK, dV) fragments.
@@ -150,12 +164,10 @@ struct EpilogueBwdKV {
   CUTLASS_DEVICE void operator()(TileShape const&, BlkCoord const& wg_coord, ResultTuple const& result,
                                  TiledMma const& tiled_mma, ProblemShape const&, Params const& params, LoadPipeline,
                                  TensorStorage& storage) const {
-    auto const block_coord = cute::make_tuple(int32_t(cute::get<1>(wg_coord)), int32_t(cute::get<2, 1>(wg_coord)),
-                                              int32_t(cute::get<2, 0>(wg_coord)));  // (n_block, head, batch)
     auto& collective_storage = *reinterpret_cast<typename Collective::TensorStorage*>(storage.bytes);
     assert(cute::cast_smem_ptr_to_uint(storage.bytes) % Collective::SmemAlignmentdKV == 0);
     Collective{}.store(params, cute::get<0>(result), cute::get<1>(result), collective_storage, tiled_mma,
-                       thread_idx_in_warpgroup(), block_coord);
+                       thread_idx_in_warpgroup(), block_coord_of(wg_coord));
   }
 };
 
@@ -237,10 +249,7 @@ struct EpilogueBwdKVGQA {
   template <class ProblemShape>
   static Params to_underlying_arguments(ProblemShape const& problem_size, Arguments const& args,
                                         void* /*workspace*/ = nullptr) {
-    if (char const* why = can_implement(problem_size, args)) {
-      throw std::invalid_argument(std::string("flash_epilogue::cutlass_fmha::EpilogueBwdKVGQA: ") + why);
-    }
-    return Collective::to_underlying_arguments(collective_arguments(problem_size, args));
+    return checked_params<EpilogueBwdKVGQA>("EpilogueBwdKVGQA", problem_size, args);
   }
 
   // wg_coord = (_, 64-row block, (b, query head)); the collective finds the KV head. Deterministic: waits for the
@@ -249,10 +258,8 @@ struct EpilogueBwdKVGQA {
   CUTLASS_DEVICE void operator()(TileShape const&, BlkCoord const& wg_coord, ResultTuple const& result,
                                  TiledMma const& tiled_mma, ProblemShape const&, Params const& params, LoadPipeline,
                                  TensorStorage& storage) const {
-    auto const block_coord = cute::make_tuple(int32_t(cute::get<1>(wg_coord)), int32_t(cute::get<2, 1>(wg_coord)),
-                                              int32_t(cute::get<2, 0>(wg_coord)));
     Collective{}.store(params, cute::get<0>(result), cute::get<1>(result), storage, tiled_mma,
-                       thread_idx_in_warpgroup(), block_coord);
+                       thread_idx_in_warpgroup(), block_coord_of(wg_coord));
   }
 };
 
