@@ -120,24 +120,24 @@ class PatchError(RuntimeError):
     pass
 
 
-def replace_once(text, anchor, replacement, where, start=0):
-    """text with the one occurrence of anchor at or after `start` replaced; PatchError unless exactly one."""
+def replace_anchor(text, anchor, replacement, where, count=1, start=0):
+    """text with anchor replaced at or after `start`; PatchError unless it occurs there exactly `count` times."""
     n = text.count(anchor, start)
-    if n != 1:
-        raise PatchError(f"{where}: expected the line {anchor.strip()!r} once, found it {n} times: this CUTLASS "
+    if n != count:
+        times = "once" if count == 1 else f"{count} times"
+        raise PatchError(f"{where}: expected the line {anchor.strip()!r} {times}, found it {n} times: this CUTLASS "
                          "checkout's example 88 differs from the one the check knows")
-    i = text.index(anchor, start)
-    return text[:i] + replacement + text[i + len(anchor):]
+    return text[:start] + text[start:].replace(anchor, replacement)
 
 
 def patch_runner(text):
     """The runner as bwd_only.cu: backward only, FE_BWD_HDIM, the dK/dV dump."""
     for anchor, replacement in runner_patches():
-        text = replace_once(text, anchor, replacement, RUNNER)
+        text = replace_anchor(text, anchor, replacement, RUNNER)
     start = text.find("struct BwdRunner {")
     if start < 0:
         raise PatchError(f"{RUNNER}: no `struct BwdRunner {{`")
-    text = replace_once(text, VERIFY_ANCHOR, DUMP + VERIFY_ANCHOR, f"{RUNNER} (BwdRunner)", start)
+    text = replace_anchor(text, VERIFY_ANCHOR, DUMP + VERIFY_ANCHOR, f"{RUNNER} (BwdRunner)", start=start)
     return PRELUDE + text
 
 
@@ -152,8 +152,8 @@ def check_serialised(kernel_text):
 
 def patch_device_ours(text):
     """device/fmha_device_bwd.hpp storing dK/dV through the adapter."""
-    text = replace_once(text, SWAP_ANCHOR, SWAP, str(DEVICE_BWD))
-    return replace_once(text, INCLUDE_ANCHOR, INCLUDE_ANCHOR + SWAP_INCLUDE, str(DEVICE_BWD))
+    text = replace_anchor(text, SWAP_ANCHOR, SWAP, str(DEVICE_BWD))
+    return replace_anchor(text, INCLUDE_ANCHOR, INCLUDE_ANCHOR + SWAP_INCLUDE, str(DEVICE_BWD))
 
 
 # ---------------------------------------------------------------- the `gqa` build's patches
@@ -317,11 +317,11 @@ GQA_RUNNER_MEMBERS = """
 
 def gqa_runner_patches(text):
     """The runner (already patch_runner's) with --h_kv, --deterministic and the GQA BwdRunner."""
-    text = replace_once(text, "  bool bwd;\n",
+    text = replace_anchor(text, "  bool bwd;\n",
                         "  bool bwd;\n  int h_kv = 0;  // flash_epilogue's check: K/V heads (0: h)\n"
                         "  bool deterministic = false;  // flash_epilogue's check: dK/dV added in head order\n", RUNNER)
     parse = '    bwd = cmd.check_cmd_line_flag("bwd");\n'
-    text = replace_once(text, parse, parse + '    cmd.get_cmd_line_argument("h_kv", h_kv, 0);\n'
+    text = replace_anchor(text, parse, parse + '    cmd.get_cmd_line_argument("h_kv", h_kv, 0);\n'
                         '    deterministic = cmd.check_cmd_line_flag("deterministic");\n', RUNNER)
     start = text.index("struct BwdRunner {")
     where = f"{RUNNER} (BwdRunner)"
@@ -353,16 +353,8 @@ def gqa_runner_patches(text):
              "      std::vector<Element> fe_host(block_dKc.size() + block_dVc.size());\n"
              "      block_dKc.copy_to_host(fe_host.data());\n"
              "      block_dVc.copy_to_host(fe_host.data() + block_dKc.size());\n")]:
-        text = replace_once(text, anchor, replacement, where, start)
+        text = replace_anchor(text, anchor, replacement, where, start=start)
     return text
-
-
-def replace_all(text, anchor, replacement, where, count):
-    """text with anchor replaced; PatchError unless it occurs exactly count times."""
-    if text.count(anchor) != count:
-        raise PatchError(f"{where}: expected the line {anchor.strip()!r} {count} times, found it {text.count(anchor)} "
-                         "times: this CUTLASS checkout's example 88 differs from the one the check knows")
-    return text.replace(anchor, replacement)
 
 
 # TicketTileScheduler's requirement (see the adapter's header): every thread of the CTA constructs the scheduler
@@ -389,7 +381,7 @@ def gqa_sources(example_dir, runner):
     for rel, patches in ((MAINLOOP, MAINLOOP_PATCHES), (DEVICE_BWD, DEVICE_GQA_PATCHES)):
         text = (example_dir / rel).read_text()
         for anchor, replacement, count in patches:
-            text = replace_all(text, anchor, replacement, str(rel), count)
+            text = replace_anchor(text, anchor, replacement, str(rel), count)
         out[str(rel)] = text
     return out
 
@@ -493,7 +485,7 @@ def compile_commands(root, trees, curand, nvcc, work, builds):
         if build != "orig":
             incs.append(INCLUDE)
         for d in KERNEL_HDIMS:
-            binary = work / build / f"ex88_bwd_d{d}"
+            binary = binary_for(work, build, d)
             cmd = [nvcc, *NVCC_FLAGS, f"-DFE_BWD_HDIM={d}", *[f"-I{p}" for p in incs], str(tree / "bwd_only.cu"),
                    "-o", str(binary)]
             cmds[(build, d)] = (cmd, binary)
@@ -679,10 +671,8 @@ def compare_dumps(a, b):
 def run_cases(work, all_cases, iterations):
     reports = []
     for c in all_cases:
-        runs = {}
-        for build in BUILDS:
-            runs[build] = run_example(binary_for(work, build, c["d"]), c, True, iterations,
-                                      work / "dumps" / c["name"] / build)
+        dumps = work / "dumps" / c["name"]
+        runs = {b: run_example(binary_for(work, b, c["d"]), c, True, iterations, dumps / b) for b in BUILDS}
         rep = dict(c, ok=True, kernels={})
         tiles = sorted(set(runs["orig"]["kernels"]) | set(runs["ours"]["kernels"]))
         if not tiles:
@@ -690,7 +680,7 @@ def run_cases(work, all_cases, iterations):
             rep["error"] = {b: runs[b]["output"] for b in BUILDS}
         for tile in tiles:
             k = {b: runs[b]["kernels"].get(tile, dict(status="missing", verified=False)) for b in BUILDS}
-            equal, diff, note = compare_dumps(*(work / "dumps" / c["name"] / b / f"dkv_{tile}.bin" for b in BUILDS))
+            equal, diff, note = compare_dumps(*(dumps / b / f"dkv_{tile}.bin" for b in BUILDS))
             k.update(bitwise_equal=equal, differing_elements=diff)
             if note:
                 k["note"] = note
