@@ -269,7 +269,8 @@ struct EpilogueBwdKVGQA {
 template <class Element, class TileShape_WG, class TiledMma, int BarrierId = kDefaultEpilogueBarrierId>
 struct GqaPostprocess {
   using Accumulate = EpilogueBwdKVGQA<Element, float, TileShape_WG, BarrierId>;
-  using Store = typename EpilogueBwdKV<Element, float, TileShape_WG, BarrierId>::Collective;
+  using Mha = EpilogueBwdKV<Element, float, TileShape_WG, BarrierId>;
+  using Store = typename Mha::Collective;
   using Layout = typename Accumulate::Layout;
   static constexpr int kNumThreads = cutlass::NumThreadsPerWarpGroup;
 
@@ -289,7 +290,6 @@ struct GqaPostprocess {
                                         cute::tuple<int, int, int, cute::_1> const& stride_dV) {
     auto const kv_problem = cute::make_tuple(cute::get<0>(problem_size), num_heads_kv, cute::get<2>(problem_size),
                                              cute::get<3>(problem_size), cute::get<4>(problem_size));
-    using Mha = EpilogueBwdKV<Element, float, TileShape_WG, BarrierId>;
     typename Mha::Arguments const args{ptr_dK, stride_dK, ptr_dV, stride_dV};
     Layout const layout = Layout::of(problem_size, num_heads_kv);
     return {Mha::to_underlying_arguments(kv_problem, args), dk_accum, dv_accum, layout,
