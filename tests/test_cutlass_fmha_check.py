@@ -4,8 +4,9 @@ CI included: the script's patches apply to the example the nvidia-cutlass wheel 
 GQA build's included (both modes), a kernel that no longer serialises its warpgroups' epilogues or builds its tile
 scheduler after touching shared memory is refused, and (where nvcc is) the swapped example compiles:
 tests/header_library/cutlass_fmha_interface.cu (two backward kernels, the shared-memory sizes of all five, and the
-GQA build's deterministic path: ticket scheduler and ordered adds). The whole check (both builds of the backward,
-then runs on an sm_90 GPU, minutes) runs when FLASH_EPILOGUE_CUTLASS_FMHA_CHECK=1."""
+GQA build's deterministic path: ticket scheduler and ordered adds), and its main, run on the CPU, shows each host
+refusal of the adapters with its reason. The whole check (both builds of the backward, then runs on an sm_90 GPU,
+minutes) runs when FLASH_EPILOGUE_CUTLASS_FMHA_CHECK=1."""
 import functools
 import importlib.util
 import os
@@ -139,12 +140,25 @@ def test_a_missing_anchor_is_named(example_copy):
 @pytest.mark.skipif(nvcc() is None, reason="no nvcc")
 @pytest.mark.parametrize("tiles", ["two", pytest.param("all", marks=[pytest.mark.gpu, pytest.mark.slow])])
 def test_the_swapped_example_compiles(example, tmp_path, tiles):
-    """Two of the five tiles in CI (under a minute on 2 cores); all five where the GPU suite runs."""
+    """Two of the five tiles in CI (under a minute on 2 cores); all five where the GPU suite runs. Its main runs the
+    adapters' host checks on the CPU: every refusal names its reason, and to_underlying_arguments throws it."""
     c = check()
     trees = c.prepare(example, tmp_path, {"ours": c.patched_sources(example / c.EXAMPLE)["ours"]})
+    binary = tmp_path / "cutlass_fmha_interface"
     run_checked([nvcc(), "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "--expt-relaxed-constexpr", "-O3",
-                 "-DNDEBUG", *(["-DFE_ALL_TILES"] if tiles == "all" else []), "-c", str(INTERFACE), "-o",
-                 str(tmp_path / "out.o"), f"-I{trees['ours']}", *[f"-I{d}" for d in flash_epilogue.get_include()]])
+                 "-DNDEBUG", *(["-DFE_ALL_TILES"] if tiles == "all" else []), str(INTERFACE), "-o", str(binary),
+                 f"-I{trees['ours']}", *[f"-I{d}" for d in flash_epilogue.get_include()]])
+    lines = run_checked([str(binary)]).stdout.splitlines()
+    cases = [("mha", None), ("mha head dim 100", "head dim must be a multiple of 8 (16-byte vectors)"),
+             ("mha misaligned", "tensor start must be 16-byte aligned"), ("gqa", None),
+             ("gqa no accumulators", "dK and dV accumulators are needed"),
+             ("gqa 3 kv heads of 4", "num_heads_q must be a multiple of num_heads_kv")]
+    want = []
+    for name, why in cases:
+        adapter = "EpilogueBwdKVGQA" if name.startswith("gqa") else "EpilogueBwdKV"
+        want += [f"{name}: {why}", f"{name}: thrown: flash_epilogue::cutlass_fmha::{adapter}: {why}"] if why else \
+            [f"{name}: ok"]
+    assert lines == want
 
 
 @pytest.mark.gpu

@@ -1,13 +1,17 @@
-// Compile-time test of flash_epilogue/cutlass_fmha/epilogue_bwd.hpp inside CUTLASS's example 88
-// (tests/test_cutlass_fmha_check.py compiles this file against a copy of the example that
-// scripts/cutlass_fmha_check.py patched; nothing runs). For each of the example's backward tiles:
+// Test of flash_epilogue/cutlass_fmha/epilogue_bwd.hpp inside CUTLASS's example 88 (tests/test_cutlass_fmha_check.py
+// builds this file against a copy of the example that scripts/cutlass_fmha_check.py patched; no kernel runs, and
+// main runs on the CPU). For each of the example's backward tiles:
 //   1. the swapped device layer's Epilogue is the adapter;
 //   2. the kernel's shared memory is no larger than with the example's own FmhaBwdEpilogueKV;
 //   3. the adapter's call, as the kernel makes it, compiles for the device;
 //   4. the GQA build's deterministic path (TicketTileScheduler as the kernel constructs it, EpilogueBwdKVGQA's
-//      ordered adds with semaphores, their host set-up) compiles, and keeps the kernel's shared memory.
+//      ordered adds with semaphores, their host set-up) compiles, and keeps the kernel's shared memory;
+//   5. (main) the adapters' host checks: each case prints `name: reason` (or `ok`), and to_underlying_arguments
+//      throws std::invalid_argument with the reason.
 // Tiles 64x128x32 and 64x128x128 (CI's compile, under a minute on 2 cores); FE_ALL_TILES adds the other three.
 
+#include <cstdio>
+#include <stdexcept>
 #include <type_traits>
 
 #include "cute/tensor.hpp"
@@ -134,3 +138,36 @@ __global__ void call_the_gqa_epilogue(typename Gqa<TileShape>::Kernel::Params co
 
 void* gqa_kernels[] = {reinterpret_cast<void*>(&call_the_gqa_epilogue<Shape<_64, _128, _128>>)};
 auto* gqa_host = &Gqa<Shape<_64, _128, _128>>::params;
+
+// 5. The host checks, on arguments no kernel is launched with (can_implement reads pointers for their alignment only).
+template <class Adapter, class Problem>
+void refusal(char const* name, Problem const& problem, typename Adapter::Arguments const& args) {
+  char const* why = Adapter::can_implement(problem, args);
+  std::printf("%s: %s\n", name, why ? why : "ok");
+  if (why == nullptr) { return; }
+  try {
+    Adapter::to_underlying_arguments(problem, args);
+    std::printf("%s: not thrown\n", name);
+  } catch (std::invalid_argument const& e) {
+    std::printf("%s: thrown: %s\n", name, e.what());
+  }
+}
+
+int main() {
+  using Mha = Swapped<Shape<_64, _128, _128>>::Ours;
+  using GqaEpilogue = Gqa<Shape<_64, _128, _128>>::Epilogue;
+  alignas(16) static cutlass::half_t out[16];
+  alignas(16) static float accum[16];
+  auto const problem = [](int d) { return make_tuple(2, 4, 128, 128, d); };  // (B, H, Q, K, D)
+  auto const mha = [&](cutlass::half_t* ptr, int d) {
+    cute::tuple<int, int, int, _1> const stride{4 * 128 * d, 128 * d, d, _1{}};
+    return Mha::Arguments{ptr, stride, ptr, stride};
+  };
+  refusal<Mha>("mha", problem(128), mha(out, 128));
+  refusal<Mha>("mha head dim 100", problem(100), mha(out, 100));
+  refusal<Mha>("mha misaligned", problem(128), mha(out + 1, 128));
+  refusal<GqaEpilogue>("gqa", problem(128), {accum, accum, 2});
+  refusal<GqaEpilogue>("gqa no accumulators", problem(128), {nullptr, nullptr, 2});
+  refusal<GqaEpilogue>("gqa 3 kv heads of 4", problem(128), {accum, accum, 3});
+  return 0;
+}
